@@ -1,0 +1,606 @@
+"""Typed, frozen, validated experiment configuration.
+
+A config file is Python: ``configs/retool.py`` defines ``get_config() -> Config``. The
+command line overrides any field with ``--set section.field=value``; the value is
+converted to the field's declared type. Unknown keys, wrong types and impossible
+combinations fail at load time with a :class:`ConfigError` that names the field and
+what is allowed.
+
+Every field carries its documentation in ``metadata["doc"]``; ``describe(Config)``
+prints them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A configuration error; the message names the field and the allowed values."""
+
+
+def _f(default: Any, doc: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("use a tuple or a default_factory for mutable defaults")
+    return field(default=default, metadata={"doc": doc, **kw})
+
+
+def _section(default_factory: Any, doc: str) -> Any:
+    return field(default_factory=default_factory, metadata={"doc": doc})
+
+
+DType = Literal["float32", "bfloat16"]
+
+
+class _Section:
+    """Base of every config section: type checks every field after construction."""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            coerced = _check_type(value, hints[f.name], self._path(f.name))
+            if coerced is not value:
+                object.__setattr__(self, f.name, coerced)
+        self.validate()
+
+    def validate(self) -> None:
+        """Section-level checks; subclasses raise ConfigError naming the field."""
+
+    def _path(self, name: str) -> str:
+        return f"{_SECTION_NAMES.get(type(self).__name__, type(self).__name__)}.{name}"
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_type(value: Any, tp: Any, path: str) -> Any:
+    """Check ``value`` against annotation ``tp``; return it (ints widen to floats)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{path}: got {value!r}; allowed values are {', '.join(map(repr, args))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for a in args:
+            if a is type(None):
+                if value is None:
+                    return value
+                continue
+            try:
+                return _check_type(value, a, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}: {value!r} matches none of {' | '.join(_type_name(a) for a in args)}")
+    if origin is tuple:
+        if not isinstance(value, (tuple, list)):
+            raise ConfigError(f"{path}: expected a tuple, got {type(value).__name__} {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_check_type(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
+        return tuple(_check_type(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(args, value)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a dict, got {type(value).__name__}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a float, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an int, got {type(value).__name__} {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a bool (true/false), got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, tp):
+            raise ConfigError(f"{path}: expected a {tp.__name__} section, got {type(value).__name__}")
+        return value
+    return value
+
+
+def _require(cond: bool, path: str, msg: str) -> None:
+    if not cond:
+        sep = " " if msg.startswith("(") else ": "
+        raise ConfigError(f"{path}{sep}{msg}")
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Section):
+    path: str = _f("", "Local HF checkpoint directory of the policy (config.json + safetensors).")
+    tokenizer_path: str = _f("", "Local HF tokenizer directory; empty: the model path.")
+    reference_path: str = _f("", "Checkpoint of the frozen reference; empty: the initial policy.")
+    compute_dtype: DType = _f("bfloat16", "Activation / matmul dtype.")
+    param_dtype: DType = _f("float32", "Dtype of the trained params (optimizer master copy).")
+    reference_dtype: DType = _f("bfloat16", "Dtype of the frozen reference params.")
+    attention_impl: Literal["auto", "xla", "cudnn"] = _f(
+        "auto", "jax.nn.dot_product_attention implementation; auto lets JAX pick."
+    )
+    remat: Literal["none", "full", "dots_saveable"] = _f("full", "Rematerialization policy per layer.")
+
+
+@dataclass(frozen=True)
+class MeshConfig(_Section):
+    data: int = _f(1, "Size of the data-parallel axis (-1: fill with the remaining devices).")
+    fsdp: int = _f(-1, "Size of the fully-sharded data-parallel axis (-1: fill).")
+    tensor: int = _f(1, "Size of the tensor-parallel axis (-1: fill).")
+
+    def validate(self) -> None:
+        sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        for k, v in sizes.items():
+            _require(v == -1 or v >= 1, self._path(k), f"must be >= 1 or -1 (fill), got {v}")
+        _require(
+            sum(v == -1 for v in sizes.values()) <= 1,
+            "mesh",
+            f"at most one of data/fsdp/tensor may be -1, got {sizes}",
+        )
+
+    def shape(self) -> dict[str, int]:
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+
+@dataclass(frozen=True)
+class RolloutConfig(_Section):
+    max_concurrent: int = _f(64, "Decode slots in the KV cache (trajectories in flight at once).")
+    max_prompt_length: int = _f(1024, "Longest prompt (tokens) the engine prefills.")
+    max_sequence_length: int = _f(4096, "KV-cache length per slot: prompt + all turns + observations.")
+    max_new_tokens_per_turn: int = _f(1024, "Tokens the policy may write in one turn.")
+    temperature: float = _f(1.0, "Sampling temperature; the trainer uses the same one for logprobs.")
+    top_p: float = _f(1.0, "Nucleus sampling threshold (1.0: off).")
+    top_k: int = _f(0, "Top-k sampling (0: off).")
+    steps_per_dispatch: int = _f(8, "Decode steps per jitted call (host stop checks in between).")
+    cache_dtype: DType = _f("bfloat16", "KV-cache dtype.")
+
+    def validate(self) -> None:
+        _require(self.max_concurrent >= 1, self._path("max_concurrent"), "must be >= 1")
+        _require(self.temperature > 0, self._path("temperature"), "must be > 0 for RL (logprobs are tempered)")
+        _require(0 < self.top_p <= 1, self._path("top_p"), f"must be in (0, 1], got {self.top_p}")
+        _require(self.top_k >= 0, self._path("top_k"), "must be >= 0 (0: off)")
+        _require(self.steps_per_dispatch >= 1, self._path("steps_per_dispatch"), "must be >= 1")
+        _require(
+            self.max_prompt_length < self.max_sequence_length,
+            self._path("max_prompt_length"),
+            f"({self.max_prompt_length}) must be < rollout.max_sequence_length ({self.max_sequence_length})",
+        )
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig(_Section):
+    advantage: str = _f("grpo", "Advantage estimator name from the losses registry.")
+    loss: str = _f("ppo", "Policy loss name from the losses registry.")
+    aggregation: Literal[
+        "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+    ] = _f("token-mean", "How per-token losses are reduced.")
+    group_size: int = _f(8, "Samples per prompt (G).")
+    eps_low: float = _f(0.2, "PPO clip: lower bound 1 - eps_low.")
+    eps_high: float = _f(0.28, "PPO clip: upper bound 1 + eps_high (clip-higher, DAPO).")
+    dual_clip: float = _f(0.0, "Dual-clip constant c > 1 for negative advantages (0: off).")
+    kl_coef: float = _f(0.0, "Weight of the KL to the reference (0: no reference forward).")
+    kl_estimator: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator (Schulman's k1/k2/k3).")
+    kl_mode: Literal["loss", "reward"] = _f("loss", "KL as a loss term or folded into the reward.")
+    entropy_coef: float = _f(0.0, "Entropy bonus weight.")
+    ppo_epochs: int = _f(1, "Passes over each batch.")
+    minibatches: int = _f(1, "Optimizer updates per epoch (the batch is split into this many).")
+    micro_batch_size: int = _f(0, "Rows per forward/backward (0: the whole minibatch).")
+    correction: Literal["none", "tis", "mis", "icepop"] = _f(
+        "none", "Off-policy correction of the old/rollout discrepancy (seeds/003)."
+    )
+    correction_level: Literal["token", "sequence"] = _f("token", "Level of the off-policy correction.")
+    correction_cap: float = _f(2.0, "TIS truncation / MIS mask threshold / icepop upper bound.")
+    correction_floor: float = _f(0.5, "icepop lower bound.")
+    dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal and draw more.")
+    max_sampling_rounds: int = _f(3, "Bound on extra draws with dynamic sampling.")
+    loss_normalizer: float = _f(0.0, "Constant for seq-mean-token-sum-norm (0: max response length).")
+
+    def validate(self) -> None:
+        _require(self.group_size >= 1, self._path("group_size"), "must be >= 1")
+        _require(self.eps_low > 0 and self.eps_high > 0, "algorithm.eps_low/eps_high", "must be > 0")
+        _require(self.dual_clip == 0 or self.dual_clip > 1, self._path("dual_clip"), "must be 0 (off) or > 1")
+        _require(self.kl_coef >= 0, self._path("kl_coef"), "must be >= 0")
+        _require(self.ppo_epochs >= 1, self._path("ppo_epochs"), "must be >= 1")
+        _require(self.minibatches >= 1, self._path("minibatches"), "must be >= 1")
+        _require(self.micro_batch_size >= 0, self._path("micro_batch_size"), "must be >= 0")
+        _require(
+            self.correction_floor < 1 < self.correction_cap,
+            "algorithm.correction_floor/correction_cap",
+            f"need floor < 1 < cap, got {self.correction_floor}, {self.correction_cap}",
+        )
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(_Section):
+    learning_rate: float = _f(1e-6, "Peak learning rate (AdamW).")
+    schedule: Literal["constant", "cosine"] = _f("constant", "Decay after warmup.")
+    warmup_steps: int = _f(0, "Linear warmup steps.")
+    min_lr_ratio: float = _f(0.0, "Final lr / peak lr for cosine.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    b1: float = _f(0.9, "Adam beta1.")
+    b2: float = _f(0.999, "Adam beta2.")
+    eps: float = _f(1e-8, "Adam epsilon.")
+    grad_clip: float = _f(1.0, "Global-norm gradient clipping (0: off).")
+
+    def validate(self) -> None:
+        _require(self.learning_rate > 0, self._path("learning_rate"), "must be > 0")
+        _require(self.warmup_steps >= 0, self._path("warmup_steps"), "must be >= 0")
+        _require(0 <= self.min_lr_ratio <= 1, self._path("min_lr_ratio"), "must be in [0, 1]")
+        _require(self.grad_clip >= 0, self._path("grad_clip"), "must be >= 0")
+
+
+@dataclass(frozen=True)
+class DataConfig(_Section):
+    train_path: str = _f("", "Task records (JSONL or Parquet) for RL.")
+    eval_path: str = _f("", "Held-out task records for evaluation.")
+    format: Literal["tasks", "dapo", "aime"] = _f("tasks", "Schema of the task files.")
+    sft_path: str = _f("", "SFT conversations (JSONL/Parquet) for the cold start.")
+    prompts_per_step: int = _f(8, "Prompts drawn per RL step (each sampled group_size times).")
+    shuffle_seed: int = _f(0, "Seed of the per-epoch shuffle.")
+
+    def validate(self) -> None:
+        _require(self.prompts_per_step >= 1, self._path("prompts_per_step"), "must be >= 1")
+
+
+@dataclass(frozen=True)
+class SandboxConfig(_Section):
+    backend: Literal["local", "remote"] = _f("local", "Local fork-server pool or a SandboxFusion server.")
+    url: str = _f("", "SandboxFusion base URL for the remote backend.")
+    workers: int = _f(8, "Concurrent executions.")
+    timeout_s: float = _f(5.0, "Wall-clock limit per execution.")
+    memory_mb: int = _f(1024, "Address-space limit per execution.")
+    max_output_bytes: int = _f(16384, "Output cap; longer output is truncated with a marker.")
+
+    def validate(self) -> None:
+        _require(self.workers >= 1, self._path("workers"), "must be >= 1")
+        _require(self.timeout_s > 0, self._path("timeout_s"), "must be > 0")
+        _require(
+            self.backend != "remote" or bool(self.url),
+            self._path("url"),
+            "is required when environment.sandbox.backend='remote'",
+        )
+
+
+@dataclass(frozen=True)
+class EnvironmentConfig(_Section):
+    name: Literal["arithmetic", "retool"] = _f("arithmetic", "Which environment runs the episodes.")
+    max_turns: int = _f(4, "Assistant turns per episode.")
+    max_tool_calls: int = _f(3, "Interpreter calls per episode.")
+    max_observation_tokens: int = _f(256, "Tokens of one interpreter answer (truncated with a marker).")
+    system_prompt: str = _f("", "System message; empty: the environment's default.")
+    reward_correct: float = _f(1.0, "Outcome reward for a verified answer.")
+    reward_wrong: float = _f(0.0, "Outcome reward otherwise (ReTool uses -1).")
+    format_weight: float = _f(0.0, "Weight of the format reward.")
+    tool_weight: float = _f(0.0, "Weight of the (capped) tool-call shaping.")
+    overlong_buffer: int = _f(0, "DAPO overlong shaping buffer in tokens (0: off).")
+    sandbox: SandboxConfig = _section(SandboxConfig, "The code-execution sandbox.")
+
+    def validate(self) -> None:
+        _require(self.max_turns >= 1, self._path("max_turns"), "must be >= 1")
+        _require(self.max_tool_calls >= 0, self._path("max_tool_calls"), "must be >= 0")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig(_Section):
+    every_steps: int = _f(0, "Save every N RL steps (0: only at the end and on SIGTERM).")
+    max_to_keep: int = _f(3, "Checkpoints kept.")
+    async_save: bool = _f(True, "Write checkpoints in the background.")
+    resume: bool = _f(True, "Resume from the latest checkpoint in the output directory.")
+    export_hf: bool = _f(False, "Export the final policy as an HF directory.")
+
+    def validate(self) -> None:
+        _require(self.every_steps >= 0, self._path("every_steps"), "must be >= 0")
+        _require(self.max_to_keep >= 1, self._path("max_to_keep"), "must be >= 1")
+
+
+@dataclass(frozen=True)
+class LoggingConfig(_Section):
+    tensorboard: bool = _f(True, "Write tensorboardX event files.")
+    log_every: int = _f(1, "Write metrics every N steps.")
+    sample_trajectories: int = _f(2, "Trajectories written as text per logged step.")
+    progress: bool = _f(True, "Console progress line with ETA.")
+
+
+@dataclass(frozen=True)
+class EvalConfig(_Section):
+    every_steps: int = _f(0, "Evaluate every N RL steps (0: only at start and end).")
+    num_tasks: int = _f(64, "Held-out tasks per evaluation (0: all).")
+    samples_per_task: int = _f(1, "k for pass@k / avg@k.")
+    temperature: float = _f(1.0, "Sampling temperature for evaluation (greedy if samples_per_task=1 and 0).")
+
+    def validate(self) -> None:
+        _require(self.samples_per_task >= 1, self._path("samples_per_task"), "must be >= 1")
+        _require(self.temperature >= 0, self._path("temperature"), "must be >= 0")
+
+
+@dataclass(frozen=True)
+class SFTConfig(_Section):
+    steps: int = _f(0, "SFT cold-start steps before RL (0: skip).")
+    batch_size: int = _f(16, "Conversations per SFT step.")
+    learning_rate: float = _f(1e-5, "SFT peak learning rate.")
+    max_length: int = _f(512, "Tokens per SFT row (packed).")
+
+    def validate(self) -> None:
+        _require(self.steps >= 0, self._path("steps"), "must be >= 0")
+        _require(self.batch_size >= 1, self._path("batch_size"), "must be >= 1")
+
+
+@dataclass(frozen=True)
+class Config(_Section):
+    name: str = _f("experiment", "Run name (used in the output directory).")
+    seed: int = _f(0, "Global seed: init, sampling, data order.")
+    output_dir: str = _f("runs/experiment", "Checkpoints, metrics and exports go here.")
+    total_steps: int = _f(100, "RL steps.")
+    model: ModelConfig = _section(ModelConfig, "Policy / reference checkpoints and numerics.")
+    mesh: MeshConfig = _section(MeshConfig, "Device mesh.")
+    rollout: RolloutConfig = _section(RolloutConfig, "Rollout engine.")
+    algorithm: AlgorithmConfig = _section(AlgorithmConfig, "Advantages, loss, corrections.")
+    optimizer: OptimizerConfig = _section(OptimizerConfig, "Optimizer and schedule.")
+    data: DataConfig = _section(DataConfig, "Datasets.")
+    environment: EnvironmentConfig = _section(EnvironmentConfig, "Environment, tools and rewards.")
+    checkpoint: CheckpointConfig = _section(CheckpointConfig, "Checkpointing.")
+    logging: LoggingConfig = _section(LoggingConfig, "Metrics and logs.")
+    eval: EvalConfig = _section(EvalConfig, "Evaluation.")
+    sft: SFTConfig = _section(SFTConfig, "Supervised cold start.")
+
+    def validate(self) -> None:
+        _require(self.total_steps >= 0, "total_steps", "must be >= 0")
+        algo = self.algorithm
+        if algo.advantage in ("grpo", "drgrpo", "rloo"):
+            _require(
+                algo.group_size >= 2,
+                "algorithm.group_size",
+                f"must be >= 2 for the group estimator {algo.advantage!r} (got {algo.group_size})",
+            )
+        trajectories = self.data.prompts_per_step * algo.group_size
+        _require(
+            trajectories % algo.minibatches == 0,
+            "algorithm.minibatches",
+            f"({algo.minibatches}) must divide data.prompts_per_step * algorithm.group_size ({trajectories})",
+        )
+        if algo.micro_batch_size:
+            per_minibatch = trajectories // algo.minibatches
+            _require(
+                per_minibatch % algo.micro_batch_size == 0,
+                "algorithm.micro_batch_size",
+                f"({algo.micro_batch_size}) must divide the trajectories per minibatch ({per_minibatch})",
+            )
+
+    def _path(self, name: str) -> str:
+        return name
+
+
+_SECTION_NAMES = {
+    "ModelConfig": "model",
+    "MeshConfig": "mesh",
+    "RolloutConfig": "rollout",
+    "AlgorithmConfig": "algorithm",
+    "OptimizerConfig": "optimizer",
+    "DataConfig": "data",
+    "SandboxConfig": "environment.sandbox",
+    "EnvironmentConfig": "environment",
+    "CheckpointConfig": "checkpoint",
+    "LoggingConfig": "logging",
+    "EvalConfig": "eval",
+    "SFTConfig": "sft",
+}
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def _parse_value(text: str, tp: Any, path: str) -> Any:
+    """Convert a command-line string to the field's type."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if text.lower() in ("none", "null") and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _parse_value(text, a, path)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{path}: cannot parse {text!r} as {tp}")
+    if origin is Literal:
+        for a in args:
+            if str(a) == text:
+                return a
+        raise ConfigError(f"{path}: got {text!r}; allowed values are {', '.join(map(repr, args))}")
+    if tp is bool:
+        low = text.lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{path}: expected a bool (true/false), got {text!r}")
+    if tp is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{path}: expected an int, got {text!r}") from None
+    if tp is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{path}: expected a float, got {text!r}") from None
+    if tp is str:
+        return text
+    if origin in (tuple, dict):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise ConfigError(f"{path}: expected JSON for a {origin.__name__}, got {text!r}") from None
+    raise ConfigError(f"{path}: cannot be set from the command line (type {tp})")
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def apply_overrides(config: Config, overrides: Sequence[str]) -> Config:
+    """Return ``config`` with ``section.field=value`` overrides applied (and validated).
+
+    Raises:
+      ConfigError: naming the key for an unknown key, a malformed item or a bad value.
+    """
+    raw: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. optimizer.learning_rate=1e-6")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        parts = key.split(".")
+        cls: type = Config
+        for i, part in enumerate(parts):
+            fields = _fields(cls)
+            if part not in fields:
+                where = ".".join(parts[:i]) or "the top level"
+                raise ConfigError(
+                    f"override {key!r}: unknown key {part!r} in {where}; known keys: {', '.join(sorted(fields))}"
+                )
+            tp = typing.get_type_hints(cls)[part]
+            if i < len(parts) - 1:
+                if not dataclasses.is_dataclass(tp):
+                    raise ConfigError(f"override {key!r}: {'.'.join(parts[: i + 1])} is not a section")
+                cls = tp
+            else:
+                if dataclasses.is_dataclass(tp):
+                    raise ConfigError(f"override {key!r}: is a section; set one of its fields")
+                raw[key] = _parse_value(text.strip(), tp, key)
+    return _replace_nested(config, raw)
+
+
+def _replace_nested(obj: Any, updates: dict[str, Any]) -> Any:
+    direct = {k: v for k, v in updates.items() if "." not in k}
+    nested: dict[str, dict[str, Any]] = {}
+    for k, v in updates.items():
+        if "." in k:
+            head, rest = k.split(".", 1)
+            nested.setdefault(head, {})[rest] = v
+    for head, sub in nested.items():
+        direct[head] = _replace_nested(getattr(obj, head), sub)
+    return dataclasses.replace(obj, **direct) if direct else obj
+
+
+def from_dict(data: dict[str, Any], cls: type = Config, prefix: str = "") -> Any:
+    """Build a config from a nested dict (e.g. a checkpoint's saved config), strictly."""
+    fields = _fields(cls)
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"{path}: unknown key; known keys: {', '.join(sorted(fields))}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path}: expected a section (dict), got {type(value).__name__}")
+            value = from_dict(value, tp, prefix=f"{path}.")
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The config as a JSON-serializable nested dict."""
+    return dataclasses.asdict(config)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+_CONFIG_DIRS = (Path("configs"), Path(__file__).resolve().parent.parent / "configs")
+
+
+def resolve_config_path(name: str) -> Path:
+    """Find a config file: a path as given, or a bare name (``retool`` / ``retool.py``) in configs/."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    candidates = [name] if name.endswith(".py") else [name, name + ".py"]
+    for d in _CONFIG_DIRS:
+        for c in candidates:
+            p = d / Path(c).name
+            if p.is_file():
+                return p
+    known = sorted({p.stem for d in _CONFIG_DIRS if d.is_dir() for p in d.glob("*.py")})
+    raise ConfigError(f"config file {name!r} not found; known configs: {', '.join(known) or '(none)'}")
+
+
+def load_config(name: str, overrides: Sequence[str] = ()) -> Config:
+    """Load ``get_config()`` from a Python config file, apply overrides, validate.
+
+    Names from the losses registry (``algorithm.loss``, ``algorithm.advantage``) are
+    checked after the file ran, so a config file may import a module that registers a
+    custom loss.
+    """
+    path = resolve_config_path(name)
+    spec = importlib.util.spec_from_file_location(f"agentrl_jax_config_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path}: defines no get_config() function")
+    config = module.get_config()
+    if not isinstance(config, Config):
+        raise ConfigError(f"config file {path}: get_config() returned {type(config).__name__}, not Config")
+    config = apply_overrides(config, overrides)
+    check_registered_names(config)
+    return config
+
+
+def check_registered_names(config: Config) -> None:
+    """Fail with the known names when the loss or advantage is not registered."""
+    try:
+        from agentrl_jax.losses import registry
+    except ImportError:  # the losses package is optional for config-only use
+        return
+    for key, value, known in (
+        ("algorithm.loss", config.algorithm.loss, registry.known_losses()),
+        ("algorithm.advantage", config.algorithm.advantage, registry.known_advantages()),
+    ):
+        if value not in known:
+            raise ConfigError(f"{key}: unknown name {value!r}; registered: {', '.join(sorted(known))}")
+
+
+def describe(cls: type = Config, prefix: str = "") -> str:
+    """Every field with its type, default and documentation (for --help)."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines.append(describe(tp, prefix=f"{prefix}{f.name}."))
+        else:
+            default = f.default if f.default is not dataclasses.MISSING else "(required)"
+            lines.append(f"{prefix}{f.name} = {default!r}  # {f.metadata.get('doc', '')}")
+    return "\n".join(lines)

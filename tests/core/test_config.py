@@ -1,0 +1,102 @@
+"""Config: loading, overrides with type conversion, and errors that name the field."""
+
+import dataclasses
+import textwrap
+
+import pytest
+
+from agentrl_jax import config as cfg
+from agentrl_jax.config import Config, ConfigError, apply_overrides
+
+
+def test_defaults_are_valid_and_frozen():
+    c = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.seed = 3  # type: ignore[misc]
+
+
+def test_overrides_convert_types():
+    c = apply_overrides(
+        Config(),
+        [
+            "optimizer.learning_rate=3e-6",
+            "algorithm.group_size=4",
+            "checkpoint.async_save=false",
+            "environment.sandbox.timeout_s=2",
+            "name=run7",
+            "algorithm.aggregation=seq-mean-token-sum",
+        ],
+    )
+    assert c.optimizer.learning_rate == 3e-6
+    assert c.algorithm.group_size == 4
+    assert c.checkpoint.async_save is False
+    assert c.environment.sandbox.timeout_s == 2.0 and isinstance(c.environment.sandbox.timeout_s, float)
+    assert c.name == "run7"
+    assert c.algorithm.aggregation == "seq-mean-token-sum"
+
+
+def test_unknown_key_names_the_key_and_lists_known():
+    with pytest.raises(ConfigError, match=r"unknown key 'lerning_rate' in optimizer; known keys: .*learning_rate"):
+        apply_overrides(Config(), ["optimizer.lerning_rate=1e-6"])
+    with pytest.raises(ConfigError, match=r"unknown key 'optimiser' in the top level"):
+        apply_overrides(Config(), ["optimiser.learning_rate=1e-6"])
+
+
+def test_bad_type_names_the_field():
+    with pytest.raises(ConfigError, match=r"algorithm.group_size: expected an int, got 'eight'"):
+        apply_overrides(Config(), ["algorithm.group_size=eight"])
+    with pytest.raises(ConfigError, match=r"rollout.temperature: expected a float"):
+        cfg.RolloutConfig(temperature="hot")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"algorithm.aggregation: got 'mean'; allowed values are 'token-mean'"):
+        apply_overrides(Config(), ["algorithm.aggregation=mean"])
+    with pytest.raises(ConfigError, match=r"checkpoint.resume: expected a bool"):
+        apply_overrides(Config(), ["checkpoint.resume=maybe"])
+
+
+def test_bad_combinations_name_the_fields():
+    with pytest.raises(ConfigError, match=r"algorithm.group_size: must be >= 2 for the group estimator 'grpo'"):
+        apply_overrides(Config(), ["algorithm.group_size=1"])
+    with pytest.raises(ConfigError, match=r"algorithm.minibatches \(3\) must divide"):
+        apply_overrides(Config(), ["algorithm.minibatches=3"])
+    with pytest.raises(ConfigError, match=r"rollout.max_prompt_length \(4096\) must be < rollout.max_sequence_length"):
+        apply_overrides(Config(), ["rollout.max_prompt_length=4096"])
+    with pytest.raises(ConfigError, match=r"environment.sandbox.url: is required"):
+        apply_overrides(Config(), ["environment.sandbox.backend=remote"])
+    with pytest.raises(ConfigError, match=r"at most one of data/fsdp/tensor may be -1"):
+        apply_overrides(Config(), ["mesh.data=-1"])
+
+
+def test_load_config_file_and_bare_name(tmp_path, monkeypatch):
+    p = tmp_path / "mine.py"
+    p.write_text(
+        textwrap.dedent(
+            """
+            from agentrl_jax.config import Config, OptimizerConfig
+            def get_config():
+                return Config(name="mine", optimizer=OptimizerConfig(learning_rate=2e-5))
+            """
+        )
+    )
+    c = cfg.load_config(str(p), ["seed=5"])
+    assert (c.name, c.seed, c.optimizer.learning_rate) == ("mine", 5, 2e-5)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "other.py").write_text(p.read_text())
+    assert cfg.load_config("other").name == "mine"
+    with pytest.raises(ConfigError, match=r"config file 'nope' not found; known configs: .*other"):
+        cfg.load_config("nope")
+
+
+def test_dict_round_trip_and_strictness():
+    c = apply_overrides(Config(), ["algorithm.loss=gspo", "mesh.tensor=2"])
+    assert cfg.from_dict(cfg.to_dict(c)) == c
+    d = cfg.to_dict(c)
+    d["algorithm"]["epsilon"] = 0.1
+    with pytest.raises(ConfigError, match=r"algorithm.epsilon: unknown key"):
+        cfg.from_dict(d)
+
+
+def test_describe_lists_every_field():
+    text = cfg.describe()
+    assert "optimizer.learning_rate = 1e-06  # Peak learning rate" in text
+    assert "environment.sandbox.timeout_s" in text
