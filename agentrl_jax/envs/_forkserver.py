@@ -1,0 +1,458 @@
+"""Fork server of the sandbox pool: a pre-warmed interpreter that forks one child per cell.
+
+The pool (`agentrl_jax/envs/sandbox.py`) starts this file as a script, never imports it,
+so the trainer process does not fork. The server imports numpy/sympy once, isolates
+itself (new network namespace with loopback down, new mount namespace with private tmpfs
+on /tmp, /var/tmp and /dev/shm), then serves newline-delimited JSON over stdin/stdout:
+
+    {"op": "run", "id": 7, "code": "...", "limits": {...}, "session": null | "sid"}
+    {"op": "close_session", "id": 8, "session": "sid"}
+
+and answers one line per request, `{"id": 7, "stdout": ..., "stderr": ..., ...}`.
+
+Every child (a one-shot cell or a long-lived session) gets: a new session and process
+group, its own uid (so RLIMIT_NPROC counts only its processes, it cannot signal or read
+other cells, and it cannot write root-owned paths), its own 0700 working directory,
+RLIMIT_CPU/AS/NPROC/FSIZE/NOFILE/CORE, stdin from /dev/null, a minimal environment, and
+a parent-death signal. When it ends, its process group and every process of its uid
+are killed, so a grandchild that called setsid() does not survive it either.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import selectors
+import shutil
+import signal
+import sys
+import time
+import traceback
+
+CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
+MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV, MS_BIND, MS_MOVE = 16384, 1 << 18, 2, 4, 4096, 8192
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+CELL_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+READ_CHUNK = 1 << 16
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _isolate(config):
+    """Enter new network and mount namespaces; returns (network_isolated, filesystem_isolated)."""
+    network = bool(config["isolate_network"]) and _libc.unshare(CLONE_NEWNET) == 0
+    filesystem = False
+    if config["isolate_filesystem"] and _libc.unshare(CLONE_NEWNS) == 0:
+        # Private propagation first: without it our tmpfs mounts would leak to the host.
+        if _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0:
+            opts = f"size={int(config['tmpfs_mb'])}m,mode=1777".encode()
+            filesystem = all(
+                _libc.mount(b"tmpfs", path, b"tmpfs", MS_NOSUID | MS_NODEV, opts) == 0
+                for path in (b"/tmp", b"/var/tmp", b"/dev/shm") if os.path.isdir(path))
+            filesystem = filesystem and _expose_prefixes()
+    return network, filesystem
+
+
+def _closed_ancestor(path):
+    """The top-most ancestor of `path` that other users cannot traverse, or None."""
+    parts = os.path.abspath(path).split(os.sep)[1:]
+    for depth in range(1, len(parts)):
+        ancestor = os.sep + os.path.join(*parts[:depth])
+        if not os.stat(ancestor).st_mode & 0o001:
+            return ancestor
+    return None
+
+
+def _expose_prefixes():
+    """Make the interpreter's prefixes reachable by the cells' uids, in our mount ns only.
+
+    A Python installed under /root (pyenv) sits behind a 0700 directory. We bind the
+    prefix aside, cover the closed ancestor with an empty tmpfs (which also hides the
+    rest of it, e.g. /root, from cells), and move the prefix back into place.
+    """
+    prefixes = sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.base_exec_prefix)})
+    for n, prefix in enumerate(prefixes):
+        ancestor = _closed_ancestor(prefix)
+        if ancestor is None:
+            continue
+        staging = f"/tmp/.agentrl_prefix_{n}"
+        os.makedirs(staging, exist_ok=True)
+        if _libc.mount(prefix.encode(), staging.encode(), None, MS_BIND | MS_REC, None) != 0:
+            return False
+        if _libc.mount(b"tmpfs", ancestor.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=0755,size=1m") != 0:
+            return False
+        os.makedirs(prefix, mode=0o755, exist_ok=True)
+        if _libc.mount(staging.encode(), prefix.encode(), None, MS_MOVE, None) != 0:
+            return False
+        os.rmdir(staging)
+    return True
+
+
+def _vm_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _apply_limits(limits, session):
+    """Resource limits of a child; the address space budget is on top of the warm image."""
+    cpu = max(1, int(limits["cpu_s"] + 0.999))
+    cpu_hard = int(limits.get("session_cpu_s", cpu)) if session else cpu + 1
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, max(cpu, cpu_hard)))
+    address_space = _vm_bytes() + int(limits["memory_mb"]) * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+    resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"], limits["max_processes"]))
+    fsize = int(limits["max_file_mb"]) * 2**20
+    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def _enter_child(uid, workdir, limits, out_w, err_w, session_fds):
+    """Runs in the forked child: isolate it, then return (the caller runs the code)."""
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    for target, fd in zip((3, 4), session_fds):
+        os.dup2(fd, target)
+    os.closerange(3 + len(session_fds), 1 << 16)
+    _apply_limits(limits, bool(session_fds))
+    os.chdir(workdir)
+    if uid is not None:
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.environ.clear()
+    os.environ.update(CELL_ENV, HOME=workdir, TMPDIR=workdir)
+    sys.stdin = open(0, "r", closefd=False)
+    sys.stdout = open(1, "w", closefd=False, encoding="utf-8", errors="replace")
+    sys.stderr = open(2, "w", closefd=False, encoding="utf-8", errors="replace")
+    sys.argv = ["<cell>"]
+
+
+def _exec_cell(code, namespace):
+    """Executes one cell; returns its exit status (0, 1 for an exception, or SystemExit's)."""
+    status = 0
+    try:
+        exec(compile(code, "<cell>", "exec"), namespace)
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+    except BaseException as e:  # the cell's own failure, reported like the interpreter would
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            status = status or 1
+    return status
+
+
+def _session_main(code_in=3, result_out=4):
+    """Body of a session child: exec cells from fd 3 in one namespace, report on fd 4."""
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    reader = os.fdopen(code_in, "r", encoding="utf-8")
+    for line in reader:
+        cell = json.loads(line)
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        budget = int(used.ru_utime + used.ru_stime + cell["cpu_s"] + 1)
+        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        resource.setrlimit(resource.RLIMIT_CPU, (min(budget, hard), hard))
+        status = _exec_cell(cell["code"], namespace)
+        os.write(result_out, (json.dumps({"exit_status": status}) + "\n").encode())
+    os._exit(0)
+
+
+class Child:
+    """A forked child and the cell it is running (one-shot) or its current cell (session)."""
+
+    def __init__(self, pid, uid, workdir, out_fd, err_fd, session_fds=()):
+        self.pid, self.uid, self.workdir = pid, uid, workdir
+        self.out_fd, self.err_fd = out_fd, err_fd
+        self.cmd_fd, self.ctrl_fd = session_fds if session_fds else (None, None)
+        self.ctrl_buf = b""
+        self.request = None
+        self.exit_status = None
+
+    def start_cell(self, request):
+        self.request = request
+        self.output = {self.out_fd: bytearray(), self.err_fd: bytearray()}
+        self.total_bytes = 0
+        self.truncated = False
+        self.timed_out = False
+        self.started = time.monotonic()
+        self.deadline = self.started + float(request["limits"]["timeout_s"])
+
+
+class ForkServer:
+    def __init__(self, config, proto_out):
+        self.config = config
+        self.proto_out = proto_out
+        self.selector = selectors.DefaultSelector()
+        self.children = {}  # pid -> Child
+        self.sessions = {}  # session id -> Child
+        self.next_uid = 0
+        self.next_dir = 0
+        self.root = os.getuid() == 0
+        self.base_dir = os.path.join("/tmp", f"agentrl_sandbox_{os.getpid()}")
+        os.makedirs(self.base_dir, mode=0o711, exist_ok=True)
+
+    def _alloc_uid(self):
+        if not (self.root and self.config["run_as_unprivileged"]):
+            return None
+        self.next_uid = (self.next_uid + 1) % 50_000
+        return int(self.config["uid_base"]) + self.next_uid
+
+    def _spawn(self, limits, session, code=None):
+        uid = self._alloc_uid()
+        self.next_dir += 1
+        workdir = os.path.join(self.base_dir, str(self.next_dir))
+        os.mkdir(workdir, 0o700)
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        cmd_r, cmd_w = os.pipe() if session else (None, None)
+        ctrl_r, ctrl_w = os.pipe() if session else (None, None)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _enter_child(uid, workdir, limits, out_w, err_w, (cmd_r, ctrl_w) if session else ())
+                if session:
+                    _session_main()
+                os._exit(_exec_cell(code, {"__name__": "__main__", "__builtins__": __builtins__}))
+            except BaseException:
+                os._exit(121)
+        for fd in (out_w, err_w, cmd_r, ctrl_w):
+            if fd is not None:
+                os.close(fd)
+        child = Child(pid, uid, workdir, out_r, err_r, (cmd_w, ctrl_r) if session else ())
+        for fd in (out_r, err_r) + ((ctrl_r,) if session else ()):
+            os.set_blocking(fd, False)
+            self.selector.register(fd, selectors.EVENT_READ, ("child", child))
+        self.children[pid] = child
+        return child
+
+    # ---- requests ----
+    def handle(self, request):
+        op = request.get("op")
+        if op == "run" and request.get("session") is None:
+            self._spawn(request["limits"], False, request["code"]).start_cell(request)
+        elif op == "run":
+            self._run_in_session(request)
+        elif op == "close_session":
+            child = self.sessions.pop(request["session"], None)
+            if child is not None:
+                child.closing = True
+                self._kill(child)
+            self.reply({"id": request["id"], "closed": child is not None})
+        else:
+            self.reply({"id": request.get("id"), "error": f"unknown op {op!r}"})
+
+    def _run_in_session(self, request):
+        sid = request["session"]
+        child = self.sessions.get(sid)
+        restarted = child is None and request.get("known_session", False)
+        if child is None:
+            child = self._spawn(request["limits"], session=True)
+            self.sessions[sid] = child
+            child.sid = sid
+        child.start_cell(request)
+        child.restarted = restarted
+        cell = {"code": request["code"], "cpu_s": request["limits"]["cpu_s"]}
+        try:
+            os.write(child.cmd_fd, (json.dumps(cell) + "\n").encode())
+        except OSError:  # the session died between cells; its reaping answers the request
+            self._kill(child)
+
+    def reply(self, message):
+        self.proto_out.write(json.dumps(message) + "\n")
+        self.proto_out.flush()
+
+    # ---- children ----
+    def _read(self, child, fd):
+        limits = child.request["limits"] if child.request else None
+        while True:
+            try:
+                data = os.read(fd, READ_CHUNK)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.selector.unregister(fd)
+                return
+            if limits is None:  # output between session cells is dropped
+                continue
+            child.total_bytes += len(data)
+            room = int(limits["output_limit_bytes"]) - sum(len(b) for b in child.output.values())
+            if room > 0:
+                child.output[fd] += data[:room]
+            if len(data) > room:
+                child.truncated = True
+            if child.total_bytes > int(limits["drain_limit_bytes"]):
+                self._kill(child)
+                return
+
+    def _read_ctrl(self, child):
+        try:
+            data = os.read(child.ctrl_fd, READ_CHUNK)
+        except BlockingIOError:
+            return
+        if not data:
+            self.selector.unregister(child.ctrl_fd)
+            return
+        child.ctrl_buf += data
+        while b"\n" in child.ctrl_buf and child.request is not None:
+            line, child.ctrl_buf = child.ctrl_buf.split(b"\n", 1)
+            for fd in (child.out_fd, child.err_fd):
+                if fd in self.selector.get_map():
+                    self._read(child, fd)
+            self._finish_cell(child, json.loads(line)["exit_status"])
+
+    def _kill(self, child):
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            os.kill(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _sweep_uid(self, uid):
+        """Kill every process of a cell's uid (kill(-1) spares only init and the caller)."""
+        if uid is None:
+            return
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setuid(uid)
+                os.kill(-1, signal.SIGKILL)
+            finally:
+                os._exit(0)
+
+    def _finish_cell(self, child, exit_status):
+        request, child.request = child.request, None
+        duration = time.monotonic() - child.started
+        out, err = (bytes(child.output[fd]).decode("utf-8", "replace") for fd in (child.out_fd, child.err_fd))
+        if child.truncated:
+            marker = f"\n[output truncated: limit of {request['limits']['output_limit_bytes']} bytes]\n"
+            out, err = (out + marker, err) if len(child.output[child.out_fd]) else (out, err + marker)
+        self.reply({
+            "id": request["id"], "stdout": out, "stderr": err, "exit_status": exit_status,
+            "timed_out": child.timed_out or exit_status == -signal.SIGXCPU,
+            "duration_s": duration, "truncated": child.truncated,
+            "session_restarted": bool(getattr(child, "restarted", False)),
+        })
+
+    def _reap(self):
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            child = self.children.pop(pid, None)
+            if child is None:  # a uid sweeper or an orphan adopted as subreaper
+                continue
+            self._kill(child)
+            self._sweep_uid(child.uid)
+            for fd in (child.out_fd, child.err_fd, child.ctrl_fd):
+                if fd is not None and fd in self.selector.get_map():
+                    if child.request is not None and fd != child.ctrl_fd:
+                        self._read(child, fd)
+                    if fd in self.selector.get_map():
+                        self.selector.unregister(fd)
+            for fd in (child.out_fd, child.err_fd, child.ctrl_fd, child.cmd_fd):
+                if fd is not None:
+                    os.close(fd)
+            exit_status = os.waitstatus_to_exitcode(status)
+            if child.request is not None:
+                self._finish_cell(child, exit_status)
+            if child.cmd_fd is not None and self.sessions.get(getattr(child, "sid", None)) is child:
+                del self.sessions[child.sid]
+            shutil.rmtree(child.workdir, ignore_errors=True)
+
+    def _enforce_deadlines(self):
+        now = time.monotonic()
+        deadlines = [c.deadline for c in self.children.values() if c.request is not None]
+        for child in list(self.children.values()):
+            if child.request is not None and now >= child.deadline and not child.timed_out:
+                child.timed_out = True
+                self._kill(child)
+        return max(0.0, min(deadlines) - now) if deadlines else None
+
+    def serve(self, proto_in):
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        os.set_blocking(proto_in, False)
+        self.selector.register(proto_in, selectors.EVENT_READ, ("proto", None))
+        self.selector.register(wake_r, selectors.EVENT_READ, ("wake", None))
+        buffer = b""
+        while True:
+            timeout = self._enforce_deadlines()
+            for key, _ in self.selector.select(timeout):
+                if self.selector.get_map().get(key.fd) is not key:
+                    continue  # unregistered (or its fd reused) earlier in this batch
+                kind, child = key.data
+                if kind == "proto":
+                    data = os.read(proto_in, READ_CHUNK)
+                    if not data:  # the pool went away: take every child down with us
+                        for c in list(self.children.values()):
+                            self._kill(c)
+                            self._sweep_uid(c.uid)
+                        shutil.rmtree(self.base_dir, ignore_errors=True)
+                        return
+                    buffer += data
+                    while b"\n" in buffer:
+                        line, buffer = buffer.split(b"\n", 1)
+                        self.handle(json.loads(line))
+                elif kind == "wake":
+                    while True:
+                        try:
+                            if not os.read(wake_r, 4096):
+                                break
+                        except BlockingIOError:
+                            break
+                    self._reap()
+                elif key.fd == child.ctrl_fd:
+                    self._read_ctrl(child)
+                else:
+                    self._read(child, key.fd)
+
+
+def main():
+    config = json.loads(sys.argv[1])
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)  # cells must not import the trainer's modules next to this file
+    for module in config["preimport"]:
+        try:
+            __import__(module)
+        except ImportError as e:
+            print(f"sandbox: cannot pre-import {module}: {e}", file=sys.stderr)
+    network, filesystem = _isolate(config)
+    _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    proto_out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # stray prints of the server must not corrupt the protocol
+    server = ForkServer(config, proto_out)
+    server.reply({"ready": True, "pid": os.getpid(), "network_isolated": network,
+                  "filesystem_isolated": filesystem,
+                  "unprivileged": server._alloc_uid() is not None})
+    server.serve(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""Host-side asyncio pool of Python sandboxes (DESIGN.md section 5, issue 5).
+
+`SandboxPool` keeps `num_servers` pre-warmed fork servers (`_forkserver.py`, numpy and
+sympy imported once) and forks one child per execution, so a cell costs milliseconds,
+not an interpreter start. What a child gets, and what it cannot do, is documented in
+`_forkserver.py`; in short, as root without containers:
+
+- own uid, process group, 0700 temp dir, CPU/address-space/process/file-size limits,
+  wall-clock deadline with the whole process group and uid killed, output byte cap;
+- no network (new network namespace, loopback down) when `unshare` works;
+- a private tmpfs on /tmp, /var/tmp, /dev/shm (mount namespace), so writes there are
+  confined to the sandbox; root-owned paths are not writable by the cell's uid. World-
+  readable files of the host stay readable; the environment is scrubbed.
+
+When the OS refuses a namespace the pool still runs and says so in
+`ExecResult.network_isolated` and `metrics()`. The trainer is never the parent of a
+cell (the fork server is), so `os.kill(os.getppid(), 9)` hits the server, which the pool
+replaces. A server that dies or wedges (no answer within timeout + grace) is killed and
+restarted; the requests it held come back as `ExecResult(error=...)`, never raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import sys
+import time
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+_SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_forkserver.py")
+_SERVER_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
+               "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxConfig:
+    """Limits and shape of a `SandboxPool`. Per-call overrides go to `SandboxPool.run`."""
+
+    num_servers: int = 1  # fork servers; each runs any number of children at once
+    max_concurrency: int = 8  # executions in flight across the pool (semaphore)
+    timeout_s: float = 10.0  # wall clock per execution
+    cpu_s: float | None = None  # RLIMIT_CPU per execution; None -> timeout_s
+    memory_mb: int = 512  # address space a cell may add on top of the warm interpreter
+    session_memory_mb: int = 1024  # the same, for a whole stateful session
+    session_cpu_s: float = 600.0  # hard CPU budget of a session over all its cells
+    output_limit_bytes: int = 16_384  # stdout+stderr kept; the rest is cut with a marker
+    drain_limit_bytes: int = 32 * 2**20  # output after which the cell is killed
+    max_processes: int = 32  # RLIMIT_NPROC of the cell's own uid (threads count)
+    max_file_mb: int = 64  # RLIMIT_FSIZE
+    preimport: tuple[str, ...] = ("numpy", "sympy")
+    isolate_network: bool = True
+    isolate_filesystem: bool = True
+    tmpfs_mb: int = 512  # size of each server's private /tmp
+    run_as_unprivileged: bool = True  # a fresh uid per child (needs root)
+    uid_base: int = 200_000
+    grace_s: float = 5.0  # extra wait before a silent server is declared wedged
+    python: str = sys.executable
+
+    def __post_init__(self):
+        for name in ("num_servers", "max_concurrency", "memory_mb", "output_limit_bytes", "max_processes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SandboxConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"SandboxConfig.timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclasses.dataclass
+class ExecResult:
+    """What one execution produced. `exit_status` < 0 is death by signal -exit_status."""
+
+    stdout: str
+    stderr: str
+    exit_status: int | None
+    timed_out: bool
+    duration_s: float
+    truncated: bool = False
+    network_isolated: bool = False
+    session_restarted: bool = False  # the session's process had died; state was lost
+    error: str | None = None  # sandbox-side failure (worker died or wedged), not the cell's
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_status == 0 and not self.timed_out and self.error is None
+
+
+class _Server:
+    """One fork-server process and the requests waiting on it."""
+
+    def __init__(self, process, info):
+        self.process = process
+        self.info = info
+        self.pending: dict[int, asyncio.Future] = {}
+        self.reader_task: asyncio.Task | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+    def fail_pending(self, reason: str):
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(ConnectionError(reason))
+        self.pending.clear()
+
+
+class SandboxPool:
+    """Async pool of sandboxed Python executions. Use `async with SandboxPool(cfg) as pool`."""
+
+    def __init__(self, config: SandboxConfig | None = None):
+        self.config = config or SandboxConfig()
+        self._servers: list[_Server | None] = [None] * self.config.num_servers
+        self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
+        self._ids = itertools.count()
+        self._session_server: dict[str, int] = {}
+        self._session_locks: dict[str, asyncio.Lock] = {}
+        self._restart_lock = asyncio.Lock()
+        self._latencies: collections.deque = collections.deque(maxlen=10_000)
+        self._counts = collections.Counter()
+        self._closed = False
+
+    async def __aenter__(self) -> "SandboxPool":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
+
+    async def start(self):
+        for index in range(self.config.num_servers):
+            self._servers[index] = await self._start_server()
+
+    @property
+    def network_isolated(self) -> bool:
+        return all(s is not None and s.info["network_isolated"] for s in self._servers)
+
+    @property
+    def filesystem_isolated(self) -> bool:
+        return all(s is not None and s.info["filesystem_isolated"] for s in self._servers)
+
+    async def _start_server(self) -> _Server:
+        cfg = self.config
+        server_config = {k: getattr(cfg, k) for k in (
+            "preimport", "isolate_network", "isolate_filesystem", "tmpfs_mb", "run_as_unprivileged", "uid_base")}
+        process = await asyncio.create_subprocess_exec(
+            cfg.python, "-E", "-s", _SERVER_SCRIPT, json.dumps(server_config),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=dict(_SERVER_ENV),
+            limit=8 * cfg.output_limit_bytes + 2**20, close_fds=True)
+        line = await asyncio.wait_for(process.stdout.readline(), timeout=120)
+        if not line:
+            raise RuntimeError(f"sandbox fork server failed to start (exit {await process.wait()})")
+        server = _Server(process, json.loads(line))
+        if not server.info["network_isolated"]:
+            logger.warning("sandbox: network namespace unavailable; cells can reach the network")
+        server.reader_task = asyncio.create_task(self._read_replies(server))
+        self._counts["servers_started"] += 1
+        return server
+
+    async def _read_replies(self, server: _Server):
+        try:
+            while True:
+                line = await server.process.stdout.readline()
+                if not line:
+                    break
+                reply = json.loads(line)
+                future = server.pending.pop(reply.get("id"), None)
+                if future is not None and not future.done():
+                    future.set_result(reply)
+        except (ValueError, asyncio.LimitOverrunError) as e:
+            logger.error("sandbox: bad reply from fork server: %s", e)
+        finally:
+            server.fail_pending("sandbox fork server died")
+            if server.alive:
+                server.process.kill()
+
+    async def _server(self, index: int) -> _Server:
+        async with self._restart_lock:
+            server = self._servers[index]
+            if server is None or not server.alive or server.reader_task.done():
+                if server is not None:
+                    self._counts["servers_replaced"] += 1
+                    self._drop_sessions_of(index)
+                    await self._stop_server(server)
+                server = self._servers[index] = await self._start_server()
+            return server
+
+    def _drop_sessions_of(self, index: int):
+        for sid, owner in list(self._session_server.items()):
+            if owner == index:
+                del self._session_server[sid]
+
+    async def _stop_server(self, server: _Server):
+        if server.alive:
+            server.process.kill()
+        await server.process.wait()
+        server.fail_pending("sandbox fork server stopped")
+        if server.reader_task is not None:
+            await asyncio.gather(server.reader_task, return_exceptions=True)
+
+    def _limits(self, timeout_s, memory_mb, session):
+        cfg = self.config
+        timeout = float(timeout_s if timeout_s is not None else cfg.timeout_s)
+        return {"timeout_s": timeout, "cpu_s": float(cfg.cpu_s or timeout),
+                "memory_mb": int(memory_mb or (cfg.session_memory_mb if session else cfg.memory_mb)),
+                "session_cpu_s": cfg.session_cpu_s, "output_limit_bytes": cfg.output_limit_bytes,
+                "drain_limit_bytes": cfg.drain_limit_bytes, "max_processes": cfg.max_processes,
+                "max_file_mb": cfg.max_file_mb}
+
+    async def run(self, code: str, session: str | None = None, timeout_s: float | None = None,
+                  memory_mb: int | None = None) -> ExecResult:
+        """Runs `code` (a Python program, or a cell of `session`) and returns what it did.
+
+        Never raises for anything the code does; sandbox-side failures come back in
+        `ExecResult.error`. Cells of one session run one at a time, in order.
+        """
+        if self._closed:
+            raise RuntimeError("SandboxPool.run after close()")
+        if not isinstance(code, str):
+            raise TypeError(f"code must be str, got {type(code).__name__}")
+        limits = self._limits(timeout_s, memory_mb, session)
+        if session is None:
+            async with self._semaphore:
+                return await self._request(self._pick_server(), code, None, limits, False)
+        lock = self._session_locks.setdefault(session, asyncio.Lock())
+        async with lock, self._semaphore:
+            known = session in self._session_server
+            index = self._session_server.setdefault(session, self._pick_server())
+            return await self._request(index, code, session, limits, known)
+
+    def _pick_server(self) -> int:
+        loads = [len(s.pending) if s is not None else 0 for s in self._servers]
+        return int(np.argmin(loads))
+
+    async def _request(self, index, code, session, limits, known) -> ExecResult:
+        started = time.monotonic()
+        server = await self._server(index)
+        request_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        server.pending[request_id] = future
+        message = {"op": "run", "id": request_id, "code": code, "limits": limits,
+                   "session": session, "known_session": known}
+        try:
+            server.process.stdin.write((json.dumps(message) + "\n").encode())
+            await server.process.stdin.drain()
+            reply = await asyncio.wait_for(future, limits["timeout_s"] + self.config.grace_s)
+            result = ExecResult(
+                stdout=reply["stdout"], stderr=reply["stderr"], exit_status=reply["exit_status"],
+                timed_out=reply["timed_out"], duration_s=time.monotonic() - started,
+                truncated=reply["truncated"], network_isolated=server.info["network_isolated"],
+                session_restarted=reply["session_restarted"])
+        except (ConnectionError, BrokenPipeError, asyncio.TimeoutError) as e:
+            wedged = isinstance(e, asyncio.TimeoutError)
+            server.pending.pop(request_id, None)
+            if wedged:  # the server missed its own deadline: replace it
+                self._counts["servers_wedged"] += 1
+                server.process.kill()
+            if session is not None:
+                self._session_server.pop(session, None)
+            result = ExecResult("", "", None, timed_out=wedged, duration_s=time.monotonic() - started,
+                                network_isolated=server.info["network_isolated"],
+                                error=f"sandbox worker {'wedged' if wedged else 'died'}: {e or type(e).__name__}")
+        self._record(result)
+        return result
+
+    async def close_session(self, session: str):
+        """Ends a session: kills its process (and anything it spawned) and removes its dir."""
+        index = self._session_server.pop(session, None)
+        self._session_locks.pop(session, None)
+        server = self._servers[index] if index is not None else None
+        if server is None or not server.alive:
+            return
+        future = asyncio.get_running_loop().create_future()
+        request_id = next(self._ids)
+        server.pending[request_id] = future
+        try:
+            server.process.stdin.write((json.dumps({"op": "close_session", "id": request_id, "session": session})
+                                        + "\n").encode())
+            await server.process.stdin.drain()
+            await asyncio.wait_for(future, self.config.grace_s)
+        except (ConnectionError, BrokenPipeError, asyncio.TimeoutError):
+            server.pending.pop(request_id, None)
+
+    def _record(self, result: ExecResult):
+        self._counts["executions"] += 1
+        self._counts["timeouts"] += int(result.timed_out)
+        self._counts["errors"] += int(result.exit_status != 0 and not result.timed_out)
+        self._counts["sandbox_errors"] += int(result.error is not None)
+        self._counts["truncated"] += int(result.truncated)
+        self._latencies.append(result.duration_s)
+
+    def metrics(self) -> dict[str, float]:
+        """Counters and latency percentiles (seconds) over the last 10k executions."""
+        latencies = np.asarray(self._latencies) if self._latencies else np.zeros(1)
+        return {**{f"sandbox/{k}": float(v) for k, v in self._counts.items()},
+                "sandbox/latency_p50_s": float(np.percentile(latencies, 50)),
+                "sandbox/latency_p99_s": float(np.percentile(latencies, 99)),
+                "sandbox/network_isolated": float(self.network_isolated),
+                "sandbox/filesystem_isolated": float(self.filesystem_isolated)}
+
+    async def close(self):
+        self._closed = True
+        for index, server in enumerate(self._servers):
+            if server is not None:
+                server.process.stdin.close()
+                try:
+                    await asyncio.wait_for(server.process.wait(), 5)
+                except asyncio.TimeoutError:
+                    pass
+                await self._stop_server(server)
+                self._servers[index] = None
