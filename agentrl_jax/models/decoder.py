@@ -1,0 +1,324 @@
+"""The decoder family (Llama 3, Qwen2/2.5, Qwen3 dense) as one Flax NNX module.
+
+The L layers' weights are stored stacked with a leading ``layers`` dimension (``wq`` is
+``[L, D, H, K]``) and run with ``jax.lax.scan``, so compile time does not grow with depth.
+Every ``nnx.Param`` carries ``logical_axes`` metadata (one name per dimension) that
+:func:`param_logical_axes` collects and :mod:`agentrl_jax.sharding` maps onto the mesh. The
+metadata key is our own (not flax's ``out_sharding``), so NNX never tries to shard eagerly:
+sharding is applied by whoever materializes the arrays (``hf_io.load_hf_checkpoint``,
+``jax.device_put`` with :func:`param_shardings`).
+
+Trainer and engine use the functional form: ``graphdef, params = split_params(model)``, then
+``apply(graphdef, params, input_ids, positions, ...)`` inside ``jax.jit``.
+
+Dimension letters: B batch, T tokens, S cache length, D width, H heads, KV kv heads, K head
+dim, F MLP width, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from agentrl_jax.models.config import DecoderConfig
+from agentrl_jax.models.kv_cache import KVCache
+from agentrl_jax.models.layers import (
+    apply_rope,
+    attention,
+    cache_causal_mask,
+    packed_causal_mask,
+    rms_norm,
+    rope_frequencies,
+    swiglu,
+)
+from agentrl_jax.sharding import DEFAULT_RULES, Rules, logical_sharding
+
+REMAT_POLICIES = ("none", "full", "dots_saveable")
+ATTENTION_IMPLS = ("xla", "cudnn", None)
+
+
+def layer_param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Shape (without the leading L) and logical axes of every per-layer weight."""
+    D, F, H, KV, K = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+    )
+    specs = {
+        "attn_norm": ((D,), ("norm",)),
+        "wq": ((D, H, K), ("embed", "heads", "head_dim")),
+        "wk": ((D, KV, K), ("embed", "kv_heads", "head_dim")),
+        "wv": ((D, KV, K), ("embed", "kv_heads", "head_dim")),
+        "wo": ((H, K, D), ("heads", "head_dim", "embed")),
+        "mlp_norm": ((D,), ("norm",)),
+        "w_gate": ((D, F), ("embed", "mlp")),
+        "w_up": ((D, F), ("embed", "mlp")),
+        "w_down": ((F, D), ("mlp", "embed")),
+    }
+    if config.attention_bias:
+        specs["bq"] = ((H, K), ("heads", "head_dim"))
+        specs["bk"] = ((KV, K), ("kv_heads", "head_dim"))
+        specs["bv"] = ((KV, K), ("kv_heads", "head_dim"))
+    if config.qk_norm:
+        specs["q_norm"] = ((K,), ("norm",))
+        specs["k_norm"] = ((K,), ("norm",))
+    return specs
+
+
+def _init_param(rngs: nnx.Rngs, shape, axes, dtype, ones: bool) -> nnx.Param:
+    if ones:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=tuple(axes))
+
+
+class DecoderLayers(nnx.Module):
+    """The stacked weights of all L layers (each attribute is ``[L, ...]``)."""
+
+    def __init__(self, config: DecoderConfig, param_dtype, rngs: nnx.Rngs):
+        L = config.num_layers
+        for name, (shape, axes) in layer_param_specs(config).items():
+            is_norm = name.endswith("norm")
+            if name.startswith("b"):
+                param = nnx.Param(jnp.zeros((L, *shape), param_dtype), logical_axes=("layers", *axes))
+            else:
+                param = _init_param(rngs, (L, *shape), ("layers", *axes), param_dtype, is_norm)
+            setattr(self, name, param)
+
+    def stacked(self, config: DecoderConfig) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in layer_param_specs(config)}
+
+
+class Decoder(nnx.Module):
+    """Decoder-only transformer: embed -> L x (attention + SwiGLU, pre-RMSNorm) -> RMSNorm.
+
+    Args:
+      config: the architecture.
+      dtype: compute dtype (activations; weights are cast to it at use).
+      param_dtype: storage dtype of the weights.
+      attention_impl: "xla", "cudnn" or None (JAX picks), passed to
+        ``jax.nn.dot_product_attention``.
+      remat: "none", "full" (recompute each layer in the backward pass) or "dots_saveable"
+        (keep matmul outputs).
+      rngs: initializer randomness.
+    """
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        *,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        attention_impl: str | None = None,
+        remat: str = "none",
+        rngs: nnx.Rngs | None = None,
+    ):
+        if attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"Decoder: attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
+        if remat not in REMAT_POLICIES:
+            raise ValueError(f"Decoder: remat must be one of {REMAT_POLICIES}, got {remat!r}")
+        rngs = nnx.Rngs(0) if rngs is None else rngs
+        self.config = config
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.attention_impl = attention_impl
+        self.remat = remat
+        V, D = config.vocab_size, config.hidden_size
+        self.embed = _init_param(rngs, (V, D), ("vocab", "embed"), param_dtype, False)
+        self.layers = DecoderLayers(config, param_dtype, rngs)
+        self.final_norm = nnx.Param(jnp.ones((D,), param_dtype), logical_axes=("norm",))
+        if not config.tie_word_embeddings:
+            self.lm_head = _init_param(rngs, (D, V), ("embed", "vocab"), param_dtype, False)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        positions: jax.Array,
+        *,
+        segment_ids: jax.Array | None = None,
+        attention_mask: jax.Array | None = None,
+        cache: KVCache | None = None,
+        cache_index: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Final hidden states of ``[B, T]`` tokens.
+
+        Without a cache: causal attention within each row, restricted to equal
+        ``segment_ids`` (packed rows) and to real keys (``attention_mask`` 1). With a cache:
+        row b's T new keys/values are written at ``[cache_index[b], cache_index[b] + T)``
+        (writes past the cache end are dropped) and query t attends to cache entries
+        ``j <= cache_index[b] + t``; ``segment_ids`` and ``attention_mask`` are ignored
+        there (padding at the end of a prefill row is overwritten by later tokens).
+
+        Args:
+          input_ids: ``[B, T]`` int32.
+          positions: ``[B, T]`` int32 RoPE positions (restart per packed segment).
+          segment_ids: ``[B, T]`` int32 or None (one segment per row).
+          attention_mask: ``[B, T]``, 1 for real tokens, 0 for padding; or None.
+          cache: a ``KVCache`` with k, v ``[L, B, S, KV, K]``, or None.
+          cache_index: ``[B]`` int32 write offsets; required with ``cache``.
+
+        Returns:
+          ``(hidden [B, T, D] in the compute dtype, new cache or None)``.
+        """
+        cfg = self.config
+        chex.assert_rank(input_ids, 2)
+        chex.assert_equal_shape([input_ids, positions])
+        B, T = input_ids.shape
+        hidden = jnp.take(self.embed[...], input_ids, axis=0).astype(self.dtype)
+        layer_weights = self.layers.stacked(cfg)
+        block = functools.partial(
+            _decoder_block,
+            config=cfg,
+            dtype=self.dtype,
+            implementation=self.attention_impl,
+            positions=positions,
+        )
+        if cache is None:
+            mask = packed_causal_mask(segment_ids, attention_mask, B, T)
+            body = _remat(lambda h, w: (block(h, w, mask=mask, kv_write=None)[0], None), self.remat)
+            hidden, _ = jax.lax.scan(body, hidden, layer_weights)
+            new_cache = None
+        else:
+            if cache_index is None:
+                raise ValueError("Decoder: cache_index [B] is required when a cache is given")
+            chex.assert_shape(cache_index, (B,))
+            chex.assert_shape(cache.k, (cfg.num_layers, B, None, cfg.num_kv_heads, cfg.head_dim))
+            mask = cache_causal_mask(cache_index, T, cache.max_len)
+            write_pos = cache_index[:, None] + jnp.arange(T)[None, :]
+
+            def body(carry, xs):
+                h, k_all, v_all = carry
+                w, layer = xs
+
+                def kv_write(k, v):
+                    rows = jnp.arange(B)[:, None]
+                    k_new = k_all.at[layer, rows, write_pos].set(k.astype(k_all.dtype), mode="drop")
+                    v_new = v_all.at[layer, rows, write_pos].set(v.astype(v_all.dtype), mode="drop")
+                    return k_new[layer], v_new[layer], (k_new, v_new)
+
+                h, (k_new, v_new) = block(h, w, mask=mask, kv_write=kv_write)
+                return (h, k_new, v_new), None
+
+            layers = jnp.arange(cfg.num_layers)
+            (hidden, k_all, v_all), _ = jax.lax.scan(
+                _remat(body, self.remat), (hidden, cache.k, cache.v), (layer_weights, layers)
+            )
+            new_cache = KVCache(k=k_all, v=v_all)
+        hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
+        return hidden, new_cache
+
+    def output_embedding(self) -> tuple[jax.Array, str]:
+        """``(table, "vd")`` for tied embeddings ``[V, D]``, ``(kernel, "dv")`` for lm_head ``[D, V]``."""
+        if self.config.tie_word_embeddings:
+            return self.embed[...], "vd"
+        return self.lm_head[...], "dv"
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 ``[B, T, V]`` logits of ``[B, T, D]`` hidden states (small inputs only)."""
+        table, layout = self.output_embedding()
+        equation = "btd,vd->btv" if layout == "vd" else "btd,dv->btv"
+        return jnp.einsum(equation, hidden.astype(jnp.float32), table.astype(jnp.float32))
+
+
+def _remat(fn, policy: str):
+    if policy == "none":
+        return fn
+    saveable = None if policy == "full" else jax.checkpoint_policies.dots_saveable
+    return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
+
+
+def _decoder_block(
+    h: jax.Array,
+    w: dict[str, jax.Array],
+    *,
+    config: DecoderConfig,
+    dtype,
+    implementation: str | None,
+    positions: jax.Array,
+    mask: jax.Array,
+    kv_write,
+) -> tuple[jax.Array, Any]:
+    """One pre-norm block: ``h + Attn(RMSNorm(h))``, then ``h + SwiGLU(RMSNorm(h))``.
+
+    Args:
+      h: ``[B, T, D]`` residual stream; w: one layer's weights (``layer_param_specs``).
+      kv_write: None, or ``(k, v) -> (keys, values, cache_state)`` that stores the new
+        ``[B, T, KV, K]`` keys/values in the cache and returns the layer's whole
+        ``[B, S, KV, K]`` keys and values plus the updated cache.
+
+    Returns:
+      ``(h [B, T, D], cache_state or None)``.
+    """
+    cast = {name: value.astype(dtype) for name, value in w.items()}
+    eps = config.rms_norm_eps
+    inv_freq = rope_frequencies(config)
+    x = rms_norm(h, cast["attn_norm"], eps)
+    q = jnp.einsum("btd,dhk->bthk", x, cast["wq"])
+    k = jnp.einsum("btd,dhk->bthk", x, cast["wk"])
+    v = jnp.einsum("btd,dhk->bthk", x, cast["wv"])
+    if config.attention_bias:
+        q, k, v = q + cast["bq"], k + cast["bk"], v + cast["bv"]
+    if config.qk_norm:
+        q = rms_norm(q, cast["q_norm"], eps)
+        k = rms_norm(k, cast["k_norm"], eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    cache_state = None
+    if kv_write is not None:
+        k, v, cache_state = kv_write(k, v)
+        k, v = k.astype(dtype), v.astype(dtype)
+    out = attention(q, k, v, mask, implementation)
+    h = h + jnp.einsum("bthk,hkd->btd", out, cast["wo"])
+    x = rms_norm(h, cast["mlp_norm"], eps)
+    return h + swiglu(x, cast["w_gate"], cast["w_up"], cast["w_down"]), cache_state
+
+
+def split_params(model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:
+    """``(graphdef, params)``: the static structure and the ``nnx.Param`` state pytree."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, params
+
+
+def apply(graphdef: nnx.GraphDef, params: nnx.State, *args: Any, **kwargs: Any):
+    """Merge ``params`` into ``graphdef`` and call the decoder (a pure function for ``jit``)."""
+    return nnx.merge(graphdef, params)(*args, **kwargs)
+
+
+def _params_of(model_or_state: Decoder | nnx.State) -> nnx.State:
+    if isinstance(model_or_state, nnx.Module):
+        return nnx.state(model_or_state, nnx.Param)
+    return model_or_state
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_logical_axes(model_or_state: Decoder | nnx.State) -> nnx.State:
+    """A ``State`` of logical-axes tuples, one per param, keyed like ``nnx.state(model, nnx.Param)``."""
+    return jax.tree.map(
+        lambda v: v.get_metadata()["logical_axes"], _params_of(model_or_state), is_leaf=_is_variable
+    )
+
+
+def param_shardings(model_or_state: Decoder | nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
+    """``NamedSharding`` per param, with the same tree structure as the params state.
+
+    Usable directly in ``jax.device_put(params, shardings)`` and as ``jit`` in/out shardings.
+    Dimensions not divisible by their mesh axes are replicated.
+    """
+
+    def one(v: nnx.Variable):
+        axes = v.get_metadata()["logical_axes"]
+        return v.replace(logical_sharding(axes, mesh, rules, shape=v.shape))
+
+    return jax.tree.map(one, _params_of(model_or_state), is_leaf=_is_variable)

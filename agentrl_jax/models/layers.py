@@ -1,0 +1,161 @@
+"""Pure functions of the decoder block: RMSNorm, RoPE, attention masks, attention, SwiGLU.
+
+Dimension letters: B batch, T query tokens, S key tokens (cache length in cache mode),
+D model width, H query heads, KV key/value heads, K head dim, F MLP width.
+"""
+
+from __future__ import annotations
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentrl_jax.models.config import DecoderConfig, Llama3RopeScaling
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm (Zhang & Sennrich 2019): ``y = w * x / sqrt(mean(x^2) + eps)``.
+
+    The statistic is computed in float32 and the normalized value is cast back to the input
+    dtype before the scale is applied, as in the HF reference.
+
+    Args:
+      x: ``[..., N]`` activations.
+      weight: ``[N]`` scale.
+      eps: added to the mean square.
+
+    Returns:
+      ``[..., N]`` in ``x.dtype``.
+    """
+    chex.assert_equal(x.shape[-1], weight.shape[-1])
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> np.ndarray:
+    """RoPE inverse frequencies ``1 / theta^(2i/K)`` for i < K/2 (Su et al. 2021, eq. 15).
+
+    With Llama 3.1 scaling, wavelengths ``2 pi / f`` above ``M / low_freq_factor`` become
+    ``f / factor``, those below ``M / high_freq_factor`` stay, and in between
+    ``f' = (1 - s) f / factor + s f`` with ``s = (M / wavelength - low) / (high - low)``.
+
+    Returns:
+      ``[K/2]`` float32 (computed in float32 like the HF reference).
+    """
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / np.power(np.float32(theta), exponent)).astype(np.float32)
+    if scaling is None:
+        return inv_freq
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate query/key heads by their positions (half-split "rotate_half" layout of HF).
+
+    ``y = x * cos(p f) + rotate_half(x) * sin(p f)``, ``rotate_half([a, b]) = [-b, a]``.
+
+    Args:
+      x: ``[B, T, N, K]``.
+      positions: ``[B, T]`` int.
+      inv_freq: ``[K/2]``.
+
+    Returns:
+      ``[B, T, N, K]`` in ``x.dtype``.
+    """
+    chex.assert_rank(x, 4)
+    chex.assert_equal(x.shape[:2], positions.shape)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, K/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos = jnp.cos(angles).astype(x.dtype)
+    sin = jnp.sin(angles).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def packed_causal_mask(
+    segment_ids: jax.Array | None, attention_mask: jax.Array | None, batch: int, length: int
+) -> jax.Array:
+    """Mask for one forward over ``[B, T]`` rows that may be packed and padded.
+
+    Query t sees key s iff ``s <= t``, both have the same segment id and key s is a real
+    token. A query always sees itself, so padded query rows stay finite (their output is
+    garbage by contract).
+
+    Returns:
+      ``[B, 1, T, T]`` bool.
+    """
+    idx = jnp.arange(length)
+    causal = idx[None, :] <= idx[:, None]  # [T, T]
+    mask = jnp.broadcast_to(causal, (batch, length, length))
+    if segment_ids is not None:
+        chex.assert_shape(segment_ids, (batch, length))
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    if attention_mask is not None:
+        chex.assert_shape(attention_mask, (batch, length))
+        real_key = attention_mask.astype(bool)[:, None, :]
+        mask = mask & (real_key | jnp.eye(length, dtype=bool)[None])
+    return mask[:, None]
+
+
+def cache_causal_mask(cache_index: jax.Array, length: int, cache_len: int) -> jax.Array:
+    """Mask for T new tokens written at ``[cache_index[b], cache_index[b] + T)`` of the cache.
+
+    Query t of row b sees cache entries ``j <= cache_index[b] + t``.
+
+    Returns:
+      ``[B, 1, T, S]`` bool.
+    """
+    query_pos = cache_index[:, None] + jnp.arange(length)[None, :]  # [B, T]
+    key_pos = jnp.arange(cache_len)
+    return (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]
+
+
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, implementation: str | None
+) -> jax.Array:
+    """Scaled dot-product attention with GQA (Vaswani et al. 2017; Ainslie et al. 2023).
+
+    ``softmax(q k^T / sqrt(K) + log mask) v`` where query head h reads kv head
+    ``h // (H / KV)``.
+
+    Args:
+      q: ``[B, T, H, K]``; k, v: ``[B, S, KV, K]``; mask: ``[B, 1, T, S]`` bool.
+      implementation: "xla", "cudnn" or None (JAX picks).
+
+    Returns:
+      ``[B, T, H, K]``.
+    """
+    chex.assert_rank([q, k, v, mask], 4)
+    chex.assert_equal_shape([k, v])
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU MLP (Shazeer 2020): ``(silu(x W_g) * (x W_u)) W_d``.
+
+    Args:
+      x: ``[B, T, D]``; w_gate, w_up: ``[D, F]``; w_down: ``[F, D]``.
+    """
+    gate = jnp.einsum("btd,df->btf", x, w_gate)
+    up = jnp.einsum("btd,df->btf", x, w_up)
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)
+
+
+def rope_frequencies(config: DecoderConfig) -> np.ndarray:
+    """The ``[K/2]`` inverse frequencies of a config."""
+    return rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
