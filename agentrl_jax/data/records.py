@@ -1,0 +1,193 @@
+"""Typed task and SFT records, and the validation that turns a raw row into one.
+
+A raw row is a dict read from a JSONL line or a Parquet row. `parse_task_row` and
+`parse_sft_row` either return a record or raise `BadRowError` naming the field and the
+reason; the readers count those errors per reason and skip the row (see `readers.py`).
+
+Task row:  {"prompt": str, "answer": str | int | float, "id"?: str | int, "metadata"?: dict}
+SFT row:   {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...],
+            "id"?: str | int, "metadata"?: dict}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class BadRowError(ValueError):
+    """A row that cannot become a record.
+
+    Attributes:
+      kind: short category, e.g. "missing_field", "wrong_type", "empty", "bad_role".
+      field: the offending field path, e.g. "prompt" or "messages[2].role".
+      detail: a human-readable explanation.
+    """
+
+    def __init__(self, kind: str, field: str, detail: str):
+        super().__init__(f"{kind} {field!r}: {detail}")
+        self.kind = kind
+        self.field = field
+        self.detail = detail
+
+    @property
+    def reason(self) -> str:
+        """The counter key used by `DataStats`, e.g. "missing_field:prompt"."""
+        return f"{self.kind}:{self.field}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskRecord:
+    """One RL / evaluation task: a prompt and its verifiable answer.
+
+    Attributes:
+      prompt: the user-facing question text (never empty).
+      answer: the ground-truth answer as a string (numbers are converted with `str`).
+      id: stable identifier; "<file name>:<line>" when the row has none.
+      metadata: free-form extra fields (data source, difficulty, ...), JSON-like.
+    """
+
+    prompt: str
+    answer: str
+    id: str
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatMessage:
+    """One chat turn. `role` is one of `ROLES`."""
+
+    role: str
+    content: str
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTRecord:
+    """One supervised conversation; the SFT trainer trains on assistant turns only.
+
+    Attributes:
+      messages: the turns in order; at least one has role "assistant".
+      id: stable identifier; "<file name>:<line>" when the row has none.
+      metadata: free-form extra fields.
+    """
+
+    messages: tuple[ChatMessage, ...]
+    id: str
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def require_field(row: Mapping[str, Any], field: str, path: str | None = None) -> Any:
+    """Returns `row[field]`, or raises `BadRowError("missing_field", ...)`."""
+    if not isinstance(row, Mapping):
+        raise BadRowError("wrong_type", path or "<row>", f"expected an object, got {type(row).__name__}")
+    if field not in row or row[field] is None:
+        raise BadRowError("missing_field", path or field, f"the row has no {field!r}")
+    return row[field]
+
+
+def require_text(value: Any, field: str, *, allow_empty: bool = False) -> str:
+    """Checks that `value` is a string (non-blank unless `allow_empty`)."""
+    if not isinstance(value, str):
+        raise BadRowError("wrong_type", field, f"expected a string, got {type(value).__name__}")
+    if not allow_empty and not value.strip():
+        raise BadRowError("empty", field, "the text is empty")
+    return value
+
+
+def answer_text(value: Any, field: str = "answer") -> str:
+    """Normalizes a ground-truth answer to a non-empty string.
+
+    Strings pass through; ints and floats (AIME files often store 204, not "204")
+    become `str(value)`. Booleans, lists and objects are rejected: an answer of that
+    type is almost always a column mix-up.
+    """
+    if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral, numbers.Real)):
+        raise BadRowError("wrong_type", field, f"expected a string or number, got {type(value).__name__}")
+    text = value if isinstance(value, str) else str(value)
+    if not text.strip():
+        raise BadRowError("empty", field, "the answer is empty")
+    return text.strip()
+
+
+def record_id(row: Mapping[str, Any], default_id: str, field: str = "id") -> str:
+    """The row's id as a string, or `default_id` when it has none."""
+    value = row.get(field)
+    if value is None:
+        return default_id
+    if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral)):
+        raise BadRowError("wrong_type", field, f"expected a string or integer, got {type(value).__name__}")
+    return str(value)
+
+
+def record_metadata(row: Mapping[str, Any], field: str = "metadata") -> dict[str, Any]:
+    """The row's metadata dict (empty when absent)."""
+    value = row.get(field)
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise BadRowError("wrong_type", field, f"expected an object, got {type(value).__name__}")
+    return dict(value)
+
+
+def parse_task_row(row: Mapping[str, Any], default_id: str) -> TaskRecord:
+    """Validates a generic task row into a `TaskRecord`.
+
+    Args:
+      row: {"prompt": str, "answer": str|number, "id"?: str|int, "metadata"?: dict}.
+      default_id: the id to use when the row has none (the reader passes "file:line").
+
+    Returns:
+      The record.
+
+    Raises:
+      BadRowError: naming the missing / mistyped / empty field.
+    """
+    prompt = require_text(require_field(row, "prompt"), "prompt")
+    answer = answer_text(require_field(row, "answer"))
+    return TaskRecord(
+        prompt=prompt, answer=answer, id=record_id(row, default_id), metadata=record_metadata(row)
+    )
+
+
+def parse_messages(messages: Any, field: str = "messages") -> tuple[ChatMessage, ...]:
+    """Validates a chat list: roles from `ROLES`, string contents, >= 1 assistant turn.
+
+    Empty contents are allowed except on assistant turns, which must carry text to
+    train on. Extra keys other than "role"/"content" (e.g. "tool_calls") are rejected,
+    because ignoring them would silently drop training signal: convert such rows
+    with a format normalizer first (see `formats.py`).
+    """
+    if not isinstance(messages, list):
+        raise BadRowError("wrong_type", field, f"expected a list of messages, got {type(messages).__name__}")
+    if not messages:
+        raise BadRowError("empty", field, "the conversation has no messages")
+    parsed = []
+    for i, message in enumerate(messages):
+        path = f"{field}[{i}]"
+        if not isinstance(message, Mapping):
+            raise BadRowError("wrong_type", path, f"expected an object, got {type(message).__name__}")
+        role = require_field(message, "role", f"{path}.role")
+        if role not in ROLES:
+            raise BadRowError("bad_role", f"{path}.role", f"{role!r} is not one of {ROLES}")
+        extra = sorted(k for k in message if k not in ("role", "content") and message[k] is not None)
+        if extra:
+            raise BadRowError("unsupported_field", f"{path}.{extra[0]}", "only role/content are read here")
+        content = require_text(
+            require_field(message, "content", f"{path}.content"),
+            f"{path}.content",
+            allow_empty=role != "assistant",
+        )
+        parsed.append(ChatMessage(role=role, content=content))
+    if not any(m.role == "assistant" for m in parsed):
+        raise BadRowError("no_assistant", field, "no assistant turn to train on")
+    return tuple(parsed)
+
+
+def parse_sft_row(row: Mapping[str, Any], default_id: str) -> SFTRecord:
+    """Validates a chat-format SFT row into an `SFTRecord` (see `parse_messages`)."""
+    messages = parse_messages(require_field(row, "messages"))
+    return SFTRecord(messages=messages, id=record_id(row, default_id), metadata=record_metadata(row))
