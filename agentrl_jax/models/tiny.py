@@ -1,0 +1,151 @@
+"""Tiny random-init HF checkpoints and byte-level BPE tokenizers for CPU tests and the demo.
+
+Both are produced by the real libraries (``transformers`` for the model, ``tokenizers`` for
+the tokenizer) and saved as ordinary HF directories, so the rest of the code loads them
+exactly like a downloaded checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CHATML_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+_HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def save_tiny_hf_checkpoint(
+    path: str | os.PathLike,
+    architecture: str = "qwen3",
+    *,
+    vocab_size: int,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    tie_word_embeddings: bool = False,
+    attention_bias: bool = False,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    max_position_embeddings: int = 512,
+    eos_token_id: int | list[int] | None = None,
+    bos_token_id: int | None = None,
+    init_std: float = 0.1,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+) -> str:
+    """Save a random-init float32 ``transformers`` causal LM with ``save_pretrained``.
+
+    Args:
+      path: output directory.
+      architecture: "llama", "qwen2" (q/k/v bias always) or "qwen3" (q/k norm always).
+      rope_scaling: e.g. ``{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}``.
+      init_std: std of the random weights (larger than HF's 0.02 so logits differ visibly).
+      max_shard_size: passed to ``save_pretrained`` (e.g. "20KB") to force an index-sharded
+        checkpoint.
+
+    Returns:
+      ``path`` as a string.
+    """
+    import torch
+    import transformers
+
+    if architecture not in _HF_CLASSES:
+        raise ValueError(f"architecture must be one of {sorted(_HF_CLASSES)}, got {architecture!r}")
+    config_cls, model_cls = (getattr(transformers, n) for n in _HF_CLASSES[architecture])
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads,
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=eos_token_id,
+        bos_token_id=bos_token_id,
+        initializer_range=init_std,
+    )
+    rope = {"rope_type": "default", "rope_theta": rope_theta}
+    if rope_scaling is not None:
+        rope = {**rope_scaling, "rope_theta": rope_theta}
+    kwargs["rope_parameters"] = rope
+    if architecture != "qwen2":
+        kwargs["attention_bias"] = attention_bias
+    config = config_cls(**kwargs)
+    config.architectures = [_HF_CLASSES[architecture][1]]
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    with torch.no_grad():
+        # Norm weights and biases start at 1 / 0 in HF; randomize them so parity tests see them.
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.copy_(0.1 * torch.randn_like(param))
+    save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(os.fspath(path), **save_kwargs)
+    return os.fspath(path)
+
+
+def train_tiny_tokenizer(
+    path: str | os.PathLike,
+    texts: Iterable[str],
+    vocab_size: int,
+    *,
+    chat_template: str = QWEN_CHAT_TEMPLATE,
+) -> str:
+    """Train a byte-level BPE tokenizer and save it as a transformers tokenizer directory.
+
+    The special tokens are ChatML's (``<|endoftext|>`` id 0, ``<|im_start|>`` id 1,
+    ``<|im_end|>`` id 2); eos is ``<|im_end|>``, pad is ``<|endoftext|>``.
+
+    Returns:
+      ``path`` as a string.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(CHATML_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(texts), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = chat_template
+    out = os.fspath(path)
+    fast.save_pretrained(out)
+    config_path = os.path.join(out, "tokenizer_config.json")
+    with open(config_path) as f:
+        tok_config = json.load(f)
+    if "chat_template" not in tok_config and not os.path.exists(os.path.join(out, "chat_template.jinja")):
+        tok_config["chat_template"] = chat_template
+        with open(config_path, "w") as f:
+            json.dump(tok_config, f, indent=2)
+    return out
