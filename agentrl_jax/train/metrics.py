@@ -1,0 +1,289 @@
+"""Metrics: tensorboardX events, a JSONL file, a console progress line with ETA, step timers.
+
+`MetricsWriter(logdir)` writes, on process 0 only:
+  - tensorboardX scalars, histograms and text (sample trajectories) under `logdir`;
+  - `logdir/metrics.jsonl`: one object per `write` call, {"step", "time", **scalars}, with jax/numpy
+    values converted to Python numbers and non-finite values written as null;
+  - `logdir/samples.jsonl`: the `write_text` entries {"step", "tag", "text"};
+  - a console line per `console_every` steps: step/total, s/step, ETA and a few key metrics.
+Non-finite scalars are written (NaN/inf in tensorboard, null in JSON) and counted in
+`nonfinite_count`; they never raise. On other processes every method is a no-op.
+
+`StepTimer` accumulates wall time per phase of a step:
+
+    timer = StepTimer()
+    with timer("rollout"):
+        trajectories = run_agent_loop(...)
+    with timer("update"):
+        state, metrics = train_step(state, batch)
+        jax.block_until_ready(metrics)   # time the work, not the async dispatch
+    writer.write(step, {**metrics, **timer.as_metrics(prefix="time/")})
+
+`read_tensorboard(logdir)` reads the event files back (no tensorflow/tensorboard needed).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import glob
+import json
+import logging
+import math
+import numbers
+import os
+import struct
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TextIO
+
+import jax
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CONSOLE_KEYS = ("loss", "reward/mean", "eval/pass@1", "grad_norm", "response_length/mean", "kl")
+_MAX_NONFINITE_WARNINGS = 5
+
+
+def to_number(value: Any, key: str) -> int | float:
+    """A scalar metric (Python/NumPy/JAX number, or a one-element array) as a Python number.
+
+    Integers and bools stay ints; everything else becomes float (possibly NaN/inf).
+
+    Raises:
+      ValueError: an array with more than one element (naming `key`).
+      TypeError: a non-numeric value (naming `key`).
+    """
+    if isinstance(value, (bool, numbers.Integral)):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        array = np.asarray(value)
+        if array.size != 1:
+            raise ValueError(f"metric {key!r} must be a scalar, got an array of shape {array.shape}")
+        if array.dtype.kind in "biu":
+            return int(array.reshape(()))
+        if array.dtype.kind == "f" or array.dtype == jax.numpy.bfloat16:
+            return float(array.reshape(()))
+    raise TypeError(f"metric {key!r} must be a number, got {type(value).__name__}")
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds as H:MM:SS (or "?" when unknown)."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def _format_value(value: int | float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.4g}"
+
+
+class MetricsWriter:
+    """Writes metrics to tensorboardX, `metrics.jsonl` and the console; only where `enabled`.
+
+    Args:
+      logdir: output directory (created).
+      enabled: write anything at all; defaults to `jax.process_index() == 0`.
+      total_steps: for the progress fraction and ETA (None: no ETA).
+      console_every: print the progress line when `step % console_every == 0` (0: never).
+      console_keys: metrics shown on the console line when present; default
+        `DEFAULT_CONSOLE_KEYS`, falling back to the first four keys when none is present.
+      console: stream for the progress line (default stdout).
+      flush_secs: tensorboardX flush period.
+    """
+
+    def __init__(self, logdir: str | os.PathLike, *, enabled: bool | None = None, total_steps: int | None = None,
+                 console_every: int = 1, console_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS,
+                 console: TextIO | None = None, flush_secs: int = 30):
+        self.logdir = os.fspath(logdir)
+        self.enabled = jax.process_index() == 0 if enabled is None else bool(enabled)
+        self.total_steps = total_steps
+        self.console_every = console_every
+        self.console_keys = tuple(console_keys)
+        self.console = console or sys.stdout
+        self.nonfinite_count = 0
+        self.nonfinite_by_key: collections.Counter = collections.Counter()
+        self._step_times: collections.deque = collections.deque(maxlen=20)
+        self._tb = None
+        self._jsonl = self._samples = None
+        if self.enabled:
+            from tensorboardX import SummaryWriter
+
+            os.makedirs(self.logdir, exist_ok=True)
+            self._tb = SummaryWriter(self.logdir, flush_secs=flush_secs)
+            self._jsonl = open(os.path.join(self.logdir, "metrics.jsonl"), "a", encoding="utf-8")
+            self._samples = open(os.path.join(self.logdir, "samples.jsonl"), "a", encoding="utf-8")
+
+    def _count_nonfinite(self, key: str, what: str) -> None:
+        self.nonfinite_count += 1
+        self.nonfinite_by_key[key] += 1
+        if self.nonfinite_count <= _MAX_NONFINITE_WARNINGS:
+            logger.warning("non-finite %s in metric %r (written as null / NaN and counted)", what, key)
+
+    def write(self, step: int, scalars: Mapping[str, Any]) -> None:
+        """Writes one step's scalar metrics everywhere and maybe prints the progress line.
+
+        Args:
+          step: the global step.
+          scalars: name -> number (Python, NumPy or JAX scalar). Names use "/" groups,
+            e.g. "reward/mean", "time/rollout".
+        """
+        if not self.enabled:
+            return
+        values = {key: to_number(value, key) for key, value in scalars.items()}
+        record: dict[str, Any] = {"step": int(step), "time": time.time()}
+        for key, value in values.items():
+            self._tb.add_scalar(key, value, int(step))
+            if isinstance(value, float) and not math.isfinite(value):
+                self._count_nonfinite(key, "value")
+                record[key] = None
+            else:
+                record[key] = value
+        self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+        self._jsonl.flush()
+        self._step_times.append((time.perf_counter(), int(step)))
+        if self.console_every and int(step) % self.console_every == 0:
+            print(self.progress_line(int(step), values), file=self.console, flush=True)
+
+    def seconds_per_step(self) -> float:
+        """Mean wall seconds per step over the recent `write` calls (NaN until two calls)."""
+        if len(self._step_times) < 2:
+            return float("nan")
+        (t0, s0), (t1, s1) = self._step_times[0], self._step_times[-1]
+        return (t1 - t0) / (s1 - s0) if s1 > s0 else float("nan")
+
+    def progress_line(self, step: int, values: Mapping[str, int | float]) -> str:
+        """"step 12/100 (12%) | 3.21 s/step | eta 0:04:42 | loss 0.12 | ..." for these values."""
+        per_step = self.seconds_per_step()
+        parts = [f"step {step}" + (f"/{self.total_steps} ({100 * step / self.total_steps:.0f}%)"
+                                   if self.total_steps else "")]
+        parts.append(f"{per_step:.3g} s/step" if math.isfinite(per_step) else "- s/step")
+        if self.total_steps:
+            parts.append(f"eta {format_duration((self.total_steps - step) * per_step)}")
+        keys = [k for k in self.console_keys if k in values] or list(values)[:4]
+        parts.extend(f"{k} {_format_value(values[k])}" for k in keys)
+        return " | ".join(parts)
+
+    def write_histograms(self, step: int, arrays: Mapping[str, Any]) -> None:
+        """Writes one histogram per name; non-finite entries are dropped and counted."""
+        if not self.enabled:
+            return
+        for key, array in arrays.items():
+            values = np.asarray(array, dtype=np.float64).ravel()
+            finite = values[np.isfinite(values)]
+            if finite.size < values.size:
+                self._count_nonfinite(key, f"entries ({values.size - finite.size} of {values.size})")
+            if finite.size:
+                self._tb.add_histogram(key, finite, int(step))
+
+    def write_text(self, step: int, texts: Mapping[str, str]) -> None:
+        """Writes text entries (e.g. sample trajectories) to tensorboard and `samples.jsonl`.
+
+        Tensorboard renders text as Markdown; the JSONL file keeps it verbatim.
+        """
+        if not self.enabled:
+            return
+        for tag, text in texts.items():
+            if not isinstance(text, str):
+                raise TypeError(f"text {tag!r} must be a string, got {type(text).__name__}")
+            self._tb.add_text(tag, text, int(step))
+            self._samples.write(json.dumps({"step": int(step), "tag": tag, "text": text}) + "\n")
+        self._samples.flush()
+
+    def flush(self) -> None:
+        if self.enabled:
+            self._tb.flush()
+            self._jsonl.flush()
+            self._samples.flush()
+
+    def close(self) -> None:
+        """Flushes and closes every output (safe to call twice)."""
+        if self.enabled and self._tb is not None:
+            self._tb.close()
+            self._jsonl.close()
+            self._samples.close()
+            self._tb = None
+            self.enabled = False
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class StepTimer:
+    """Wall time per named phase of a step; phases may nest and repeat (times add up)."""
+
+    def __init__(self):
+        self._seconds: dict[str, float] = collections.defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[name] += time.perf_counter() - start
+
+    def as_metrics(self, prefix: str = "time/", reset: bool = True) -> dict[str, float]:
+        """{prefix + phase: seconds}; clears the timers unless `reset=False`."""
+        metrics = {f"{prefix}{name}": seconds for name, seconds in self._seconds.items()}
+        if reset:
+            self.reset()
+        return metrics
+
+    def reset(self) -> None:
+        self._seconds.clear()
+
+
+def _iter_records(path: str) -> Iterator[bytes]:
+    """The payloads of a TFRecord file (uint64 length, crc, payload, crc)."""
+    with open(path, "rb") as f:
+        while header := f.read(12):
+            if len(header) < 12:
+                raise ValueError(f"{path}: truncated record header")
+            (length,) = struct.unpack("<Q", header[:8])
+            payload = f.read(length)
+            if len(payload) < length or len(f.read(4)) < 4:
+                raise ValueError(f"{path}: truncated record")
+            yield payload
+
+
+def read_tensorboard(logdir: str | os.PathLike) -> dict[str, list[tuple[int, Any]]]:
+    """Reads every event file in `logdir` back: tag -> [(step, value), ...] in write order.
+
+    A scalar's value is a float, a text's a str, a histogram's a dict with "min", "max",
+    "num", "sum", "sum_squares" and "bucket_limit"/"bucket" lists.
+    """
+    from tensorboardX.proto import event_pb2
+
+    values: dict[str, list[tuple[int, Any]]] = collections.defaultdict(list)
+    for path in sorted(glob.glob(os.path.join(os.fspath(logdir), "events.out.tfevents.*"))):
+        for payload in _iter_records(path):
+            event = event_pb2.Event.FromString(payload)
+            if not event.HasField("summary"):
+                continue
+            for value in event.summary.value:
+                kind = value.WhichOneof("value")
+                if kind == "simple_value":
+                    item: Any = value.simple_value
+                elif kind == "histo":
+                    histo = value.histo
+                    item = {"min": histo.min, "max": histo.max, "num": histo.num, "sum": histo.sum,
+                            "sum_squares": histo.sum_squares, "bucket_limit": list(histo.bucket_limit),
+                            "bucket": list(histo.bucket)}
+                elif kind == "tensor" and value.tensor.string_val:
+                    item = value.tensor.string_val[0].decode("utf-8")
+                else:
+                    continue
+                tag = value.tag[: -len("/text_summary")] if value.tag.endswith("/text_summary") else value.tag
+                values[tag].append((int(event.step), item))
+    return dict(values)
