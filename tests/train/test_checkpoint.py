@@ -172,3 +172,31 @@ def test_sigterm_to_a_training_process_saves_and_exits_cleanly(tmp_path):
     with Checkpointer(tmp_path / "ckpt") as ckpt:
         restored = ckpt.restore_latest({"x": jnp.zeros(3)})
     assert restored.step == saved_step and restored.state["x"].tolist() == [float(saved_step)] * 3
+
+
+def test_resume_through_a_checkpoint_continues_the_data_and_rng_stream(tmp_path):
+    from agentrl_jax.data import BatchIterator, TaskRecord
+
+    records = [TaskRecord(prompt=f"q{i}", answer=str(i), id=str(i)) for i in range(10)]
+
+    def run(steps, ckpt_dir=None, resume=False):
+        batches, rng, seen = BatchIterator(records, batch_size=4, seed=11), jax.random.key(0), []
+        state, start = {"x": jnp.zeros(())}, 0
+        with Checkpointer(ckpt_dir or tmp_path / "unused") as ckpt:
+            if resume:
+                start, state, data_state, rng, _, _ = ckpt.restore_latest(state)
+                batches.set_state(data_state)
+            for step in range(start + 1, steps + 1):
+                ids = [r.id for r in next(batches)]
+                noise = jax.random.uniform(jax.random.fold_in(rng, step))
+                state = {"x": state["x"] + noise}
+                seen.append((ids, float(noise)))
+                if ckpt_dir is not None:
+                    ckpt.save(step, state, data_state=batches.get_state(), rng=rng)
+        return seen, float(state["x"])
+
+    uninterrupted, final = run(7)
+    first_part, _ = run(4, ckpt_dir=tmp_path / "ckpt")
+    resumed, resumed_final = run(7, ckpt_dir=tmp_path / "ckpt", resume=True)
+    assert first_part + resumed == uninterrupted
+    assert resumed_final == final
