@@ -219,13 +219,13 @@ def ewma_update(
 
     Args:
       ewma_params, params: pytrees of the same structure.
-      decay: in [0, 1); larger means a longer memory.
+      decay: in [0, 1) (checked when a Python float); larger means a longer memory.
       step: the current optimizer step.
       reset_every: periodic reset interval in steps (0: never).
       reset: extra reset condition (bool or bool scalar array).
     Returns: the new EWMA pytree (dtypes of ewma_params).
     """
-    if not 0.0 <= decay < 1.0:
+    if isinstance(decay, (int, float)) and not 0.0 <= decay < 1.0:
         raise ValueError(f"decay must be in [0, 1), got {decay}")
     if reset_every < 0:
         raise ValueError(f"reset_every must be >= 0, got {reset_every}")
