@@ -1,0 +1,259 @@
+"""Train state and the jitted steps: logprob forward and the policy-gradient update.
+
+The update is a pure function ``(state, minibatch, normalizer) -> (state, metrics)``:
+micro-batches are a ``lax.scan`` that sums gradients of losses which share one global
+normalizer, so the accumulated gradient equals the full-minibatch gradient exactly
+(``agentrl_jax.losses.aggregation``). A non-finite loss or gradient skips the update
+(params and optimizer state unchanged) and reports ``skipped = 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from agentrl_jax.config import OptimizerConfig
+from agentrl_jax.losses import (
+    aggregate,
+    decoupled_loss,
+    entropy_bonus,
+    get_loss,
+    kl_loss,
+    token_logprobs,
+)
+
+
+@struct.dataclass
+class TrainState:
+    """Everything the update changes: params, optimizer state, step counter, rng."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    rng: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """Static (hashable) description of the objective, from the algorithm config.
+
+    Attributes:
+      loss: registered policy-loss name.
+      hparams: the loss's keyword hyper-parameters as sorted (key, value) pairs.
+      aggregation: how per-token terms are reduced.
+      temperature: the sampling temperature (logprobs are tempered like the engine's).
+      kl_coef, kl_kind: KL-to-reference loss term (0: off).
+      entropy_coef: entropy bonus weight.
+      correction: "none" or an off-policy correction of old/mu ("tis", "mis", "icepop").
+      correction_hparams: its (key, value) pairs.
+      chunk_size: tokens per logprob chunk (bounds the [chunk, V] float32 buffer).
+      packed: rows hold several trajectories (pass sequence ids to the losses).
+    """
+
+    loss: str = "ppo"
+    hparams: tuple[tuple[str, Any], ...] = ()
+    aggregation: str = "token-mean"
+    temperature: float = 1.0
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.0
+    correction: str = "none"
+    correction_hparams: tuple[tuple[str, Any], ...] = ()
+    chunk_size: int = 1024
+    packed: bool = False
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int, learning_rate: float | None = None):
+    """AdamW with optional global-norm clipping and warmup + constant/cosine schedule."""
+    peak = cfg.learning_rate if learning_rate is None else learning_rate
+    warmup = max(cfg.warmup_steps, 0)
+    if cfg.schedule == "cosine":
+        schedule = optax.warmup_cosine_decay_schedule(
+            init_value=0.0 if warmup else peak,
+            peak_value=peak,
+            warmup_steps=warmup,
+            decay_steps=max(total_steps, warmup + 1),
+            end_value=peak * cfg.min_lr_ratio,
+        )
+    elif warmup:
+        schedule = optax.join_schedules(
+            [optax.linear_schedule(0.0, peak, warmup), optax.constant_schedule(peak)], [warmup]
+        )
+    else:
+        schedule = optax.constant_schedule(peak)
+    parts = []
+    if cfg.grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+    parts.append(
+        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    )
+    return optax.chain(*parts), schedule
+
+
+def forward_logprobs(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    batch: dict[str, jax.Array],
+    *,
+    temperature: float,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+):
+    """Tempered logprobs of ``batch['targets']`` (and entropy) from one forward pass.
+
+    Args:
+      batch: ``input_ids``, ``positions``, ``segment_ids``, ``targets`` of shape [B, T].
+    Returns:
+      logp [B, T] float32 (and entropy [B, T] when ``with_entropy``).
+    """
+    model = nnx.merge(graphdef, params)
+    hidden, _ = model(batch["input_ids"], batch["positions"], segment_ids=batch["segment_ids"])
+    table, layout = model.output_embedding()
+    return token_logprobs(
+        hidden,
+        table,
+        batch["targets"],
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=with_entropy,
+        embedding_layout=layout,
+    )
+
+
+def policy_loss(
+    params: Any,
+    graphdef: nnx.GraphDef,
+    micro: dict[str, jax.Array],
+    normalizer: jax.Array,
+    settings: LossSettings,
+    num_sequences: int | None,
+):
+    """Scalar loss of one micro-batch (already divided by the global normalizer)."""
+    logp, entropy = forward_logprobs(
+        graphdef,
+        params,
+        micro,
+        temperature=settings.temperature,
+        chunk_size=settings.chunk_size,
+        with_entropy=True,
+    )
+    mask = micro["loss_mask"]
+    seq = dict(sequence_ids=micro["sequence_ids"], num_sequences=num_sequences) if settings.packed else {}
+    loss_fn = get_loss(settings.loss)
+    hparams = dict(settings.hparams)
+    if settings.correction == "none":
+        per_token, metrics = loss_fn(logp, micro["old_logprobs"], micro["advantages"], mask, **seq, **hparams)
+        loss_mask = mask
+    else:
+        per_token, metrics, loss_mask = decoupled_loss(
+            loss_fn,
+            logp,
+            micro["old_logprobs"],
+            micro["rollout_logprobs"],
+            micro["advantages"],
+            mask,
+            correction=settings.correction,
+            correction_hparams=dict(settings.correction_hparams),
+            **seq,
+            **hparams,
+        )
+    metrics = dict(metrics)
+    total = per_token
+    if settings.kl_coef > 0:
+        kl_term, kl_metrics = kl_loss(
+            logp, micro["ref_logprobs"], mask, coef=settings.kl_coef, kind=settings.kl_kind
+        )
+        total = total + kl_term
+        metrics.update(kl_metrics)
+    bonus, entropy_metrics = entropy_bonus(entropy, mask, coef=settings.entropy_coef)
+    total = total + bonus
+    metrics.update(entropy_metrics)
+    loss = aggregate(total, loss_mask, settings.aggregation, normalizer, **seq)
+    # train/infer mismatch: how far the trainer's logp for the sampled tokens is from the
+    # engine's (both tempered). Exact numerics make this ~0 before the first update.
+    sampled = mask > 0
+    n = jnp.maximum(jnp.sum(sampled), 1)
+    metrics["logprob_gap_abs"] = jnp.sum(jnp.where(sampled, jnp.abs(logp - micro["rollout_logprobs"]), 0)) / n
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def _global_norm(tree: Any) -> jax.Array:
+    leaves = jax.tree.leaves(tree)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+
+
+def update_step(
+    state: TrainState,
+    minibatch: dict[str, jax.Array],
+    normalizer: jax.Array,
+    *,
+    graphdef: nnx.GraphDef,
+    optimizer: optax.GradientTransformation,
+    settings: LossSettings,
+    num_micro_batches: int,
+    num_sequences: int | None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One optimizer update over a minibatch, accumulated over micro-batches.
+
+    Args:
+      state: the train state (donated by the jitted caller).
+      minibatch: [R, T] arrays: input_ids, positions, segment_ids, targets, loss_mask,
+        advantages, old_logprobs, rollout_logprobs, sequence_ids (+ ref_logprobs if KL).
+      normalizer: the aggregation denominator of the whole minibatch.
+      num_micro_batches: R is split into this many equal micro-batches (static).
+    Returns:
+      (new state, metrics incl. grad_norm, param_norm, update_norm, skipped).
+    """
+    rows = minibatch["input_ids"].shape[0]
+    if rows % num_micro_batches:
+        raise ValueError(f"{rows} rows do not split into {num_micro_batches} micro-batches")
+    micro = jax.tree.map(
+        lambda x: x.reshape(num_micro_batches, rows // num_micro_batches, *x.shape[1:]), minibatch
+    )
+    grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
+
+    def accumulate(grads, mb):
+        (_, metrics), g = grad_fn(state.params, graphdef, mb, normalizer, settings, num_sequences)
+        return jax.tree.map(jnp.add, grads, g), metrics
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, metrics = jax.lax.scan(accumulate, zeros, micro)
+    # The loss sums over micro-batches (shared normalizer); other metrics are averaged.
+    metrics = {k: (jnp.sum(v) if k in ("loss", "policy_loss") else jnp.mean(v)) for k, v in metrics.items()}
+
+    grad_norm = _global_norm(grads)
+    updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
+    new_params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+    new_state = TrainState(
+        params=keep(new_params, state.params),
+        opt_state=keep(new_opt_state, state.opt_state),
+        step=state.step + finite.astype(state.step.dtype),
+        rng=state.rng,
+    )
+    metrics.update(
+        grad_norm=grad_norm,
+        param_norm=_global_norm(new_state.params),
+        update_norm=jnp.where(finite, _global_norm(updates), 0.0),
+        skipped=1.0 - finite.astype(jnp.float32),
+    )
+    return new_state, metrics
+
+
+def init_train_state(params: Any, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+    """A fresh state; the optimizer state follows the params' shardings."""
+    chex.assert_tree_all_finite(params)
+    return TrainState(
+        params=params,
+        opt_state=optimizer.init(params),
+        step=jnp.zeros((), jnp.int32),
+        rng=jax.random.key_data(jax.random.key(seed)),
+    )
