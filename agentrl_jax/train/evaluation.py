@@ -1,0 +1,58 @@
+"""Evaluation metrics: pass@k with the unbiased estimator, avg@k, tool-use rates.
+
+pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code", eq. 1):
+with n samples of a task of which c are correct,
+
+    pass@k = 1 - C(n - c, k) / C(n, k)
+
+averaged over tasks; computed as a numerically stable product. avg@k is the mean
+correctness of the k samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k for one task with ``num_correct`` of ``num_samples`` correct."""
+    if not 0 <= num_correct <= num_samples:
+        raise ValueError(f"need 0 <= num_correct <= num_samples, got {num_correct}, {num_samples}")
+    if not 1 <= k <= num_samples:
+        raise ValueError(f"need 1 <= k <= num_samples ({num_samples}), got k={k}")
+    if num_samples - num_correct < k:
+        return 1.0
+    # 1 - prod_{i = n-c+1}^{n} (1 - k / i)
+    i = np.arange(num_samples - num_correct + 1, num_samples + 1, dtype=np.float64)
+    return float(1.0 - np.prod(1.0 - k / i))
+
+
+def summarize(results: Mapping[str, Sequence[Mapping]], ks: Sequence[int] = (1,)) -> dict[str, float]:
+    """Aggregate per-task sample results into evaluation metrics.
+
+    Args:
+      results: task id -> its samples, each a mapping with ``correct`` (bool) and
+        optionally ``tool_calls`` (int) and ``num_sampled_tokens`` (int).
+      ks: the k values of pass@k (each <= the samples per task).
+
+    Returns:
+      ``pass@k`` per k, ``avg@n``, ``tool_use_rate`` (fraction of samples with a tool call),
+      ``mean_response_tokens``, ``num_tasks``.
+    """
+    if not results:
+        raise ValueError("summarize: no results")
+    out: dict[str, float] = {}
+    n_per_task = {len(s) for s in results.values()}
+    n = min(n_per_task)
+    for k in ks:
+        out[f"pass@{k}"] = float(
+            np.mean([pass_at_k(len(s), sum(bool(x["correct"]) for x in s), k) for s in results.values()])
+        )
+    samples = [x for s in results.values() for x in s]
+    out[f"avg@{n}"] = float(np.mean([bool(x["correct"]) for x in samples]))
+    out["tool_use_rate"] = float(np.mean([x.get("tool_calls", 0) > 0 for x in samples]))
+    out["mean_response_tokens"] = float(np.mean([x.get("num_sampled_tokens", 0) for x in samples]))
+    out["num_tasks"] = float(len(results))
+    return out
