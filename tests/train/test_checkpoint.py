@@ -200,3 +200,53 @@ def test_resume_through_a_checkpoint_continues_the_data_and_rng_stream(tmp_path)
     resumed, resumed_final = run(7, ckpt_dir=tmp_path / "ckpt", resume=True)
     assert first_part + resumed == uninterrupted
     assert resumed_final == final
+
+
+MULTIHOST_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    pid, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid)
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from agentrl_jax.train.checkpoint import Checkpointer
+
+    sharding = NamedSharding(jax.make_mesh((jax.device_count(),), ("data",)), P("data"))
+    x = jax.make_array_from_process_local_data(sharding, np.full((jax.local_device_count(),), pid, np.float32))
+    ckpt = Checkpointer(directory)
+    step = 0
+    while step < 50:
+        step += 1
+        if pid == 0 and step == 3:
+            ckpt.request_stop()  # only host 0 is "preempted"
+        if ckpt.should_stop():
+            ckpt.save(step, {"x": x}, force=True)
+            break
+    ckpt.wait_until_finished()
+    restored = ckpt.restore_latest({"x": x})
+    ckpt.close()
+    print("stopped", step, restored.step, *sorted(float(s.data[0]) for s in restored.state["x"].addressable_shards))
+""")
+
+
+def test_two_processes_agree_to_stop_and_save_together(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "multihost.py"
+    script.write_text(MULTIHOST_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    procs = [subprocess.Popen([sys.executable, str(script), str(pid), str(port), str(tmp_path / "ckpt")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for pid in (0, 1)]
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, err[-3000:]
+            outputs.append(out.splitlines()[-1].split())  # gloo prints its own lines first
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    assert outputs == [["stopped", "3", "3", "0.0", "0.0"], ["stopped", "3", "3", "1.0", "1.0"]]
