@@ -7,7 +7,8 @@ Task formats (`load_task_records(paths, format=...)`):
                "extra_info"?: {"index": ...}}; also its flattened copies {"prompt": str, "label": ...}.
                The DAPO instruction wrapper ("Solve the following math problem step by step ... after
                \"Answer:\".") is stripped by default, because the environment states its own answer
-               format (\\boxed{}); pass `strip_instruction=False` to keep it.
+               format (\\boxed{}); pass `strip_instruction=False` to keep it. The published parquet repeats
+               each problem many times: load it with `deduplicate=True`.
   "aime"       AIME-style eval files: {"problem" | "question" | "prompt": str, "answer" | "label": str|int,
                "id" | "ID"?, other fields -> metadata}.
 
@@ -233,13 +234,16 @@ def _row_parser(formats: Mapping[str, Callable[..., Any]], name: str, options: M
 
 
 def load_task_records(paths: str | os.PathLike | Sequence[str | os.PathLike], format: str = "task",
-                      max_examples: int = 5, **options: Any) -> tuple[list[TaskRecord], DataStats]:
+                      max_examples: int = 5, deduplicate: bool = False,
+                      **options: Any) -> tuple[list[TaskRecord], DataStats]:
     """Loads task records from local files (.jsonl / .json / .parquet, dirs, globs).
 
     Args:
       paths: file(s), directories or glob patterns.
       format: one of `TASK_FORMATS` ("task", "dapo_math", "aime").
       max_examples: bad rows logged verbatim per file.
+      deduplicate: drop (and count) records with the same prompt and answer as an earlier
+        one. Use it for BytedTsinghua-SIA/DAPO-Math-17k, whose parquet repeats each problem.
       **options: format options, e.g. `strip_instruction=False` for "dapo_math".
 
     Returns:
@@ -248,10 +252,13 @@ def load_task_records(paths: str | os.PathLike | Sequence[str | os.PathLike], fo
     Raises:
       ValueError: an unknown format. DataError: no file, or a file with no good row.
     """
-    return read_records(paths, _row_parser(TASK_FORMATS, format, options), max_examples=max_examples)
+    return read_records(paths, _row_parser(TASK_FORMATS, format, options), max_examples=max_examples,
+                        deduplicate=deduplicate)
 
 
 def load_sft_records(paths: str | os.PathLike | Sequence[str | os.PathLike], format: str = "chat",
-                     max_examples: int = 5, **options: Any) -> tuple[list[SFTRecord], DataStats]:
+                     max_examples: int = 5, deduplicate: bool = False,
+                     **options: Any) -> tuple[list[SFTRecord], DataStats]:
     """Loads SFT conversations; like `load_task_records` with `SFT_FORMATS` ("chat", "retool_sft")."""
-    return read_records(paths, _row_parser(SFT_FORMATS, format, options), max_examples=max_examples)
+    return read_records(paths, _row_parser(SFT_FORMATS, format, options), max_examples=max_examples,
+                        deduplicate=deduplicate)

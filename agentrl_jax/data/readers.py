@@ -43,6 +43,7 @@ class DataStats:
       rows_read: rows seen (blank JSONL lines are not rows).
       rows_kept: rows that became records.
       bad_by_reason: skipped rows per reason, e.g. {"missing_field:prompt": 3}.
+      duplicates: good rows dropped as repeats of an earlier record (only with deduplication).
       examples: "file:line: error" for the first `max_examples` bad rows.
       max_examples: how many bad rows are logged verbatim.
     """
@@ -50,6 +51,7 @@ class DataStats:
     rows_read: int = 0
     rows_kept: int = 0
     bad_by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    duplicates: int = 0
     examples: list[str] = dataclasses.field(default_factory=list)
     max_examples: int = 5
 
@@ -73,6 +75,7 @@ class DataStats:
         """Adds `other`'s counts into this one (used to total over files)."""
         self.rows_read += other.rows_read
         self.rows_kept += other.rows_kept
+        self.duplicates += other.duplicates
         self.bad_by_reason.update(other.bad_by_reason)
         room = self.max_examples - len(self.examples)
         self.examples.extend(other.examples[: max(room, 0)])
@@ -80,14 +83,14 @@ class DataStats:
     def summary(self) -> str:
         """One line: kept/read and the skip reasons."""
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(self.bad_by_reason.items()))
-        return f"kept {self.rows_kept}/{self.rows_read} rows; skipped {self.rows_bad}" + (
-            f" ({reasons})" if reasons else ""
-        )
+        text = f"kept {self.rows_kept}/{self.rows_read} rows; skipped {self.rows_bad}" + (
+            f" ({reasons})" if reasons else "")
+        return text + (f"; dropped {self.duplicates} duplicates" if self.duplicates else "")
 
     def as_metrics(self, prefix: str = "data/") -> dict[str, int]:
         """Counts as a flat metrics dict for the metrics writer."""
         metrics = {f"{prefix}rows_read": self.rows_read, f"{prefix}rows_kept": self.rows_kept,
-                   f"{prefix}rows_bad": self.rows_bad}
+                   f"{prefix}rows_bad": self.rows_bad, f"{prefix}duplicates": self.duplicates}
         metrics.update({f"{prefix}bad/{k}": v for k, v in self.bad_by_reason.items()})
         return metrics
 
@@ -161,13 +164,16 @@ def _raw_text(row: Any) -> str:
         return repr(row)
 
 
-def read_file_records(path: str, parse_row: RowParser, max_examples: int = 5) -> tuple[list, DataStats]:
+def read_file_records(path: str, parse_row: RowParser, max_examples: int = 5,
+                      seen: set | None = None) -> tuple[list, DataStats]:
     """Reads one file; returns its records and stats.
 
     Args:
       path: a .jsonl, .json or .parquet file.
       parse_row: `(row, default_id) -> record`, raising `BadRowError` for a bad row.
       max_examples: bad rows logged verbatim.
+      seen: when given, deduplicate: records whose `dedup_key` is in `seen` are dropped
+        and counted in `stats.duplicates`; new keys are added to it.
 
     Raises:
       DataError: when the file holds no good row.
@@ -188,17 +194,34 @@ def read_file_records(path: str, parse_row: RowParser, max_examples: int = 5) ->
         except BadRowError as e:
             stats.record_bad(location, e.reason, str(e), _raw_text(row))
             continue
-        records.append(record)
         stats.record_good()
-    if not records:
+        if seen is not None:
+            key = dedup_key(record)
+            if key in seen:
+                stats.rows_kept -= 1
+                stats.duplicates += 1
+                continue
+            seen.add(key)
+        records.append(record)
+    if not records and not stats.duplicates:
         first = "; ".join(stats.examples[:3]) or "the file is empty"
         raise DataError(f"{path}: no usable rows out of {stats.rows_read} ({stats.summary()}). First errors: {first}")
     return records, stats
 
 
+def dedup_key(record: Any) -> Any:
+    """What makes two records the same: the conversation, or (prompt, answer); ids are ignored."""
+    messages = getattr(record, "messages", None)
+    return messages if messages is not None else (record.prompt, record.answer)
+
+
 def read_records(paths: str | os.PathLike | Sequence[str | os.PathLike], parse_row: RowParser,
-                 max_examples: int = 5) -> tuple[list, DataStats]:
+                 max_examples: int = 5, deduplicate: bool = False) -> tuple[list, DataStats]:
     """Reads every file in `paths` (see `resolve_paths`), in sorted order per entry.
+
+    With `deduplicate`, a record equal (`dedup_key`) to an earlier one, in any file, is
+    dropped and counted in `stats.duplicates` (DAPO-Math-17k's parquet repeats each of
+    its ~17k problems many times).
 
     Returns:
       (records in file order, totals over all files). Bad rows are logged and counted;
@@ -209,10 +232,13 @@ def read_records(paths: str | os.PathLike | Sequence[str | os.PathLike], parse_r
     """
     total = DataStats(max_examples=max_examples)
     records: list = []
+    seen: set | None = set() if deduplicate else None
     for path in resolve_paths(paths):
-        file_records, stats = read_file_records(path, parse_row, max_examples=max_examples)
+        file_records, stats = read_file_records(path, parse_row, max_examples=max_examples, seen=seen)
         records.extend(file_records)
         total.merge(stats)
         if stats.rows_bad:
             logger.warning("%s: %s", path, stats.summary())
+        elif stats.duplicates:
+            logger.info("%s: %s", path, stats.summary())
     return records, total
