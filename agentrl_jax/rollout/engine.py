@@ -1,0 +1,421 @@
+"""The rollout engine: JetStream's Engine API (prefill -> insert -> generate over slots), natively.
+
+JetStream (AI-Hypercomputer/JetStream) defined the interface that MaxText's MaxEngine
+implements; this class has the same method names and argument shapes (newest version:
+keyword-only `prefill` with `existing_prefix`, `bulk_insert` for one prefill into G slots)
+without importing `jetstream`.
+
+- `prefill` runs the prompt (or a continuation of an `existing_prefix`) through the decoder
+  with a batch-1 cache row and samples the first token(s) from its last position.
+- `insert` / `bulk_insert` copy a prefix's KV row into decode slot(s) of the `DecodeState`.
+- `generate` feeds every slot's last token, writes its k/v at the slot's length, samples
+  the next token per slot; with `num_steps=N` it runs N steps inside one jitted
+  `lax.fori_loop` and returns [N, S] results (stop checks happen on the host).
+- `extract_prefix` copies a slot's live KV row back into a `Prefix`, so a multi-turn
+  trajectory can free its slot while a tool runs and later continue with
+  `prefill(existing_prefix=...)` of only the observation tokens.
+
+All state is sharded on the mesh with the inference rule table (kv heads over `tensor`,
+slots over the data axes, weights with tensor parallelism only) and is donated through
+every jitted call. Prompt chunks are padded to power-of-two buckets; slot indices,
+lengths and sampling parameters are arrays, so none of them recompiles anything.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from agentrl_jax.models import Decoder, KVCache, param_shardings, split_params
+from agentrl_jax.rollout.result_tokens import ResultTokens
+from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, next_token_logits, request_key, sample, step_keys
+from agentrl_jax.rollout.state import (
+    DecodeState,
+    Prefix,
+    decode_state_shardings,
+    init_decode_state,
+    prefill_bucket,
+    prefix_shardings,
+)
+from agentrl_jax.sharding import Rules, inference_rules, make_mesh
+
+
+def _forward(graphdef, params, tokens, positions, cache, cache_index):
+    """Hidden states and new cache, plus the output embedding (table, layout)."""
+    model = nnx.merge(graphdef, params)
+    hidden, cache = model(tokens, positions, cache=cache, cache_index=cache_index)
+    return hidden, cache, model.output_embedding()
+
+
+def _resize_row(cache: KVCache, capacity: int) -> KVCache:
+    """Keep the first `capacity` entries of a cache row, zero-padding when it is shorter."""
+
+    def one(x):
+        have = x.shape[2]
+        if have >= capacity:
+            return x[:, :, :capacity]
+        return jnp.pad(x, ((0, 0), (0, 0), (0, capacity - have), (0, 0), (0, 0)))
+
+    return jax.tree.map(one, cache)
+
+
+class Engine:
+    """Slot-based decoding of a `Decoder` on a mesh.
+
+    Args:
+      model: the decoder (its graph and config are used; params are passed per call).
+      mesh: the device mesh (default: all devices on `data`).
+      max_concurrent_decodes: S, the number of decode slots.
+      max_target_length: M, cache entries per slot (prompt + every turn + generated).
+      max_prefill_length: the largest prompt chunk one prefill takes.
+      min_prefill_bucket: the smallest padded prefill length.
+      cache_dtype: dtype of the KV cache (default: the model's compute dtype).
+      rules: logical-axis rule table (default: `inference_rules()`).
+    """
+
+    def __init__(
+        self,
+        model: Decoder,
+        *,
+        mesh: Mesh | None = None,
+        max_concurrent_decodes: int = 8,
+        max_target_length: int = 1024,
+        max_prefill_length: int = 512,
+        min_prefill_bucket: int = 16,
+        cache_dtype: Any = None,
+        rules: Rules | None = None,
+    ):
+        for name, value in (
+            ("max_concurrent_decodes", max_concurrent_decodes),
+            ("max_target_length", max_target_length),
+            ("max_prefill_length", max_prefill_length),
+            ("min_prefill_bucket", min_prefill_bucket),
+        ):
+            if value < 1:
+                raise ValueError(f"Engine: {name} must be >= 1, got {value}")
+        self.config = model.config
+        self.graphdef, abstract = split_params(model)
+        self._param_dtype = model.param_dtype
+        self._mesh = mesh if mesh is not None else make_mesh({"data": -1})
+        self._rules = rules if rules is not None else inference_rules()
+        self._slots = max_concurrent_decodes
+        self.max_target_length = max_target_length
+        self._max_prefill = max_prefill_length
+        self._min_bucket = min(min_prefill_bucket, max_prefill_length)
+        self.cache_dtype = cache_dtype if cache_dtype is not None else model.dtype
+        self.param_shardings = param_shardings(abstract, self._mesh, self._rules)
+        self.state_shardings = decode_state_shardings(
+            self.config, self._slots, max_target_length, self.cache_dtype, self._mesh, self._rules
+        )
+        self._generate_fns: dict[int | None, Any] = {}
+        self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self.state_shardings)
+        self._deactivate = jax.jit(
+            lambda state, slots: state.replace(active=state.active.at[slots].set(False)),
+            donate_argnums=(0,),
+            out_shardings=self.state_shardings,
+        )
+        self._prefill_fns: dict[tuple, Any] = {}
+        self._extract_fns: dict[int, Any] = {}
+
+    # ---- JetStream properties -------------------------------------------------------
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self._slots
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self._max_prefill
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._mesh
+
+    # ---- params and state -------------------------------------------------------------
+
+    def load_params(self, params: nnx.State | Decoder, *, dtype: Any = None) -> nnx.State:
+        """Place params (an `nnx.State` of `nnx.Param`, or a `Decoder`) in the inference sharding.
+
+        Floating leaves are cast to `dtype` (default: the model's param dtype). This is a
+        `jax.device_put`, so weights coming from the trainer's sharding never visit the host.
+        """
+        if isinstance(params, nnx.Module):
+            params = nnx.state(params, nnx.Param)
+        dtype = dtype if dtype is not None else self._param_dtype
+
+        def cast(x):
+            return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
+
+        return jax.device_put(jax.tree.map(cast, params), self.param_shardings)
+
+    def init_decode_state(self) -> DecodeState:
+        """All slots free, materialized directly in the decode-state sharding."""
+        make = functools.partial(
+            init_decode_state, self.config, self._slots, self.max_target_length, self.cache_dtype
+        )
+        return jax.jit(make, out_shardings=self.state_shardings)()
+
+    def get_prefix_destination_sharding(self, capacity: int | None = None, num_samples: int = 1) -> Prefix:
+        """The sharding of a `Prefix` of `capacity` cache entries (JetStream API)."""
+        capacity = self._max_prefill if capacity is None else capacity
+        return prefix_shardings(self.config, capacity, num_samples, self.cache_dtype, self._mesh, self._rules)
+
+    # ---- prefill ----------------------------------------------------------------------
+
+    def prefill(
+        self,
+        *,
+        params: nnx.State,
+        existing_prefix: Prefix | None = None,
+        padded_tokens: jax.Array | np.ndarray | Sequence[int],
+        true_length: int,
+        sampler: SamplingParams | None = None,
+        num_samples: int = 1,
+    ) -> tuple[Prefix, ResultTokens]:
+        """Prefill a prompt (or extend `existing_prefix` with new tokens) and sample G first tokens.
+
+        Args:
+          params: params from `load_params`.
+          existing_prefix: a prefix to continue (multi-turn); its keys and sample counter carry
+            over, and only `padded_tokens[:true_length]` runs through the model.
+          padded_tokens: [T] int token ids; padded to a power-of-two bucket here if needed.
+          true_length: number of real tokens in `padded_tokens`.
+          sampler: sampling params of the request (default greedy). Its `seed` (default 0)
+            keys the samples unless `existing_prefix` carries keys.
+          num_samples: G samples of this prompt (a GRPO group); each gets its own key
+            `fold_in(PRNGKey(seed), g)` and its own first token.
+
+        Returns:
+          `(prefix, result)` with `result` holding the G first tokens (rows = samples).
+        """
+        sampler = sampler if sampler is not None else SamplingParams(temperature=0.0)
+        tokens = np.asarray(padded_tokens, np.int32).reshape(-1)
+        if not 1 <= true_length <= tokens.shape[0]:
+            raise ValueError(f"prefill: true_length={true_length} must be in [1, {tokens.shape[0]}]")
+        bucket = prefill_bucket(true_length, self._min_bucket, self._max_prefill)
+        tokens = np.pad(tokens[:true_length], (0, bucket - true_length))
+        start = 0 if existing_prefix is None else int(existing_prefix.length)
+        total = start + true_length
+        if total >= self.max_target_length:
+            raise ValueError(
+                f"prefill: prompt of {total} tokens (existing prefix {start} + {true_length} new) leaves "
+                f"no room to generate within max_target_length={self.max_target_length}"
+            )
+        capacity = min(prefill_bucket(total, self._min_bucket, 1 << 62), self.max_target_length)
+        if existing_prefix is None:
+            keys = jnp.stack([request_key(sampler.seed or 0, g) for g in range(num_samples)])
+            generated = jnp.zeros((num_samples,), jnp.int32)
+            old_cache = None
+        else:
+            if existing_prefix.num_samples != num_samples:
+                raise ValueError(
+                    f"prefill: existing_prefix has {existing_prefix.num_samples} samples, "
+                    f"num_samples={num_samples}; a continuation keeps its sample count"
+                )
+            keys, generated, old_cache = existing_prefix.keys, existing_prefix.generated, existing_prefix.cache
+        key = (bucket, capacity, None if old_cache is None else old_cache.k.shape[2], num_samples)
+        if key not in self._prefill_fns:
+            self._prefill_fns[key] = jax.jit(
+                functools.partial(self._prefill_impl, capacity=capacity),
+                out_shardings=(self.get_prefix_destination_sharding(capacity, num_samples), None),
+            )
+        sampling = SlotSampling.from_params(sampler, num_samples)
+        return self._prefill_fns[key](
+            params, old_cache, jnp.int32(start), jnp.asarray(tokens), jnp.int32(true_length), keys, generated, sampling
+        )
+
+    def _prefill_impl(self, params, old_cache, start, tokens, true_length, keys, generated, sampling, *, capacity):
+        if old_cache is None:
+            cache = KVCache.init(self.config, 1, capacity, self.cache_dtype)
+        else:
+            cache = _resize_row(old_cache, capacity)
+        positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        hidden, cache, (table, layout) = _forward(
+            self.graphdef, params, tokens[None], positions[None], cache, start[None]
+        )
+        last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, keepdims=True)
+        logits = next_token_logits(last, table, layout)
+        num_samples = keys.shape[0]
+        logits = jnp.broadcast_to(logits, (num_samples, logits.shape[-1]))
+        first, log_prob, truncated = sample(logits, step_keys(keys, generated), sampling)
+        prefix = Prefix(
+            cache=cache,
+            length=start + true_length,
+            first_tokens=first,
+            log_prob=log_prob,
+            truncated_log_prob=truncated,
+            keys=keys,
+            generated=generated + 1,
+            sampling=sampling,
+        )
+        ones = jnp.ones((num_samples,), jnp.int32)
+        return prefix, ResultTokens.pack(first, ones, generated + 1, log_prob, truncated)
+
+    # ---- insert -----------------------------------------------------------------------
+
+    def _insert_impl(self, prefix: Prefix, state: DecodeState, slots: jax.Array) -> DecodeState:
+        row = _resize_row(prefix.cache, min(prefix.capacity, self.max_target_length))
+        cache = state.cache
+        for g in range(slots.shape[0]):
+            cache = jax.tree.map(
+                lambda whole, part, g=g: jax.lax.dynamic_update_slice(
+                    whole, part.astype(whole.dtype), (0, slots[g], 0, 0, 0)
+                ),
+                cache,
+                row,
+            )
+
+        def put(field, values):
+            return field.at[slots].set(values)
+
+        return DecodeState(
+            cache=cache,
+            lengths=put(state.lengths, jnp.broadcast_to(prefix.length, slots.shape)),
+            last_tokens=put(state.last_tokens, prefix.first_tokens),
+            generated=put(state.generated, prefix.generated),
+            keys=put(state.keys, prefix.keys),
+            sampling=jax.tree.map(put, state.sampling, prefix.sampling),
+            active=put(state.active, True),
+        )
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
+        """Copy sample 0 of `prefix` into `slot` (the decode state is donated)."""
+        first = lambda x: x[:1]  # noqa: E731
+        single = prefix.replace(
+            first_tokens=first(prefix.first_tokens),
+            log_prob=first(prefix.log_prob),
+            truncated_log_prob=first(prefix.truncated_log_prob),
+            keys=first(prefix.keys),
+            generated=first(prefix.generated),
+            sampling=jax.tree.map(first, prefix.sampling),
+        )
+        return self._insert(single, decode_state, jnp.asarray([slot], jnp.int32))
+
+    def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
+        """Copy the G samples of one prefill into G slots: one prompt, G rollouts (GRPO)."""
+        if len(slots) != prefix.num_samples:
+            raise ValueError(
+                f"bulk_insert: {len(slots)} slots for a prefix with {prefix.num_samples} samples; "
+                "prefill with num_samples=len(slots)"
+            )
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"bulk_insert: slots must be distinct, got {list(slots)}")
+        return self._insert(prefix, decode_state, jnp.asarray(slots, jnp.int32))
+
+    def free_resource(self, slot: int, decode_state: DecodeState | None = None) -> DecodeState | None:
+        """Release `slot` (JetStream API). With the decode state, mark the slot inactive.
+
+        Nothing needs freeing on the device: a slot's cache row is overwritten by the next
+        insert. Marking it inactive stops it from reporting valid tokens.
+        """
+        if decode_state is None:
+            return None
+        return self._deactivate(decode_state, jnp.asarray([slot], jnp.int32))
+
+    def extract_prefix(self, decode_state: DecodeState, slot: int, *, length: int, generated: int) -> Prefix:
+        """A copy of `slot`'s first `length` cache entries as a 1-sample `Prefix`.
+
+        Used between turns of a trajectory: the caller keeps the prefix (device memory of
+        `length` tokens) and frees the slot; the next turn calls `prefill(existing_prefix=
+        ..., padded_tokens=[last sampled token] + observation)`.
+
+        Args:
+          length: valid entries to keep (tokens whose k/v are already in the cache).
+          generated: tokens the request has sampled so far (keeps its random stream).
+        """
+        if not 0 < length < self.max_target_length:
+            raise ValueError(f"extract_prefix: length={length} must be in (0, {self.max_target_length})")
+        capacity = min(prefill_bucket(length, self._min_bucket, 1 << 62), self.max_target_length)
+        if capacity not in self._extract_fns:
+            self._extract_fns[capacity] = jax.jit(
+                functools.partial(self._extract_impl, capacity=capacity),
+                out_shardings=self.get_prefix_destination_sharding(capacity, 1),
+            )
+        return self._extract_fns[capacity](decode_state, jnp.int32(slot), jnp.int32(length), jnp.int32(generated))
+
+    @staticmethod
+    def _extract_impl(state: DecodeState, slot, length, generated, *, capacity):
+        row = jax.tree.map(
+            lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=1)[:, :, :capacity], state.cache
+        )
+        one = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)  # noqa: E731
+        return Prefix(
+            cache=row,
+            length=length,
+            first_tokens=one(state.last_tokens),
+            log_prob=jnp.zeros((1,), jnp.float32),
+            truncated_log_prob=jnp.zeros((1,), jnp.float32),
+            keys=one(state.keys),
+            generated=generated[None],
+            sampling=jax.tree.map(one, state.sampling),
+        )
+
+    # ---- generate ---------------------------------------------------------------------
+
+    def _step(self, params, state: DecodeState) -> tuple[DecodeState, tuple]:
+        hidden, cache, (table, layout) = _forward(
+            self.graphdef, params, state.last_tokens[:, None], state.lengths[:, None], state.cache, state.lengths
+        )
+        logits = next_token_logits(hidden[:, -1], table, layout)
+        tokens, log_prob, truncated = sample(logits, step_keys(state.keys, state.generated), state.sampling)
+        valid = state.active & (state.lengths < self.max_target_length)
+        step = valid.astype(jnp.int32)
+        new_state = state.replace(
+            cache=cache,
+            lengths=state.lengths + step,
+            last_tokens=jnp.where(valid, tokens, state.last_tokens),
+            generated=state.generated + step,
+            active=valid,
+        )
+        return new_state, (tokens, valid, new_state.generated, log_prob, truncated)
+
+    def _generate_impl(self, params, state: DecodeState, *, num_steps: int | None):
+        if num_steps is None:
+            state, out = self._step(params, state)
+            return state, ResultTokens.pack(*out)
+        slots = self._slots
+        buffers = (
+            jnp.zeros((num_steps, slots), jnp.int32),
+            jnp.zeros((num_steps, slots), bool),
+            jnp.zeros((num_steps, slots), jnp.int32),
+            jnp.zeros((num_steps, slots), jnp.float32),
+            jnp.zeros((num_steps, slots), jnp.float32),
+        )
+
+        def body(i, carry):
+            state, buffers = carry
+            state, out = self._step(params, state)
+            buffers = tuple(b.at[i].set(o) for b, o in zip(buffers, out))
+            return state, buffers
+
+        state, buffers = jax.lax.fori_loop(0, num_steps, body, (state, buffers))
+        return state, ResultTokens.pack(*buffers)
+
+    def generate(
+        self, params: nnx.State, decode_state: DecodeState, *, num_steps: int | None = None
+    ) -> tuple[DecodeState, ResultTokens]:
+        """One decode step for every slot ([S] results), or `num_steps` steps in one dispatch ([N, S]).
+
+        The decode state is donated. A slot stops advancing (valid = 0) once it is inactive
+        or its cache is full; every other stop condition is checked by the caller.
+        """
+        if num_steps is not None and num_steps < 1:
+            raise ValueError(f"generate: num_steps must be >= 1, got {num_steps}")
+        if num_steps not in self._generate_fns:
+            self._generate_fns[num_steps] = jax.jit(
+                functools.partial(self._generate_impl, num_steps=num_steps),
+                donate_argnums=(1,),
+                out_shardings=(self.state_shardings, None),
+            )
+        return self._generate_fns[num_steps](params, decode_state)

@@ -1,0 +1,38 @@
+"""Tiny decoder and helpers shared by the rollout tests."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from agentrl_jax.models import Decoder, DecoderConfig
+
+TINY = DecoderConfig(
+    architecture="qwen3",
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=8,
+    qk_norm=True,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+)
+ENGINE_KW = dict(max_concurrent_decodes=4, max_target_length=64, max_prefill_length=32, min_prefill_bucket=16)
+
+
+def make_model(seed: int = 0) -> Decoder:
+    """A float32 tiny Qwen3 whose weights are scaled up so the logits are far from uniform."""
+    model = Decoder(TINY, rngs=nnx.Rngs(seed))
+    graphdef, state = nnx.split(model)
+
+    state = jax.tree_util.tree_map_with_path(lambda path, x: x if "norm" in jax.tree_util.keystr(path) else x * 15.0, state)
+    return nnx.merge(graphdef, state)
+
+
+def teacher_forced(model, tokens):
+    """float32 [T, V] logits of a full forward pass over one sequence (no cache)."""
+    tokens = jnp.asarray(tokens, jnp.int32)[None]
+    hidden, _ = model(tokens, jnp.arange(tokens.shape[1])[None])
+    return hidden
