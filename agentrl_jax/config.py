@@ -133,8 +133,28 @@ def _require(cond: bool, path: str, msg: str) -> None:
 
 
 @dataclass(frozen=True)
+class ScratchModelConfig(_Section):
+    """A tiny model trained from scratch (used when model.path is empty)."""
+
+    architecture: Literal["llama", "qwen2", "qwen3"] = _f("qwen3", "Decoder variant.")
+    vocab_size: int = _f(384, "Tokenizer vocabulary, trained on the environment's corpus.")
+    hidden_size: int = _f(128, "Model width D.")
+    intermediate_size: int = _f(384, "SwiGLU width.")
+    num_layers: int = _f(4, "Decoder layers.")
+    num_heads: int = _f(4, "Query heads.")
+    num_kv_heads: int = _f(2, "KV heads (GQA).")
+    head_dim: int = _f(32, "Width of one head.")
+
+    def validate(self) -> None:
+        _require(self.num_heads % self.num_kv_heads == 0, self._path("num_kv_heads"),
+                 f"({self.num_kv_heads}) must divide model.scratch.num_heads ({self.num_heads})")
+        _require(self.vocab_size >= 300, self._path("vocab_size"),
+                 "must be >= 300 (256 byte symbols + special tokens + merges)")
+
+
+@dataclass(frozen=True)
 class ModelConfig(_Section):
-    path: str = _f("", "Local HF checkpoint directory of the policy (config.json + safetensors).")
+    path: str = _f("", "Local HF checkpoint directory of the policy; empty: train model.scratch from scratch.")
     tokenizer_path: str = _f("", "Local HF tokenizer directory; empty: the model path.")
     reference_path: str = _f("", "Checkpoint of the frozen reference; empty: the initial policy.")
     compute_dtype: DType = _f("bfloat16", "Activation / matmul dtype.")
@@ -144,6 +164,7 @@ class ModelConfig(_Section):
         "auto", "jax.nn.dot_product_attention implementation; auto lets JAX pick."
     )
     remat: Literal["none", "full", "dots_saveable"] = _f("full", "Rematerialization policy per layer.")
+    scratch: ScratchModelConfig = _section(ScratchModelConfig, "Tiny from-scratch model (when path is empty).")
 
 
 @dataclass(frozen=True)
@@ -292,16 +313,23 @@ class EnvironmentConfig(_Section):
     max_tool_calls: int = _f(3, "Interpreter calls per episode.")
     max_observation_tokens: int = _f(256, "Tokens of one interpreter answer (truncated with a marker).")
     system_prompt: str = _f("", "System message; empty: the environment's default.")
-    reward_correct: float = _f(1.0, "Outcome reward for a verified answer.")
-    reward_wrong: float = _f(0.0, "Outcome reward otherwise (ReTool uses -1).")
+    outcome_scheme: Literal["pm1", "binary"] = _f("pm1", "Outcome reward: +1/-1 (ReTool) or 1/0.")
     format_weight: float = _f(0.0, "Weight of the format reward.")
     tool_weight: float = _f(0.0, "Weight of the (capped) tool-call shaping.")
     overlong_buffer: int = _f(0, "DAPO overlong shaping buffer in tokens (0: off).")
+    min_digits: int = _f(2, "arithmetic: smallest operand width of generated tasks.")
+    max_digits: int = _f(4, "arithmetic: largest operand width of generated tasks.")
+    num_train_tasks: int = _f(4000, "arithmetic: generated training tasks (when data.train_path is empty).")
+    num_eval_tasks: int = _f(200, "arithmetic: generated held-out tasks (when data.eval_path is empty).")
+    demo_tool_fraction: float = _f(0.5, "arithmetic SFT: fraction of demonstrations that call the tool.")
     sandbox: SandboxConfig = _section(SandboxConfig, "The code-execution sandbox.")
 
     def validate(self) -> None:
         _require(self.max_turns >= 1, self._path("max_turns"), "must be >= 1")
         _require(self.max_tool_calls >= 0, self._path("max_tool_calls"), "must be >= 0")
+        _require(1 <= self.min_digits <= self.max_digits, "environment.min_digits/max_digits",
+                 f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
+        _require(0 <= self.demo_tool_fraction <= 1, self._path("demo_tool_fraction"), "must be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -396,6 +424,7 @@ class Config(_Section):
 
 _SECTION_NAMES = {
     "ModelConfig": "model",
+    "ScratchModelConfig": "model.scratch",
     "MeshConfig": "mesh",
     "RolloutConfig": "rollout",
     "AlgorithmConfig": "algorithm",

@@ -1,0 +1,149 @@
+"""Supervised cold start on multi-turn tool-use conversations, with the RL masks.
+
+A conversation is laid out exactly like an RL trajectory of the agent loop, so SFT and
+RL see the same token boundaries:
+
+    prompt      = chat template of the messages before the first assistant message,
+                  with the generation prompt (loss_mask 0)
+    assistant   = tokenize(content)                          (loss_mask 1)
+    tool / interpreter output = tokenize(content), inline in the same assistant turn
+                                                             (loss_mask 0)
+    end         = the end-of-turn token                      (loss_mask 1)
+
+The loss is the token-mean negative log-likelihood of the masked tokens: the REINFORCE
+loss with advantage 1 on loss tokens, through the same jitted update as RL.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentrl_jax.losses import global_normalizer
+from agentrl_jax.train.batch import TokenRecord, build_batch
+from agentrl_jax.train.step import LossSettings, TrainState, update_step
+
+logger = logging.getLogger(__name__)
+
+OBSERVATION_ROLES = ("tool", "interpreter", "ipython", "observation")
+
+
+def conversation_to_record(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> TokenRecord:
+    """Token ids and loss mask of one conversation (see the module docstring).
+
+    Args:
+      tokenizer: an ``agentrl_jax.models.tokenizer.Tokenizer``.
+      messages: role/content dicts; at least one assistant message.
+    Raises:
+      ValueError: naming the problem when there is no assistant message or a role is unknown.
+    """
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if first is None:
+        raise ValueError("SFT conversation has no assistant message")
+    ids = list(tokenizer.apply_chat(list(messages[:first]), add_generation_prompt=True))
+    mask = [0] * len(ids)
+    for m in messages[first:]:
+        role = m["role"]
+        if role == "assistant":
+            piece, flag = tokenizer.encode(m["content"]), 1
+        elif role in OBSERVATION_ROLES:
+            piece, flag = tokenizer.encode(m["content"]), 0
+        else:
+            raise ValueError(
+                f"SFT conversation: role {role!r} after the first assistant message; "
+                f"expected assistant or one of {OBSERVATION_ROLES}"
+            )
+        ids += piece
+        mask += [flag] * len(piece)
+    end = tokenizer.eos_token_ids[0]
+    ids.append(end)
+    mask.append(1)
+    n = len(ids)
+    return TokenRecord(ids, mask, [0.0] * n, [-1] * n, [float(x) for x in mask])
+
+
+def sft_settings(chunk_size: int = 1024) -> LossSettings:
+    """NLL on loss tokens: REINFORCE with advantage 1, token-mean, packed rows."""
+    return LossSettings(loss="reinforce", aggregation="token-mean", chunk_size=chunk_size, packed=True)
+
+
+def batch_arrays(batch, *, old_logprobs=None) -> dict[str, jax.Array]:
+    """The device arrays the update consumes, from a TrainBatch."""
+    arrays = {
+        name: jnp.asarray(getattr(batch, name))
+        for name in (
+            "input_ids",
+            "positions",
+            "segment_ids",
+            "targets",
+            "loss_mask",
+            "advantages",
+            "rollout_logprobs",
+            "sequence_ids",
+        )
+    }
+    arrays["old_logprobs"] = jnp.zeros_like(arrays["loss_mask"]) if old_logprobs is None else old_logprobs
+    return arrays
+
+
+def run_sft(
+    state: TrainState,
+    *,
+    graphdef: Any,
+    optimizer: Any,
+    records: Sequence[TokenRecord],
+    steps: int,
+    batch_size: int,
+    row_length: int,
+    seed: int,
+    metrics_writer: Any = None,
+    log_prefix: str = "sft/",
+) -> tuple[TrainState, list[dict[str, float]]]:
+    """SFT for ``steps`` updates on shuffled batches of ``batch_size`` conversations.
+
+    Rows are packed to ``row_length`` and the row count is rounded to a power of two so
+    the update compiles for few shapes.
+    """
+    if not records:
+        raise ValueError("run_sft: no SFT records")
+    rng = np.random.default_rng(seed)
+    settings = sft_settings()
+    compiled: dict[int, Any] = {}
+    history = []
+    order = rng.permutation(len(records))
+    cursor = 0
+    for step in range(steps):
+        if cursor + batch_size > len(order):
+            order, cursor = rng.permutation(len(records)), 0
+        chosen = [records[i] for i in order[cursor : cursor + batch_size]]
+        cursor += batch_size
+        batch = build_batch(chosen, pack=True, row_length=row_length)
+        rows = 1 << max(0, (batch.shape[0] - 1).bit_length())
+        batch = build_batch(chosen, pack=True, row_length=row_length, row_multiple=rows)
+        arrays = batch_arrays(batch)
+        if rows not in compiled:
+            compiled[rows] = jax.jit(
+                functools.partial(
+                    update_step,
+                    graphdef=graphdef,
+                    optimizer=optimizer,
+                    settings=settings,
+                    num_micro_batches=1,
+                    num_sequences=len(chosen),
+                ),
+                donate_argnums=(0,),
+            )
+        normalizer = global_normalizer(arrays["loss_mask"], "token-mean")
+        state, metrics = compiled[rows](state, arrays, normalizer)
+        scalars = {f"{log_prefix}{k}": float(v) for k, v in metrics.items()
+                   if k in ("loss", "grad_norm", "update_norm", "skipped", "entropy")}
+        history.append(scalars)
+        if metrics_writer is not None:
+            metrics_writer.write(step, scalars)
+    return state, history
