@@ -49,7 +49,7 @@ def test_hand_computed_uniform_and_peaked():
     np.testing.assert_allclose(entropy, [[-(0.25 * np.log(0.25) + 0.75 * np.log(0.75))]], rtol=1e-6)
 
 
-@pytest.mark.parametrize("chunk_size", [1, 3, 5, 14, 100])
+@pytest.mark.parametrize("chunk_size", [5, 14, 100])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_matches_numpy_float64(chunk_size, temperature):
     with enable_x64(True):
