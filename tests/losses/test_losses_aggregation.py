@@ -75,8 +75,6 @@ def test_micro_batched_gradient_equals_full_batch(mode, name):
         micro_grads.append(g)
     np.testing.assert_allclose(micro_loss, full_loss, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(jnp.concatenate(micro_grads), full_grad, rtol=1e-6, atol=1e-8)
-    # and the whole thing equals the NumPy aggregation of the NumPy-free per-token loss
-    assert np.isfinite(float(full_loss))
 
 
 @pytest.mark.parametrize("mode", AGGREGATIONS)
