@@ -73,26 +73,46 @@ def layer_param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...],
     return specs
 
 
-def _init_param(rngs: nnx.Rngs, shape, axes, dtype, ones: bool) -> nnx.Param:
-    if ones:
-        value = jnp.ones(shape, dtype)
-    else:
-        value = (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, logical_axes=tuple(axes))
+@functools.partial(jax.jit, static_argnames=("shapes", "dtype"))
+def _init_values(key: jax.Array, shapes: tuple[tuple[str, tuple[int, ...], str], ...], dtype) -> dict:
+    """All initial weights in one compiled call: N(0, 0.02^2) matrices, ones (norms), zeros (biases).
+
+    The normals come from an RBG key seeded with the raw bits of ``key``: XLA compiles
+    RngBitGenerator several times faster than threefry on CPU (13 s vs 3 s for a tiny model).
+    """
+    bits = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
+    key = jax.random.wrap_key_data(jnp.resize(bits, (4,)) ^ jnp.arange(4, dtype=jnp.uint32), impl="rbg")
+    out = {}
+    for i, (name, shape, kind) in enumerate(shapes):
+        if kind == "ones":
+            out[name] = jnp.ones(shape, dtype)
+        elif kind == "zeros":
+            out[name] = jnp.zeros(shape, dtype)
+        else:
+            normal = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+            out[name] = (0.02 * normal).astype(dtype)
+    return out
+
+
+def param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], str]]:
+    """Every param: name ("layers/wq" for stacked ones) -> (shape, logical axes, init kind)."""
+    V, D, L = config.vocab_size, config.hidden_size, config.num_layers
+    specs = {"embed": ((V, D), ("vocab", "embed"), "normal")}
+    for name, (shape, axes) in layer_param_specs(config).items():
+        kind = "ones" if name.endswith("norm") else "zeros" if name.startswith("b") else "normal"
+        specs[f"layers/{name}"] = ((L, *shape), ("layers", *axes), kind)
+    specs["final_norm"] = ((D,), ("norm",), "ones")
+    if not config.tie_word_embeddings:
+        specs["lm_head"] = ((D, V), ("embed", "vocab"), "normal")
+    return specs
 
 
 class DecoderLayers(nnx.Module):
     """The stacked weights of all L layers (each attribute is ``[L, ...]``)."""
 
-    def __init__(self, config: DecoderConfig, param_dtype, rngs: nnx.Rngs):
-        L = config.num_layers
-        for name, (shape, axes) in layer_param_specs(config).items():
-            is_norm = name.endswith("norm")
-            if name.startswith("b"):
-                param = nnx.Param(jnp.zeros((L, *shape), param_dtype), logical_axes=("layers", *axes))
-            else:
-                param = _init_param(rngs, (L, *shape), ("layers", *axes), param_dtype, is_norm)
-            setattr(self, name, param)
+    def __init__(self, config: DecoderConfig, values: dict[str, nnx.Param]):
+        for name in layer_param_specs(config):
+            setattr(self, name, values[f"layers/{name}"])
 
     def stacked(self, config: DecoderConfig) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...] for name in layer_param_specs(config)}
@@ -132,12 +152,15 @@ class Decoder(nnx.Module):
         self.param_dtype = param_dtype
         self.attention_impl = attention_impl
         self.remat = remat
-        V, D = config.vocab_size, config.hidden_size
-        self.embed = _init_param(rngs, (V, D), ("vocab", "embed"), param_dtype, False)
-        self.layers = DecoderLayers(config, param_dtype, rngs)
-        self.final_norm = nnx.Param(jnp.ones((D,), param_dtype), logical_axes=("norm",))
+        specs = param_specs(config)
+        init = tuple((name, shape, kind) for name, (shape, _, kind) in specs.items())
+        values = _init_values(rngs.params(), init, jnp.dtype(param_dtype))
+        params = {name: nnx.Param(values[name], logical_axes=axes) for name, (_, axes, _) in specs.items()}
+        self.embed = params["embed"]
+        self.layers = DecoderLayers(config, params)
+        self.final_norm = params["final_norm"]
         if not config.tie_word_embeddings:
-            self.lm_head = _init_param(rngs, (D, V), ("embed", "vocab"), param_dtype, False)
+            self.lm_head = params["lm_head"]
 
     def __call__(
         self,
