@@ -122,6 +122,7 @@ class Engine:
             out_shardings=self.state_shardings,
         )
         self._prefill_fns: dict[tuple, Any] = {}
+        self._init_state = None
         self._extract_fns: dict[int, Any] = {}
 
     # ---- JetStream properties -------------------------------------------------------
@@ -161,10 +162,12 @@ class Engine:
 
     def init_decode_state(self) -> DecodeState:
         """All slots free, materialized directly in the decode-state sharding."""
-        make = functools.partial(
-            init_decode_state, self.config, self._slots, self.max_target_length, self.cache_dtype
-        )
-        return jax.jit(make, out_shardings=self.state_shardings)()
+        if self._init_state is None:
+            make = functools.partial(
+                init_decode_state, self.config, self._slots, self.max_target_length, self.cache_dtype
+            )
+            self._init_state = jax.jit(make, out_shardings=self.state_shardings)
+        return self._init_state()
 
     def get_prefix_destination_sharding(self, capacity: int | None = None, num_samples: int = 1) -> Prefix:
         """The sharding of a `Prefix` of `capacity` cache entries (JetStream API)."""

@@ -1,0 +1,154 @@
+"""Driver: continuous batching, stops, groups, sessions, weight updates, error propagation."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from rollout_helpers import make_model, teacher_forced
+
+from agentrl_jax.rollout.driver import Driver
+from agentrl_jax.rollout.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = [3, 17, 42, 8, 99, 5, 60]
+
+
+def greedy_reference(model, prompt, n):
+    """n greedy tokens by repeated full forward passes (no cache)."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(np.argmax(np.asarray(model.logits(teacher_forced(model, seq))[0, -1]))))
+    return seq[len(prompt) :]
+
+
+def drive(engine, params, coro_fn, **kw):
+    async def main():
+        async with Driver(engine, params, steps_per_dispatch=4, **kw) as driver:
+            return await coro_fn(driver)
+
+    return asyncio.run(main())
+
+
+def test_continuous_batching_more_requests_than_slots(engine, tiny_model):
+    prompts = [PROMPT, [1, 2, 3], list(range(10, 30)), [77] * 5, [5, 4, 3, 2, 1], [9, 8]]
+    budgets = [9, 3, 6, 1, 7, 5]
+
+    async def run(driver):
+        return await asyncio.gather(
+            *(driver.generate(p, GREEDY, max_new_tokens=m) for p, m in zip(prompts, budgets))
+        )
+
+    completions = drive(engine, tiny_model, run)
+    for prompt, budget, completion in zip(prompts, budgets, completions):
+        assert completion.finish_reason == "length"
+        assert completion.token_ids == greedy_reference(tiny_model, prompt, budget)
+        assert completion.params_versions == [0] * budget
+        assert completion.prompt_length == len(prompt)
+
+
+def test_stop_token_ids_and_stop_strings_keep_the_stop(engine, tiny_model):
+    ref = greedy_reference(tiny_model, PROMPT, 9)
+    stop_id = ref[4]
+    first = ref.index(stop_id)
+    detok = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731
+    stop_string = f"{ref[5]}><{ref[6]}>"  # spans two tokens
+
+    async def run(driver):
+        by_id = await driver.generate(PROMPT, GREEDY, stop_token_ids=[stop_id], max_new_tokens=9)
+        by_string = await driver.generate(PROMPT, GREEDY, stop_strings=["never", stop_string], max_new_tokens=9)
+        by_eos = await driver.generate(PROMPT, GREEDY, max_new_tokens=9)
+        return by_id, by_string, by_eos
+
+    by_id, by_string, by_eos = drive(engine, tiny_model, run, detokenize=detok, eos_token_ids=[ref[7]])
+    assert by_id.token_ids == ref[: first + 1] and by_id.finish_reason == "stop" and by_id.stop == stop_id
+    assert by_string.token_ids[-2:] == ref[5:7] and by_string.stop == stop_string
+    assert by_string.token_ids == ref[: len(by_string.token_ids)]
+    assert by_eos.token_ids == ref[: ref.index(ref[7]) + 1] and by_eos.finish_reason == "stop"
+
+
+def test_group_prefill_gives_independent_samples(engine, tiny_model):
+    sampler = SamplingParams(temperature=1.0, seed=21)
+
+    async def run(driver):
+        group = await driver.generate_group(PROMPT, 4, sampler, max_new_tokens=6)
+        lone = await driver.generate(PROMPT, sampler, max_new_tokens=6)
+        return group, lone
+
+    group, lone = drive(engine, tiny_model, run)
+    assert len(group) == 4 and all(len(c.token_ids) == 6 for c in group)
+    assert len({tuple(c.token_ids) for c in group}) > 1
+    assert group[0].token_ids == lone.token_ids
+    np.testing.assert_allclose(group[0].logprobs, lone.logprobs, atol=1e-6)
+
+
+def test_session_extends_its_own_prefix(engine, tiny_model):
+    observation = [70, 71, 72, 73]
+
+    async def run(driver):
+        session = driver.session()
+        turn1 = await driver.generate(PROMPT, GREEDY, max_new_tokens=5, session=session)
+        cached = session.num_cached_tokens
+        turn2 = await driver.generate(observation, GREEDY, max_new_tokens=6, session=session)
+        session.close()
+        scratch = await driver.generate(PROMPT + turn1.token_ids + observation, GREEDY, max_new_tokens=6)
+        return turn1, cached, turn2, scratch
+
+    turn1, cached, turn2, scratch = drive(engine, tiny_model, run)
+    assert cached == len(PROMPT) + len(turn1.token_ids) - 1
+    assert turn2.prompt_length == len(observation)
+    assert turn2.token_ids == scratch.token_ids
+    np.testing.assert_allclose(turn2.logprobs, scratch.logprobs, atol=1e-5)
+
+
+def test_update_params_new_weights_and_versions(engine, tiny_model):
+    other = make_model(1)
+
+    async def run(driver):
+        before = await driver.generate(PROMPT, GREEDY, max_new_tokens=5)
+        await driver.update_params(other, version=1)
+        after = await driver.generate(PROMPT, GREEDY, max_new_tokens=5)
+        in_flight = asyncio.ensure_future(driver.generate(PROMPT, GREEDY, max_new_tokens=40))
+        await asyncio.sleep(0)
+        await driver.update_params(tiny_model, version=2)
+        mixed = await in_flight
+        drained_task = asyncio.ensure_future(driver.generate(PROMPT, GREEDY, max_new_tokens=20))
+        await asyncio.sleep(0)
+        await driver.update_params(other, version=3, drain=True)
+        drained = await drained_task
+        return before, after, mixed, drained
+
+    before, after, mixed, drained = drive(engine, tiny_model, run)
+    assert before.token_ids == greedy_reference(tiny_model, PROMPT, 5) and before.params_version == 0
+    assert after.token_ids == greedy_reference(other, PROMPT, 5)
+    assert after.params_versions == [1] * 5
+    assert mixed.params_versions == sorted(mixed.params_versions)
+    assert {1, 2} <= set(mixed.params_versions), mixed.params_versions
+    assert drained.params_versions == [2] * 20
+
+
+def test_too_long_prompt_fails_that_request_only(engine, tiny_model):
+    async def run(driver):
+        with pytest.raises(ValueError, match="max_target_length"):
+            await driver.generate(list(range(64)), GREEDY)
+        return await driver.generate(PROMPT, GREEDY, max_new_tokens=2)
+
+    assert drive(engine, tiny_model, run).token_ids == greedy_reference(tiny_model, PROMPT, 2)
+
+
+def test_exception_in_loop_reaches_every_caller(engine, tiny_model):
+    def broken_detokenize(ids):
+        raise KeyError("tokenizer exploded")
+
+    async def run(driver):
+        results = await asyncio.gather(
+            driver.generate(PROMPT, GREEDY, max_new_tokens=8),
+            driver.generate(PROMPT, GREEDY, max_new_tokens=8, stop_strings=["x"]),
+            return_exceptions=True,
+        )
+        with pytest.raises(RuntimeError, match="loop failed") as info:
+            await driver.generate(PROMPT, GREEDY)
+        return results, info.value.__cause__
+
+    results, cause = drive(engine, tiny_model, run, detokenize=broken_detokenize)
+    assert all(isinstance(r, KeyError) for r in results), results
+    assert isinstance(cause, KeyError)
