@@ -110,8 +110,12 @@ def train_tiny_tokenizer(
     vocab_size: int,
     *,
     chat_template: str = QWEN_CHAT_TEMPLATE,
+    individual_digits: bool = False,
 ) -> str:
     """Train a byte-level BPE tokenizer and save it as a transformers tokenizer directory.
+
+    With ``individual_digits`` every digit is its own token (as in Llama 3 and Qwen), which
+    makes copying and arithmetic over numbers learnable by tiny models.
 
     The special tokens are ChatML's (``<|endoftext|>`` id 0, ``<|im_start|>`` id 1,
     ``<|im_end|>`` id 2); eos is ``<|im_end|>``, pad is ``<|endoftext|>``.
@@ -123,7 +127,13 @@ def train_tiny_tokenizer(
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if individual_digits:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -144,8 +154,8 @@ def train_tiny_tokenizer(
     config_path = os.path.join(out, "tokenizer_config.json")
     with open(config_path) as f:
         tok_config = json.load(f)
-    if "chat_template" not in tok_config and not os.path.exists(os.path.join(out, "chat_template.jinja")):
-        tok_config["chat_template"] = chat_template
-        with open(config_path, "w") as f:
-            json.dump(tok_config, f, indent=2)
+    # transformers 5 writes the template to chat_template.jinja; 4.x reads it from here.
+    tok_config["chat_template"] = chat_template
+    with open(config_path, "w") as f:
+        json.dump(tok_config, f, indent=2)
     return out

@@ -1,0 +1,171 @@
+"""The generic agent loop: the rollout driver decodes, the environment answers.
+
+One episode (ReTool layout: the whole response is one assistant turn in which tool
+outputs appear inline):
+
+    ids = chat_template(env.reset(task)) + generation prompt          loss_mask 0
+    repeat:
+        completion = await driver.generate(new ids, session=s, stop at env.stop_strings / eos)
+        ids += completion.token_ids                                    loss_mask 1
+        step = await env.step(decode(completion.token_ids))
+        if step.done: break
+        ids += tokenize(step.observation_text)                         loss_mask 0
+
+Invariants (DESIGN.md section 1): sampled ids enter the trajectory exactly as the engine
+produced them, with the engine's logprobs and params versions; observation text is
+tokenized once, when appended; nothing is detokenized and tokenized again for training.
+The driver session keeps the trajectory's KV cache between turns, so earlier turns are
+never prefilled again.
+
+Failures: an environment whose ``step`` raises ends its episode with
+``finish_reason="error"`` and reward 0 (logged and counted in ``env_errors``); a driver
+error propagates, because it means the engine is unusable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from agentrl_jax.envs.base import Environment, ToolStats, Trajectory
+from agentrl_jax.rollout.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AgentLoop:
+    """Runs episodes of any ``Environment`` through a rollout ``Driver``.
+
+    Args:
+      driver: ``agentrl_jax.rollout.driver.Driver``.
+      tokenizer: ``agentrl_jax.models.tokenizer.Tokenizer``.
+      max_new_tokens_per_turn: decoding budget of one policy turn.
+      max_total_tokens: the whole trajectory (prompt + turns + observations) must fit
+        the engine's cache; the episode ends with "max_tokens" before it would not.
+    """
+
+    def __init__(self, driver: Any, tokenizer: Any, *, max_new_tokens_per_turn: int, max_total_tokens: int):
+        self.driver = driver
+        self.tokenizer = tokenizer
+        self.max_new_tokens_per_turn = max_new_tokens_per_turn
+        self.max_total_tokens = max_total_tokens
+        self.env_errors = 0
+
+    async def run_group(
+        self,
+        env_factory: Callable[[], Environment],
+        task: dict[str, Any],
+        num_samples: int,
+        sampling: SamplingParams,
+        *,
+        group_id: int = 0,
+    ) -> list[Trajectory]:
+        """``num_samples`` episodes of one task, concurrently (a GRPO group)."""
+        base_seed = sampling.seed if sampling.seed is not None else 0
+        episodes = [
+            self.run_episode(
+                env_factory(),
+                task,
+                SamplingParams(
+                    temperature=sampling.temperature,
+                    top_k=sampling.top_k,
+                    top_p=sampling.top_p,
+                    seed=(base_seed * 7919 + i) & 0x7FFFFFFF,
+                ),
+                group_id=group_id,
+            )
+            for i in range(num_samples)
+        ]
+        return list(await asyncio.gather(*episodes))
+
+    async def run_episode(
+        self, env: Environment, task: dict[str, Any], sampling: SamplingParams, *, group_id: int = 0
+    ) -> Trajectory:
+        tok = self.tokenizer
+        messages = await env.reset(task)
+        prompt = list(tok.apply_chat(messages, add_generation_prompt=True))
+        ids: list[int] = list(prompt)
+        mask: list[int] = [0] * len(prompt)
+        logprobs: list[float] = [0.0] * len(prompt)
+        versions: list[int] = [-1] * len(prompt)
+        turns: list[dict[str, str]] = list(messages)
+        session = self.driver.session()
+        pending: Sequence[int] = prompt
+        reward, components, finish, info = 0.0, {}, "", {}
+        tool_stats = ToolStats()
+        takes_token_count = "num_sampled_tokens" in inspect.signature(env.step).parameters
+        try:
+            while True:
+                budget = min(self.max_new_tokens_per_turn, self.max_total_tokens - len(ids) - 1)
+                if budget < 1:
+                    finish = "max_tokens"
+                    break
+                completion = await self.driver.generate(
+                    pending,
+                    sampling,
+                    stop_token_ids=tok.eos_token_ids,
+                    stop_strings=env.stop_strings,
+                    max_new_tokens=budget,
+                    session=session,
+                )
+                ids += completion.token_ids
+                mask += [1] * len(completion.token_ids)
+                logprobs += list(completion.logprobs)
+                versions += list(completion.params_versions)
+                text = tok.decode(completion.token_ids, skip_special_tokens=True)
+                turns.append({"role": "assistant", "content": text})
+                try:
+                    if takes_token_count:
+                        step = await env.step(text, num_sampled_tokens=int(sum(mask)))
+                    else:
+                        step = await env.step(text)
+                except Exception as e:  # noqa: BLE001  (a broken env ends its episode, not the run)
+                    self.env_errors += 1
+                    logger.warning("environment step failed for task %r: %r", task.get("id", task.get("question")), e)
+                    finish, reward = "error", 0.0
+                    break
+                info = step.info
+                if step.done:
+                    reward = float(step.reward)
+                    components = dict(info.get("reward_components", {}))
+                    if "correct" in info:
+                        components["correct"] = float(bool(info["correct"]))
+                    finish = info.get("finish_reason", "done")
+                    break
+                observation = tok.encode(step.observation_text)
+                turns.append({"role": "tool", "content": step.observation_text})
+                if len(ids) + len(observation) + 1 >= self.max_total_tokens:
+                    finish = "max_tokens"
+                    break
+                ids += observation
+                mask += [0] * len(observation)
+                logprobs += [0.0] * len(observation)
+                versions += [-1] * len(observation)
+                pending = observation
+        finally:
+            session.close()
+            await env.close()
+        stats = info.get("tool_stats") if isinstance(info, dict) else None
+        if isinstance(stats, dict):
+            tool_stats = ToolStats(**{k: int(stats.get(k, 0)) for k in ("calls", "errors", "timeouts")})
+        elif getattr(env, "tool_stats", None) is not None:
+            tool_stats = env.tool_stats
+        return Trajectory(
+            prompt_token_ids=np.asarray(prompt, np.int32),
+            token_ids=np.asarray(ids, np.int32),
+            loss_mask=np.asarray(mask, np.int8),
+            rollout_logprobs=np.asarray(logprobs, np.float32),
+            params_versions=np.asarray(versions, np.int32),
+            turns=turns,
+            reward=reward,
+            reward_components=components,
+            tool_stats=tool_stats,
+            finish_reason=finish,
+            group_id=group_id,
+            task_metadata={k: v for k, v in task.items() if k != "question"},
+        )

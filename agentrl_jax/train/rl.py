@@ -1,0 +1,333 @@
+"""The RL trainer: agent rollouts -> rewards -> advantages -> jitted updates -> weight sync.
+
+One step (DESIGN.md section 1):
+
+    prompts (checkpointable iterator)
+      -> G trajectories per prompt through the rollout driver and the environment,
+         all in flight at once (continuous batching, tool calls in the sandbox pool)
+      -> rewards from the environment's verifier (+ shaping)
+      -> advantages from the registry (config algorithm.advantage)
+      -> TrainBatch (token ids exactly as sampled) -> old / reference logprobs on the mesh
+      -> ppo_epochs x minibatches of jitted updates (micro-batch accumulation)
+      -> weight sync to the engine (device_put, a new params version)
+      -> metrics, evaluation, checkpoint
+
+``train(config)`` runs the whole job: the optional SFT cold start, an evaluation of the
+starting policy, RL, a final evaluation, and a results table (start vs end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentrl_jax.config import Config, to_dict
+from agentrl_jax.envs.agent_loop import AgentLoop
+from agentrl_jax.envs.base import Trajectory
+from agentrl_jax.losses import get_advantage, global_normalizer
+from agentrl_jax.rollout.sampling import SamplingParams
+from agentrl_jax.train.batch import TokenRecord, build_batch
+from agentrl_jax.train.evaluation import summarize
+from agentrl_jax.train.sft import batch_arrays, conversation_to_record, run_sft
+from agentrl_jax.train.step import (
+    LossSettings,
+    forward_logprobs,
+    init_train_state,
+    make_optimizer,
+    update_step,
+)
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def loss_settings(config: Config) -> LossSettings:
+    """The static objective of the update, from the algorithm config."""
+    a = config.algorithm
+    hparams: dict[str, Any] = {}
+    if a.loss in ("ppo", "gspo", "gspo_token"):
+        hparams.update(eps_low=a.eps_low, eps_high=a.eps_high)
+    if a.loss == "ppo" and a.dual_clip:
+        hparams["dual_clip"] = a.dual_clip
+    if a.loss == "cispo":
+        hparams["eps_max"] = a.eps_high
+    correction_hparams: dict[str, Any] = {}
+    if a.correction in ("tis", "mis"):
+        correction_hparams = {"cap": a.correction_cap, "level": a.correction_level}
+    elif a.correction == "icepop":
+        correction_hparams = {"low": a.correction_floor, "high": a.correction_cap, "level": a.correction_level}
+    return LossSettings(
+        loss=a.loss,
+        hparams=tuple(sorted(hparams.items())),
+        aggregation=a.aggregation,
+        temperature=config.rollout.temperature,
+        kl_coef=a.kl_coef,
+        kl_kind=a.kl_estimator,
+        entropy_coef=a.entropy_coef,
+        correction=a.correction,
+        correction_hparams=tuple(sorted(correction_hparams.items())),
+    )
+
+
+def trajectory_record(t: Trajectory) -> TokenRecord:
+    return TokenRecord(
+        t.token_ids.tolist(), t.loss_mask.tolist(), t.rollout_logprobs.tolist(), t.params_versions.tolist()
+    )
+
+
+def compute_advantages(config: Config, batch, rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
+    """Per-token advantages [R, T] of a padded batch (one trajectory per row)."""
+    rows = batch.shape[0]
+    n = len(rewards)
+    num_groups = int(group_ids.max()) + 2 if n else 1
+    # Padding rows get their own (last) group and reward 0; their loss mask is 0.
+    full_rewards = np.zeros(rows, np.float32)
+    full_rewards[:n] = rewards
+    full_groups = np.full(rows, num_groups - 1, np.int32)
+    full_groups[:n] = group_ids
+    estimator = get_advantage(config.algorithm.advantage)
+    adv = estimator(
+        jnp.asarray(full_rewards), jnp.asarray(full_groups), jnp.asarray(batch.loss_mask), num_groups=num_groups
+    )
+    return np.asarray(adv, np.float32) * batch.loss_mask
+
+
+class RLTrainer:
+    """Owns the policy state, the rollout driver and the update functions of one run."""
+
+    def __init__(self, config: Config, *, graphdef, params, tokenizer, driver, env_factory, train_tasks,
+                 eval_tasks, metrics_writer, checkpointer=None, reference_params=None):
+        self.config = config
+        self.graphdef = graphdef
+        self.tokenizer = tokenizer
+        self.driver = driver
+        self.env_factory = env_factory
+        self.train_tasks = train_tasks
+        self.eval_tasks = eval_tasks
+        self.writer = metrics_writer
+        self.checkpointer = checkpointer
+        self.reference_params = reference_params
+        self.settings = loss_settings(config)
+        self.optimizer, self.schedule = make_optimizer(config.optimizer, config.total_steps)
+        self.state = init_train_state(params, self.optimizer, config.seed)
+        self.loop = AgentLoop(
+            driver,
+            tokenizer,
+            max_new_tokens_per_turn=config.rollout.max_new_tokens_per_turn,
+            max_total_tokens=config.rollout.max_sequence_length,
+        )
+        from agentrl_jax.data import BatchIterator
+
+        self.data = BatchIterator(train_tasks, batch_size=config.data.prompts_per_step, seed=config.data.shuffle_seed)
+        self._update_fns: dict[tuple, Any] = {}
+        self._logprob_fn = jax.jit(
+            functools.partial(forward_logprobs, temperature=config.rollout.temperature), static_argnums=(0,)
+        )
+        self.version = 0
+
+    # ---------------------------------------------------------------- rollouts
+
+    def sampling(self, seed: int) -> SamplingParams:
+        r = self.config.rollout
+        return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=seed)
+
+    async def rollout(self, tasks: list[dict], step: int) -> list[Trajectory]:
+        G = self.config.algorithm.group_size
+        groups = await asyncio.gather(
+            *[
+                self.loop.run_group(self.env_factory, task, G, self.sampling(seed=hash((self.config.seed, step, i))
+                                                                              & 0x7FFFFFFF), group_id=i)
+                for i, task in enumerate(tasks)
+            ]
+        )
+        return [t for g in groups for t in g]
+
+    async def evaluate(self, tasks: list[dict], *, label: str) -> dict[str, float]:
+        e = self.config.eval
+        tasks = tasks[: e.num_tasks] if e.num_tasks else tasks
+        k = e.samples_per_task
+        sampling = SamplingParams(temperature=e.temperature, seed=1234)
+        groups = await asyncio.gather(
+            *[self.loop.run_group(self.env_factory, task, k, sampling, group_id=i) for i, task in enumerate(tasks)]
+        )
+        results = {
+            str(i): [
+                {
+                    "correct": bool(t.reward_components.get("correct", t.reward > 0)),
+                    "tool_calls": t.tool_stats.calls,
+                    "num_sampled_tokens": t.num_sampled_tokens,
+                }
+                for t in g
+            ]
+            for i, g in enumerate(groups)
+        }
+        ks = sorted({1, k})
+        summary = summarize(results, ks=ks)
+        logger.info("eval %s: %s", label, json.dumps({k_: round(v, 4) for k_, v in summary.items()}))
+        return summary
+
+    # ---------------------------------------------------------------- updates
+
+    def _logprobs(self, params, arrays: dict, micro_rows: int) -> jax.Array:
+        rows = arrays["input_ids"].shape[0]
+        parts = []
+        for start in range(0, rows, micro_rows):
+            part = {k: v[start : start + micro_rows] for k, v in arrays.items()}
+            parts.append(self._logprob_fn(self.graphdef, params, part))
+        return jnp.concatenate(parts, axis=0)
+
+    def _update_fn(self, rows: int, micro: int):
+        key = (rows, micro)
+        if key not in self._update_fns:
+            self._update_fns[key] = jax.jit(
+                functools.partial(
+                    update_step,
+                    graphdef=self.graphdef,
+                    optimizer=self.optimizer,
+                    settings=self.settings,
+                    num_micro_batches=micro,
+                    num_sequences=None,
+                ),
+                donate_argnums=(0,),
+            )
+        return self._update_fns[key]
+
+    def train_on(self, trajectories: list[Trajectory], step: int) -> dict[str, float]:
+        """Build the batch from finished trajectories and run the jitted updates."""
+        a = self.config.algorithm
+        records = [trajectory_record(t) for t in trajectories]
+        rows_needed = a.minibatches * max(a.micro_batch_size, 1)
+        batch = build_batch(records, row_multiple=rows_needed, pad_token_id=self.tokenizer.pad_token_id)
+        rewards = np.asarray([t.reward for t in trajectories], np.float32)
+        group_ids = np.asarray([t.group_id for t in trajectories], np.int32)
+        batch = batch.replace(advantages=compute_advantages(self.config, batch, rewards, group_ids))
+        arrays = batch_arrays(batch)
+        rows = batch.shape[0]
+        per_minibatch = rows // a.minibatches
+        micro_rows = a.micro_batch_size or per_minibatch
+        arrays["old_logprobs"] = self._logprobs(self.state.params, arrays, micro_rows)
+        if self.settings.kl_coef > 0:
+            arrays["ref_logprobs"] = self._logprobs(self.reference_params, arrays, micro_rows)
+        max_response = int(batch.loss_mask.sum(axis=1).max()) or 1
+        rng = np.random.default_rng([self.config.seed, step])
+        collected: list[dict] = []
+        for _ in range(a.ppo_epochs):
+            order = rng.permutation(rows)
+            for mb in range(a.minibatches):
+                idx = order[mb * per_minibatch : (mb + 1) * per_minibatch]
+                minibatch = {k: v[idx] for k, v in arrays.items()}
+                normalizer = global_normalizer(
+                    minibatch["loss_mask"], a.aggregation,
+                    max_response_length=int(a.loss_normalizer) or max_response,
+                )
+                fn = self._update_fn(per_minibatch, per_minibatch // micro_rows)
+                self.state, metrics = fn(self.state, minibatch, normalizer)
+                collected.append(metrics)
+        out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]}
+        out["skipped_updates"] = float(sum(float(m["skipped"]) for m in collected))
+        out["learning_rate"] = float(self.schedule(int(self.state.step)))
+        out["train_tokens"] = float(batch.loss_mask.sum())
+        mismatch = np.abs(np.asarray(arrays["old_logprobs"]) - batch.rollout_logprobs) * batch.loss_mask
+        out["logprob_gap_train_infer"] = float(mismatch.sum() / max(batch.loss_mask.sum(), 1))
+        return out
+
+    async def sync_weights(self) -> None:
+        """Push the new params to the engine (device_put into its sharding) as a new version."""
+        self.version += 1
+        await self.driver.update_params(self.state.params, self.version)
+
+    # ---------------------------------------------------------------- the loop
+
+    async def run(self, start_step: int = 0) -> None:
+        c = self.config
+        for step in range(start_step, c.total_steps):
+            t0 = time.perf_counter()
+            tasks = next(self.data)
+            trajectories = await self.rollout(tasks, step)
+            t_rollout = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            metrics = self.train_on(trajectories, step)
+            jax.block_until_ready(self.state.params)
+            t_update = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            await self.sync_weights()
+            t_sync = time.perf_counter() - t2
+            metrics.update(rollout_metrics(trajectories))
+            metrics.update({"time/rollout": t_rollout, "time/update": t_update, "time/sync": t_sync})
+            metrics["throughput/sampled_tokens_per_s"] = metrics["rollout/sampled_tokens"] / max(t_rollout, 1e-9)
+            if step % max(c.logging.log_every, 1) == 0:
+                self.writer.write(step + 1, metrics)
+                if c.logging.sample_trajectories:
+                    self.writer.write_text(step + 1, {
+                        f"sample_{i}": self.tokenizer.decode(t.token_ids.tolist())
+                        for i, t in enumerate(trajectories[: c.logging.sample_trajectories])
+                    })
+            if c.eval.every_steps and (step + 1) % c.eval.every_steps == 0 and step + 1 < c.total_steps:
+                ev = await self.evaluate(self.eval_tasks, label=f"step {step + 1}")
+                self.writer.write(step + 1, {f"eval/{k}": v for k, v in ev.items()})
+            if self.checkpointer is not None:
+                saved_every = c.checkpoint.every_steps and (step + 1) % c.checkpoint.every_steps == 0
+                if saved_every or self.checkpointer.should_stop():
+                    self.save(step + 1)
+                if self.checkpointer.should_stop():
+                    logger.warning("preemption requested: saved step %d, stopping", step + 1)
+                    return
+
+    def save(self, step: int, extra: dict | None = None) -> None:
+        if self.checkpointer is None:
+            return
+        self.checkpointer.save(step, self.state, data_state=self.data.get_state(), config_dict=to_dict(self.config),
+                               extra={"version": self.version, **(extra or {})}, force=True)
+
+
+def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Reward, its components, lengths and tool statistics, averaged over trajectories."""
+    out: dict[str, float] = {}
+    rewards = np.asarray([t.reward for t in trajectories], np.float64)
+    out["reward/mean"] = float(rewards.mean())
+    out["reward/std"] = float(rewards.std())
+    components: dict[str, list[float]] = {}
+    for t in trajectories:
+        for k, v in t.reward_components.items():
+            if isinstance(v, (int, float, bool)):
+                components.setdefault(k, []).append(float(v))
+    for k, vals in components.items():
+        out[f"reward/{k}"] = float(np.mean(vals))
+    out["rollout/sampled_tokens"] = float(sum(t.num_sampled_tokens for t in trajectories))
+    out["rollout/response_length"] = float(np.mean([t.num_sampled_tokens for t in trajectories]))
+    out["rollout/turns"] = float(np.mean([len([x for x in t.turns if x.get("role") == "assistant"])
+                                          for t in trajectories]))
+    out["tools/calls_per_episode"] = float(np.mean([t.tool_stats.calls for t in trajectories]))
+    out["tools/use_rate"] = float(np.mean([t.tool_stats.calls > 0 for t in trajectories]))
+    out["tools/errors"] = float(sum(t.tool_stats.errors for t in trajectories))
+    out["tools/timeouts"] = float(sum(t.tool_stats.timeouts for t in trajectories))
+    groups: dict[int, list[float]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t.reward)
+    out["rollout/all_equal_groups"] = float(np.mean([len(set(v)) == 1 for v in groups.values()]))
+    reasons: dict[str, int] = {}
+    for t in trajectories:
+        reasons[t.finish_reason] = reasons.get(t.finish_reason, 0) + 1
+    for k, v in reasons.items():
+        out[f"finish/{k or 'unknown'}"] = v / len(trajectories)
+    return out
+
+
+def _fmt_table(rows: dict[str, dict[str, float]], keys: list[str]) -> str:
+    head = "| stage | " + " | ".join(keys) + " |"
+    sep = "|---" * (len(keys) + 1) + "|"
+    lines = [head, sep]
+    for name, vals in rows.items():
+        lines.append(f"| {name} | " + " | ".join(f"{vals.get(k, math.nan):.3f}" for k in keys) + " |")
+    return "\n".join(lines)

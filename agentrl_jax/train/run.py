@@ -1,0 +1,209 @@
+"""``train(config)``: the whole job behind ``launch/tpu_pod.py``.
+
+1. tasks, model assets (a configured HF checkpoint, or a scratch model + tokenizer);
+2. the policy on the mesh, the rollout engine and driver, the sandbox pool;
+3. optional SFT cold start, then an evaluation of the starting policy;
+4. RL steps (``train/rl.py``) with checkpoints, metrics and periodic evaluation;
+5. a final evaluation; ``results.json`` and a printed table (start vs end).
+
+Resume: with ``checkpoint.resume`` and a checkpoint in ``output_dir/checkpoints``, the
+train state, data position and params version are restored and SFT is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from agentrl_jax.config import Config
+from agentrl_jax.models import split_params
+from agentrl_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
+from agentrl_jax.models.tokenizer import Tokenizer
+from agentrl_jax.rewards.verifier import MathVerifier
+from agentrl_jax.rollout.driver import Driver
+from agentrl_jax.rollout.engine import Engine
+from agentrl_jax.sharding import DEFAULT_RULES, make_mesh
+from agentrl_jax.train import setup
+from agentrl_jax.train.checkpoint import Checkpointer
+from agentrl_jax.train.metrics import MetricsWriter
+from agentrl_jax.train.rl import RLTrainer, _fmt_table
+from agentrl_jax.train.sft import conversation_to_record, run_sft
+from agentrl_jax.train.step import init_train_state, make_optimizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+TABLE_KEYS = ["pass@1", "tool_use_rate", "mean_response_tokens"]
+
+
+def train(config: Config) -> dict[str, Any]:
+    """Run the configured job; returns the results dict also written to results.json."""
+    return asyncio.run(_train(config))
+
+
+async def _train(config: Config) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train_tasks, eval_tasks = setup.load_tasks(config)
+    sft_conversations = None
+    if config.sft.steps and config.environment.name == "arithmetic" and not config.data.sft_path:
+        sft_conversations = setup.arithmetic_demonstrations(config, train_tasks)
+    elif config.sft.steps:
+        sft_conversations = _load_sft(config)
+    corpus = [m["content"] for conv in (sft_conversations or []) for m in conv] or [
+        t["question"] for t in train_tasks
+    ]
+    model_path, tokenizer_path = setup.prepare_model_assets(config, corpus)
+    tokenizer = Tokenizer(tokenizer_path)
+
+    mesh = make_mesh(config.mesh.shape())
+    m = config.model
+    policy = load_hf_checkpoint(
+        model_path,
+        dtype=_DTYPES[m.param_dtype],
+        compute_dtype=_DTYPES[m.compute_dtype],
+        mesh=mesh,
+        rules=DEFAULT_RULES,
+        attention_impl=None if m.attention_impl == "auto" else m.attention_impl,
+        remat=m.remat,
+    )
+    graphdef, params = split_params(policy)
+    r = config.rollout
+    engine = Engine(
+        policy,
+        mesh=mesh,
+        max_concurrent_decodes=r.max_concurrent,
+        max_target_length=r.max_sequence_length,
+        max_prefill_length=r.max_prompt_length,
+        cache_dtype=_DTYPES[r.cache_dtype],
+    )
+    writer = MetricsWriter(out / "metrics", total_steps=config.total_steps)
+    checkpointer = Checkpointer(out / "checkpoints", max_to_keep=config.checkpoint.max_to_keep,
+                                async_save=config.checkpoint.async_save)
+    checkpointer.install_sigterm_handler()
+    verifier = MathVerifier(num_workers=2)
+    results: dict[str, Any] = {"config": config.name, "seed": config.seed}
+    async with setup.make_sandbox(config) as pool:
+        driver = Driver(
+            engine,
+            params,
+            eos_token_ids=tokenizer.eos_token_ids,
+            detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            steps_per_dispatch=r.steps_per_dispatch,
+            seed=config.seed,
+        )
+        async with driver:
+            env_factory = setup.env_factory(config, pool, verifier, count_tokens=lambda s: len(tokenizer.encode(s)))
+            trainer = RLTrainer(
+                config,
+                graphdef=graphdef,
+                params=params,
+                tokenizer=tokenizer,
+                driver=driver,
+                env_factory=env_factory,
+                train_tasks=train_tasks,
+                eval_tasks=eval_tasks,
+                metrics_writer=writer,
+                checkpointer=checkpointer,
+            )
+            start_step = await _maybe_resume(config, trainer, checkpointer)
+            if start_step == 0:
+                if sft_conversations:
+                    t0 = time.perf_counter()
+                    with MetricsWriter(out / "sft_metrics", total_steps=config.sft.steps) as sft_writer:
+                        params = _sft(config, graphdef, params, tokenizer, sft_conversations, sft_writer)
+                    results["sft_seconds"] = time.perf_counter() - t0
+                    trainer.state = init_train_state(params, trainer.optimizer, config.seed)
+                    await trainer.driver.update_params(params, 0)
+                results["start"] = await trainer.evaluate(eval_tasks, label="start (after SFT)" if
+                                                          sft_conversations else "start")
+                writer.write(0, {f"eval/{k}": v for k, v in results["start"].items()})
+            if config.algorithm.kl_coef > 0:
+                trainer.reference_params = jax.tree.map(
+                    lambda x: x.astype(_DTYPES[m.reference_dtype]), trainer.state.params
+                )
+            t0 = time.perf_counter()
+            await trainer.run(start_step)
+            results["rl_seconds"] = time.perf_counter() - t0
+            results["end"] = await trainer.evaluate(eval_tasks, label="end (after RL)")
+            writer.write(config.total_steps, {f"eval/{k}": v for k, v in results["end"].items()})
+            trainer.save(config.total_steps, extra={"results": json.dumps(results)})
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    writer.close()
+    verifier.close()
+    if config.checkpoint.export_hf:
+        save_hf_checkpoint(trainer.state.params, policy.config, out / "export")
+        tokenizer.hf.save_pretrained(str(out / "export"))
+    results["total_seconds"] = time.perf_counter() - t_start
+    rows = {k: results[k] for k in ("start", "end") if k in results}
+    table = _fmt_table(rows, TABLE_KEYS + [k for k in next(iter(rows.values()), {}) if k.startswith("pass@")
+                                            and k != "pass@1"])
+    results["table"] = table
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    if jax.process_index() == 0:
+        n_eval = int(results.get("end", results.get("start", {})).get("num_tasks", 0))
+        print(f"\nheld-out evaluation ({n_eval} tasks, {config.eval.samples_per_task} samples each):")
+        print(table)
+        print(f"results: {out / 'results.json'}  ({results['total_seconds']:.0f} s)")
+    return results
+
+
+def _load_sft(config: Config) -> list[list[dict[str, str]]]:
+    from agentrl_jax.data import load_sft_records
+
+    if not config.data.sft_path:
+        from agentrl_jax.config import ConfigError
+
+        raise ConfigError("data.sft_path is required when sft.steps > 0 for this environment")
+    records, stats = load_sft_records(config.data.sft_path, format="retool_sft")
+    logger.info("SFT records: %s", stats.summary())
+    return [[{"role": msg.role, "content": msg.content} for msg in r.messages] for r in records]
+
+
+def _sft(config, graphdef, params, tokenizer, conversations, writer):
+    records = [conversation_to_record(tokenizer, conv) for conv in conversations]
+    too_long = [r for r in records if len(r.token_ids) > config.sft.max_length]
+    if too_long:
+        logger.warning("SFT: %d of %d conversations exceed sft.max_length=%d tokens and are skipped",
+                       len(too_long), len(records), config.sft.max_length)
+        records = [r for r in records if len(r.token_ids) <= config.sft.max_length]
+    optimizer, _ = make_optimizer(config.optimizer, config.sft.steps, learning_rate=config.sft.learning_rate)
+    state = init_train_state(params, optimizer, config.seed)
+    state, history = run_sft(
+        state,
+        graphdef=graphdef,
+        optimizer=optimizer,
+        records=records,
+        steps=config.sft.steps,
+        batch_size=config.sft.batch_size,
+        row_length=config.sft.max_length,
+        seed=config.seed,
+        metrics_writer=writer,
+    )
+    if history:
+        logger.info("SFT: %d steps, loss %.4f -> %.4f", len(history), history[0]["sft/loss"], history[-1]["sft/loss"])
+    return state.params
+
+
+async def _maybe_resume(config: Config, trainer: RLTrainer, checkpointer: Checkpointer) -> int:
+    if not config.checkpoint.resume:
+        return 0
+    restored = checkpointer.restore_latest(trainer.state)
+    if restored is None:
+        return 0
+    trainer.state = restored.state
+    if restored.data_state:
+        trainer.data.set_state(restored.data_state)
+    trainer.version = int((restored.extra or {}).get("version", restored.step))
+    await trainer.driver.update_params(trainer.state.params, trainer.version)
+    logger.info("resumed from step %d (params version %d)", restored.step, trainer.version)
+    return int(restored.step)
