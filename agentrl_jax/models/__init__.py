@@ -7,20 +7,37 @@ from agentrl_jax.models.decoder import (
     layer_param_specs,
     param_logical_axes,
     param_shardings,
+    param_specs,
     split_params,
 )
+from agentrl_jax.models.hf_io import (
+    CheckpointError,
+    load_hf_checkpoint,
+    load_hf_params,
+    save_hf_checkpoint,
+)
 from agentrl_jax.models.kv_cache import KV_CACHE_AXES, KVCache
+from agentrl_jax.models.tiny import save_tiny_hf_checkpoint, train_tiny_tokenizer
+from agentrl_jax.models.tokenizer import Tokenizer
 
 __all__ = [
     "ARCHITECTURES",
     "KV_CACHE_AXES",
+    "CheckpointError",
     "Decoder",
     "DecoderConfig",
     "KVCache",
     "Llama3RopeScaling",
+    "Tokenizer",
     "apply",
     "layer_param_specs",
+    "load_hf_checkpoint",
+    "load_hf_params",
     "param_logical_axes",
     "param_shardings",
+    "param_specs",
+    "save_hf_checkpoint",
+    "save_tiny_hf_checkpoint",
     "split_params",
+    "train_tiny_tokenizer",
 ]

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from agentrl_jax.models import KVCache, apply, split_params
+from agentrl_jax.models import KVCache, apply, param_shardings, split_params
 from agentrl_jax.models.hf_io import load_hf_checkpoint
 from agentrl_jax.models.tiny import save_tiny_hf_checkpoint
-from agentrl_jax.sharding import DEFAULT_RULES, inference_rules, logical_sharding, make_mesh
+from agentrl_jax.sharding import DEFAULT_RULES, inference_rules, logical_sharding, make_mesh, reshard
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
@@ -91,3 +91,13 @@ def test_sharded_cache_decode_equals_single_device(checkpoint):
     got, new_cache = prefill_and_step(graphdef, params, cache)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
     assert isinstance(new_cache.k.sharding, NamedSharding)
+
+
+def test_param_shardings_reshard_train_to_inference_layout(checkpoint, reference):
+    mesh = make_mesh({"fsdp": 2, "tensor": 4})
+    graphdef, params = split_params(load_hf_checkpoint(checkpoint, mesh=mesh))
+    infer = reshard(params, param_shardings(params, mesh, inference_rules(DEFAULT_RULES)))
+    assert infer["layers"]["wq"][...].sharding.spec == PartitionSpec(None, None, "tensor", None)
+    assert params["layers"]["wq"][...].sharding.spec == PartitionSpec(None, "fsdp", "tensor", None)
+    hidden = _forward(graphdef, infer, *map(jnp.asarray, _batch()))
+    np.testing.assert_allclose(np.asarray(hidden), reference, atol=1e-5, rtol=0)

@@ -1,0 +1,118 @@
+"""Block pieces against hand values and NumPy / transformers references; remat invariance."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+from flax import nnx
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from agentrl_jax.models import Decoder, DecoderConfig, Llama3RopeScaling, param_logical_axes, split_params
+from agentrl_jax.models.layers import apply_rope, packed_causal_mask, rms_norm, rope_inverse_frequencies
+
+
+def test_rms_norm_matches_numpy():
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=(2, 3, 8)).astype(np.float32), rng.normal(size=8).astype(np.float32)
+    want = w * x / np.sqrt(np.mean(x.astype(np.float64) ** 2, -1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(np.asarray(rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6)), want, rtol=1e-5, atol=1e-6)
+
+
+def test_rope_is_a_rotation_of_each_frequency_pair():
+    rng = np.random.default_rng(1)
+    K = 8
+    x = rng.normal(size=(1, 5, 2, K)).astype(np.float32)
+    positions = np.array([[0, 1, 2, 7, 30]])
+    inv_freq = rope_inverse_frequencies(K, 10000.0, None)
+    np.testing.assert_allclose(inv_freq, 1.0 / 10000.0 ** (np.arange(0, K, 2) / K), rtol=1e-6)
+    # Pair (i, i + K/2) as a complex number, multiplied by exp(i * p * f_i).
+    z = x[..., : K // 2] + 1j * x[..., K // 2 :]
+    z = z * np.exp(1j * positions[..., None, None] * inv_freq.astype(np.float64))
+    want = np.concatenate([z.real, z.imag], -1)
+    got = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(positions), inv_freq))
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(got[:, 0], x[:, 0])  # position 0 is the identity
+
+
+def test_llama3_frequencies_match_transformers():
+    scaling = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    config = transformers.LlamaConfig(
+        hidden_size=2048,
+        num_attention_heads=32,
+        head_dim=64,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    got = rope_inverse_frequencies(64, 500000.0, scaling)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-6)
+    plain = rope_inverse_frequencies(64, 500000.0, None)
+    assert (got < plain).any() and (got == plain).any()  # low frequencies scaled, high kept
+
+
+def test_packed_causal_mask_hand_values():
+    segment_ids = jnp.array([[1, 1, 2, 2, 0]])
+    attention_mask = jnp.array([[1, 1, 1, 1, 0]])
+    mask = np.asarray(packed_causal_mask(segment_ids, attention_mask, 1, 5))[0, 0].astype(int)
+    want = np.array([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 0, 1, 0, 0],
+        [0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 1],  # a padded query sees only itself (finite garbage)
+    ])
+    np.testing.assert_array_equal(mask, want)
+
+
+CONFIG = DecoderConfig(
+    architecture="llama", vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=8,
+)
+
+
+def _value_and_grad(remat):
+    ids = jnp.arange(10).reshape(1, 10) % 50
+    positions = jnp.arange(10)[None]
+
+    def loss(params, graphdef):
+        model = nnx.merge(graphdef, params)
+        return jnp.sum(model.logits(model(ids, positions)[0]) ** 2)
+
+    graphdef, params = split_params(Decoder(CONFIG, remat=remat, rngs=nnx.Rngs(0)))
+    return jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, graphdef)
+
+
+@pytest.fixture(scope="module")
+def no_remat():
+    return _value_and_grad("none")
+
+
+@pytest.mark.parametrize("remat", ["full", "dots_saveable"])
+def test_remat_policies_give_same_values_and_gradients(no_remat, remat):
+    (v0, g0), (v1, g1) = no_remat, _value_and_grad(remat)
+    np.testing.assert_allclose(v0, v1, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_every_param_has_one_logical_axis_per_dim():
+    model = Decoder(CONFIG, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    axes = param_logical_axes(model)
+    shapes = jax.tree.leaves(jax.tree.map(lambda p: p.shape, params, is_leaf=lambda x: isinstance(x, nnx.Variable)),
+                             is_leaf=lambda x: isinstance(x, tuple))
+    flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
+    assert len(flat_axes) == len(shapes) == 12  # 9 stacked layer weights + embed + norm + lm_head
+    for ax, shape in zip(flat_axes, shapes):
+        assert len(ax) == len(shape)
+    assert axes["layers"]["wq"] == ("layers", "embed", "heads", "head_dim")
+    table, layout = model.output_embedding()
+    assert layout == "dv" and table.shape == (32, 50)
+
+
+def test_constructor_rejects_bad_options():
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        Decoder(CONFIG, attention_impl="flash")
+    with pytest.raises(ValueError, match="remat must be one of"):
+        Decoder(CONFIG, remat="some")
