@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from agentrl_jax.models import Decoder, DecoderConfig
@@ -31,8 +32,21 @@ def make_model(seed: int = 0) -> Decoder:
     return nnx.merge(graphdef, state)
 
 
-def teacher_forced(model, tokens):
-    """float32 [T, V] logits of a full forward pass over one sequence (no cache)."""
-    tokens = jnp.asarray(tokens, jnp.int32)[None]
-    hidden, _ = model(tokens, jnp.arange(tokens.shape[1])[None])
-    return hidden
+_FORWARD = {}
+
+
+def teacher_forced(model, tokens, pad_to: int = 64):
+    """[1, T, D] final hidden states of a full causal forward pass over one sequence (no cache).
+
+    The sequence is right-padded to `pad_to` so one compiled forward serves every length
+    (causal attention: padding after position t does not change position t).
+    """
+    tokens = np.asarray(tokens, np.int32)
+    graphdef, params = nnx.split(model)
+    if graphdef not in _FORWARD:
+        _FORWARD[graphdef] = jax.jit(
+            lambda p, ids: nnx.merge(graphdef, p)(ids, jnp.arange(ids.shape[1])[None])[0]
+        )
+    padded = np.zeros((1, max(pad_to, tokens.size)), np.int32)
+    padded[0, : tokens.size] = tokens
+    return _FORWARD[graphdef](params, jnp.asarray(padded))[:, : tokens.size]
