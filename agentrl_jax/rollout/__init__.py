@@ -1,0 +1,25 @@
+"""Rollout: a JetStream-shaped engine over decode slots, exact-logprob sampling, and an
+asyncio continuous-batching driver with multi-turn sessions and versioned weight updates."""
+
+from agentrl_jax.rollout.driver import Completion, Driver, Session
+from agentrl_jax.rollout.engine import Engine
+from agentrl_jax.rollout.result_tokens import ResultTokens, SlotData
+from agentrl_jax.rollout.sampling import GREEDY, SamplingParams, SlotSampling, request_key, sample
+from agentrl_jax.rollout.state import DecodeState, Prefix, prefill_bucket
+
+__all__ = [
+    "GREEDY",
+    "Completion",
+    "DecodeState",
+    "Driver",
+    "Engine",
+    "Prefix",
+    "ResultTokens",
+    "SamplingParams",
+    "Session",
+    "SlotData",
+    "SlotSampling",
+    "prefill_bucket",
+    "request_key",
+    "sample",
+]
