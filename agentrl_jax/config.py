@@ -418,6 +418,7 @@ class Config(_Section):
                 f"({algo.micro_batch_size}) must divide the trajectories per minibatch ({per_minibatch})",
             )
 
+
     def _path(self, name: str) -> str:
         return name
 
@@ -604,7 +605,24 @@ def load_config(name: str, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(f"config file {path}: get_config() returned {type(config).__name__}, not Config")
     config = apply_overrides(config, overrides)
     check_registered_names(config)
+    check_required_paths(config)
     return config
+
+
+def check_required_paths(config: Config) -> None:
+    """Paths a run needs but a config file may leave to the command line.
+
+    Checked after overrides (a config file cannot know where the data lives).
+    """
+    if config.environment.name == "arithmetic":
+        return
+    for key, value in (
+        ("model.path", config.model.path),
+        ("data.train_path", config.data.train_path),
+        ("data.eval_path", config.data.eval_path),
+    ):
+        _require(bool(value), key, f"is required for environment.name={config.environment.name!r} "
+                                   f"(set it with --set {key}=...)")
 
 
 def check_registered_names(config: Config) -> None:

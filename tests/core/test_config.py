@@ -100,3 +100,16 @@ def test_describe_lists_every_field():
     text = cfg.describe()
     assert "optimizer.learning_rate = 1e-06  # Peak learning rate" in text
     assert "environment.sandbox.timeout_s" in text
+
+
+def test_shipped_configs_load_and_retool_requires_paths():
+    assert cfg.load_config("configs/demo.py").environment.name == "arithmetic"
+    with pytest.raises(ConfigError, match=r"model.path: is required for environment.name='retool'"):
+        cfg.load_config("retool")
+    c = cfg.load_config("retool", ["model.path=/m", "data.train_path=/t.parquet", "data.eval_path=/e.jsonl"])
+    assert (c.algorithm.eps_low, c.algorithm.eps_high, c.environment.outcome_scheme) == (0.2, 0.28, "pm1")
+
+
+def test_unknown_loss_name_lists_registered(tmp_path):
+    with pytest.raises(ConfigError, match=r"algorithm.loss: unknown name 'ppo2'; registered: .*cispo.*ppo"):
+        cfg.load_config("demo", ["algorithm.loss=ppo2"])
