@@ -1,0 +1,263 @@
+"""Decode throughput of the rollout engine vs HF transformers `generate`, with model-bandwidth utilization.
+
+Usage (GPU):
+    python bench/decode.py --sizes 0.6b,1.7b,4b --batches 1,16,64,256 --prompt 512 --gen 1024
+Quick check (CPU, < 1 min):
+    python bench/decode.py --tiny
+
+Qwen3 shapes with random bf16 weights (no download). For each size and batch, the engine
+fills every slot with a random `--prompt`-token prompt and decodes `--gen` tokens
+(temperature 1, `--steps-per-dispatch` steps per jitted call, results copied to the host
+after every dispatch as the driver does). The baseline is HF transformers `generate`
+(PyTorch, bf16, same shapes, random init) in the same run, timed the same way: decode
+time = time(generate gen tokens) - time(generate 1 token).
+
+Model-bandwidth utilization (MBU) = (weight bytes + KV bytes the step needs) / step time /
+HBM bandwidth, with KV bytes at the average context length of the run (prompt + gen/2).
+The card's bandwidth comes from its name (H100 SXM 3.35 TB/s, H200 4.8 TB/s, ...).
+
+Each measurement runs in its own subprocess so JAX's and PyTorch's allocators never share
+the card.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+QWEN3 = {
+    # name: (vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, tie)
+    "0.6b": (151936, 1024, 3072, 28, 16, 8, 128, True),
+    "1.7b": (151936, 2048, 6144, 28, 16, 8, 128, True),
+    "4b": (151936, 2560, 9728, 36, 32, 8, 128, True),
+    "tiny": (512, 64, 128, 2, 4, 2, 16, True),
+}
+HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100", 2.0e12))
+
+
+def hbm_bandwidth(device_name: str) -> float | None:
+    for key, bandwidth in HBM_BYTES_PER_S:
+        if key.lower() in device_name.lower():
+            return bandwidth
+    return None
+
+
+def param_count(size: str) -> int:
+    vocab, d, f, layers, heads, kv, k, tie = QWEN3[size]
+    per_layer = d * heads * k + 2 * d * kv * k + heads * k * d + 3 * d * f + 2 * d + 2 * k
+    return vocab * d * (1 if tie else 2) + layers * per_layer + d
+
+
+def kv_bytes_per_token(size: str, dtype_bytes: int = 2) -> int:
+    _, _, _, layers, _, kv, k, _ = QWEN3[size]
+    return 2 * layers * kv * k * dtype_bytes
+
+
+def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from agentrl_jax.models import Decoder, DecoderConfig
+    from agentrl_jax.rollout import Engine, SamplingParams
+    from agentrl_jax.sharding import make_mesh
+
+    vocab, d, f, layers, heads, kv, k, tie = QWEN3[size]
+    config = DecoderConfig(
+        architecture="qwen3", vocab_size=vocab, hidden_size=d, intermediate_size=f, num_layers=layers,
+        num_heads=heads, num_kv_heads=kv, head_dim=k, qk_norm=True, tie_word_embeddings=tie,
+        rope_theta=1_000_000.0, max_position_embeddings=40960,
+    )
+    dtype = jnp.float32 if size == "tiny" else jnp.bfloat16
+    model = Decoder(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    device = jax.devices()[0]
+    mesh = make_mesh({"data": 1}, [device])
+    rows = []
+    for batch in batches:
+        row = {"impl": "agentrl_jax", "size": size, "batch": batch, "device": device.device_kind}
+        try:
+            engine = Engine(model, mesh=mesh, max_concurrent_decodes=batch, max_target_length=prompt + gen + 1,
+                            max_prefill_length=prompt, cache_dtype=dtype)
+            params = engine.load_params(model)
+            tokens = np.random.default_rng(0).integers(0, vocab, prompt).astype(np.int32)
+            sampler = SamplingParams(temperature=1.0, seed=0)
+
+            def fill():
+                state = engine.init_decode_state()
+                prefix, _ = engine.prefill(params=params, padded_tokens=tokens, true_length=prompt, sampler=sampler)
+                for slot in range(batch):
+                    state = engine.insert(prefix, state, slot)
+                return jax.block_until_ready(state)
+
+            state = fill()
+            state, result = engine.generate(params, state, num_steps=steps)  # compile
+            result.convert_to_numpy()
+            state = fill()
+            t0 = time.perf_counter()
+            prefix, _ = engine.prefill(params=params, padded_tokens=tokens, true_length=prompt, sampler=sampler)
+            jax.block_until_ready(prefix)
+            row["prefill_ms"] = 1e3 * (time.perf_counter() - t0)
+            dispatches = gen // steps
+            t0 = time.perf_counter()
+            for _ in range(dispatches):
+                state, result = engine.generate(params, state, num_steps=steps)
+                result.convert_to_numpy()
+            elapsed = time.perf_counter() - t0
+            row.update(_rates(size, batch, prompt, dispatches * steps, elapsed, dtype_bytes=jnp.dtype(dtype).itemsize))
+            del state, params, engine
+        except Exception as e:  # noqa: BLE001  (an OOM at one batch must not hide the others)
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+    return rows
+
+
+def _hf_worker(size: str, batches: list[int], prompt: int, gen: int, cache: str) -> list[dict]:
+    import torch
+    import transformers
+
+    vocab, d, f, layers, heads, kv, k, tie = QWEN3[size]
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda and size != "tiny" else torch.float32
+    config = transformers.Qwen3Config(
+        vocab_size=vocab, hidden_size=d, intermediate_size=f, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=k, tie_word_embeddings=tie, max_position_embeddings=40960,
+    )
+    with torch.device(device):
+        model = transformers.Qwen3ForCausalLM(config).to(dtype).eval()
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    rows = []
+    for batch in batches:
+        row = {"impl": f"hf-transformers ({cache} cache)", "size": size, "batch": batch, "device": name}
+        try:
+            ids = torch.randint(0, vocab, (batch, prompt), device=device)
+            kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None)
+            if cache == "static":
+                kw["cache_implementation"] = "static"
+
+            def timed(n):
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+                if cuda:
+                    torch.cuda.synchronize()
+                assert out.shape[1] == prompt + n
+                return time.perf_counter() - t0
+
+            timed(2)  # warm-up
+            first = timed(1)
+            total = timed(gen)
+            row["prefill_ms"] = 1e3 * first
+            row.update(_rates(size, batch, prompt, gen - 1, total - first, dtype_bytes=2 if cuda else 4))
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            if cuda:
+                torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
+
+
+def _rates(size: str, batch: int, prompt: int, steps: int, seconds: float, dtype_bytes: int) -> dict:
+    step_s = seconds / steps
+    context = prompt + steps / 2
+    bytes_per_step = param_count(size) * dtype_bytes + batch * context * kv_bytes_per_token(size, dtype_bytes)
+    return {
+        "tokens_per_s": batch * steps / seconds,
+        "step_ms": 1e3 * step_s,
+        "bytes_per_step": bytes_per_step,
+        "achieved_GBps": bytes_per_step / step_s / 1e9,
+    }
+
+
+def _run_worker(kind: str, size: str, args) -> list[dict]:
+    cmd = [sys.executable, __file__, "--worker", kind, "--sizes", size, "--batches", args.batches,
+           "--prompt", str(args.prompt), "--gen", str(args.gen), "--steps-per-dispatch", str(args.steps_per_dispatch),
+           "--hf-cache", args.hf_cache]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode or not lines:
+        return [{"impl": kind, "size": size, "batch": b, "device": "?", "error": f"worker rc={proc.returncode}: "
+                 + proc.stderr.strip().splitlines()[-1][:200] if proc.stderr.strip() else ""}
+                for b in _ints(args.batches)]
+    return [json.loads(ln) for ln in lines]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _table(rows: list[dict], args) -> str:
+    device = next((r["device"] for r in rows if r.get("device") not in (None, "?")), "?")
+    bandwidth = hbm_bandwidth(device)
+    lines = [
+        f"device: {device}; HBM bandwidth: {bandwidth / 1e12 if bandwidth else 'unknown'} TB/s; "
+        f"prompt {args.prompt}, gen {args.gen}, steps/dispatch {args.steps_per_dispatch}",
+        "",
+        "| size | batch | impl | tokens/s | ms/step | GB/s | MBU | vs HF |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    hf = {(r["size"], r["batch"]): r for r in rows if r["impl"].startswith("hf") and "error" not in r}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['size']} | {r['batch']} | {r['impl']} | error: {r['error']} | | | | |")
+            continue
+        mbu = f"{100 * r['achieved_GBps'] * 1e9 / bandwidth:.0f}%" if bandwidth else "n/a"
+        base = hf.get((r["size"], r["batch"]))
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base and not r["impl"].startswith("hf") else ""
+        lines.append(
+            f"| {r['size']} | {r['batch']} | {r['impl']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.2f} | "
+            f"{r['achieved_GBps']:.0f} | {mbu} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="0.6b,1.7b,4b")
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--gen", type=int, default=1024)
+    parser.add_argument("--steps-per-dispatch", type=int, default=32)
+    parser.add_argument("--hf-cache", choices=("dynamic", "static"), default="dynamic")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: a < 1 min smoke run")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--worker", choices=("jax", "hf"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.sizes, args.batches, args.prompt, args.gen, args.steps_per_dispatch = "tiny", "1,4", 32, 32, 8
+    if args.gen % args.steps_per_dispatch:
+        parser.error(f"--gen {args.gen} must be a multiple of --steps-per-dispatch {args.steps_per_dispatch}")
+    if args.worker:
+        size, batches = args.sizes, _ints(args.batches)
+        if args.worker == "jax":
+            rows = _jax_worker(size, batches, args.prompt, args.gen, args.steps_per_dispatch)
+        else:
+            rows = _hf_worker(size, batches, args.prompt, args.gen, args.hf_cache)
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        return
+    rows = []
+    for size in args.sizes.split(","):
+        if size not in QWEN3:
+            parser.error(f"--sizes: unknown size {size!r}; known: {sorted(QWEN3)}")
+        rows += _run_worker("jax", size, args)
+        if not args.no_hf:
+            rows += _run_worker("hf", size, args)
+        print(_table(rows, args), flush=True)
+    print(f"\ncommand: python bench/decode.py {' '.join(argv if argv is not None else sys.argv[1:])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
