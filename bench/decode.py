@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 QWEN3 = {
     # name: (vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, tie)
     "0.6b": (151936, 1024, 3072, 28, 16, 8, 128, True),
