@@ -119,7 +119,7 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, source: Mapping[str, Any] | str | os.PathLike) -> DecoderConfig:
-        """Read an HF ``config.json`` (a dict, the file, or its directory); transformers 4.x or 5.x."""
+        """Read an HF ``config.json`` (dict, file or directory) from transformers 4.x or 5.x."""
         hf = _read_json(source)
         arch = _architecture(hf)
         rope = dict(hf.get("rope_parameters") or {})
@@ -139,18 +139,25 @@ class DecoderConfig:
             scaling = None
         else:
             raise ValueError(
-                f"config.json: rope type {rope_type!r} is not supported; supported: 'default', 'llama3'"
+                f"config.json: rope type {rope_type!r} is not supported; "
+                "supported: 'default', 'llama3'"
             )
         if hf.get("mlp_bias"):
             raise ValueError("config.json: mlp_bias=true is not supported by this decoder")
         if hf.get("use_sliding_window"):
-            raise ValueError("config.json: use_sliding_window=true is not supported by this decoder")
+            raise ValueError(
+                "config.json: use_sliding_window=true is not supported by this decoder"
+            )
         act = hf.get("hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"config.json: hidden_act {act!r} is not supported; only 'silu' (SwiGLU)")
+            raise ValueError(
+                f"config.json: hidden_act {act!r} is not supported; only 'silu' (SwiGLU)"
+            )
         heads = int(hf["num_attention_heads"])
         eos = hf.get("eos_token_id")
-        eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+        eos_ids = (
+            () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+        )
         return cls(
             architecture=arch,
             vocab_size=int(hf["vocab_size"]),
@@ -174,12 +181,19 @@ class DecoderConfig:
     def to_hf_dict(self, dtype: str = "float32") -> dict[str, Any]:
         """An HF ``config.json`` dict (transformers 5.x layout, with the 4.x keys as well)."""
         if self.architecture == "qwen2" and not self.attention_bias:
-            raise ValueError("DecoderConfig: qwen2 always has q/k/v bias; attention_bias=False cannot be exported")
+            raise ValueError(
+                "DecoderConfig: qwen2 always has q/k/v bias; "
+                "attention_bias=False cannot be exported"
+            )
         if self.qk_norm != (self.architecture == "qwen3"):
             raise ValueError("DecoderConfig: qk_norm is exportable only as architecture 'qwen3'")
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
-            rope = {"rope_type": "llama3", "rope_theta": self.rope_theta, **dataclasses.asdict(self.rope_scaling)}
+            rope = {
+                "rope_type": "llama3",
+                "rope_theta": self.rope_theta,
+                **dataclasses.asdict(self.rope_scaling),
+            }
         out: dict[str, Any] = {
             "architectures": [_MODEL_TYPES[self.architecture]],
             "model_type": self.architecture,
@@ -194,7 +208,9 @@ class DecoderConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_parameters": rope,
-            "rope_scaling": None if self.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
+            "rope_scaling": None
+            if self.rope_scaling is None
+            else {k: v for k, v in rope.items() if k != "rope_theta"},
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id,
@@ -235,7 +251,8 @@ def _architecture(hf: Mapping[str, Any]) -> str:
             return ARCHITECTURES[name]
     if names:
         raise ValueError(
-            f"config.json: unsupported architecture {', '.join(map(str, names))}; supported: {supported}"
+            f"config.json: unsupported architecture {', '.join(map(str, names))}; "
+            f"supported: {supported}"
         )
     model_type = hf.get("model_type")
     if model_type in _MODEL_TYPES:

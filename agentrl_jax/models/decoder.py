@@ -74,14 +74,18 @@ def layer_param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...],
 
 
 @functools.partial(jax.jit, static_argnames=("shapes", "dtype"))
-def _init_values(key: jax.Array, shapes: tuple[tuple[str, tuple[int, ...], str], ...], dtype) -> dict:
-    """All initial weights in one compiled call: N(0, 0.02^2) matrices, ones (norms), zeros (biases).
+def _init_values(
+    key: jax.Array, shapes: tuple[tuple[str, tuple[int, ...], str], ...], dtype
+) -> dict:
+    """All initial weights in one compiled call: N(0, 0.02^2) matrices, ones, zeros (biases).
 
     The normals come from an RBG key seeded with the raw bits of ``key``: XLA compiles
     RngBitGenerator several times faster than threefry on CPU (13 s vs 3 s for a tiny model).
     """
     bits = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
-    key = jax.random.wrap_key_data(jnp.resize(bits, (4,)) ^ jnp.arange(4, dtype=jnp.uint32), impl="rbg")
+    key = jax.random.wrap_key_data(
+        jnp.resize(bits, (4,)) ^ jnp.arange(4, dtype=jnp.uint32), impl="rbg"
+    )
     out = {}
     for i, (name, shape, kind) in enumerate(shapes):
         if kind == "ones":
@@ -143,7 +147,9 @@ class Decoder(nnx.Module):
         rngs: nnx.Rngs | None = None,
     ):
         if attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"Decoder: attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}")
+            raise ValueError(
+                f"Decoder: attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}"
+            )
         if remat not in REMAT_POLICIES:
             raise ValueError(f"Decoder: remat must be one of {REMAT_POLICIES}, got {remat!r}")
         rngs = nnx.Rngs(0) if rngs is None else rngs
@@ -155,7 +161,9 @@ class Decoder(nnx.Module):
         specs = param_specs(config)
         init = tuple((name, shape, kind) for name, (shape, _, kind) in specs.items())
         values = _init_values(rngs.params(), init, jnp.dtype(param_dtype))
-        params = {name: nnx.Param(values[name], logical_axes=axes) for name, (_, axes, _) in specs.items()}
+        params = {
+            name: nnx.Param(values[name], logical_axes=axes) for name, (_, axes, _) in specs.items()
+        }
         self.embed = params["embed"]
         self.layers = DecoderLayers(config, params)
         self.final_norm = params["final_norm"]
@@ -240,7 +248,7 @@ class Decoder(nnx.Module):
         return hidden, new_cache
 
     def output_embedding(self) -> tuple[jax.Array, str]:
-        """``(table, "vd")`` for tied embeddings ``[V, D]``, ``(kernel, "dv")`` for lm_head ``[D, V]``."""
+        """``(table, "vd")``: tied embedding ``[V, D]``; ``(kernel, "dv")``: lm_head ``[D, V]``."""
         if self.config.tie_word_embeddings:
             return self.embed[...], "vd"
         return self.lm_head[...], "dv"
@@ -327,13 +335,15 @@ def _is_variable(x: Any) -> bool:
 
 
 def param_logical_axes(model_or_state: Decoder | nnx.State) -> nnx.State:
-    """A ``State`` of logical-axes tuples, one per param, keyed like ``nnx.state(model, nnx.Param)``."""
+    """A ``State`` of logical-axes tuples keyed like ``nnx.state(model, nnx.Param)``."""
     return jax.tree.map(
         lambda v: v.get_metadata()["logical_axes"], _params_of(model_or_state), is_leaf=_is_variable
     )
 
 
-def param_shardings(model_or_state: Decoder | nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> nnx.State:
+def param_shardings(
+    model_or_state: Decoder | nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES
+) -> nnx.State:
     """``NamedSharding`` per param, with the same tree structure as the params state.
 
     Usable directly in ``jax.device_put(params, shardings)`` and as ``jit`` in/out shardings.

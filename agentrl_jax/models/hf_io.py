@@ -93,7 +93,9 @@ class SafetensorsCheckpoint:
         header.pop("__metadata__", None)
         for tensor, meta in header.items():
             if meta["dtype"] not in _ST_DTYPES:
-                raise CheckpointError(f"{path}: tensor {tensor} has unsupported dtype {meta['dtype']}")
+                raise CheckpointError(
+                    f"{path}: tensor {tensor} has unsupported dtype {meta['dtype']}"
+                )
             start = 8 + header_len + meta["data_offsets"][0]
             self._entries[tensor] = (path, _ST_DTYPES[meta["dtype"]], tuple(meta["shape"]), start)
 
@@ -115,7 +117,7 @@ class SafetensorsCheckpoint:
 
 @dataclasses.dataclass(frozen=True)
 class TensorView:
-    """How one of our arrays is a view of an HF tensor: ``ours = hf.reshape(split).transpose(perm)``.
+    """One of our arrays as a view of an HF tensor: ``ours = hf.reshape(split).transpose(perm)``.
 
     Attributes:
       hf_name: the tensor name (``{layer}`` is filled per layer for stacked params).
@@ -212,7 +214,8 @@ def _check_tensors(config: DecoderConfig, ckpt: SafetensorsCheckpoint, views) ->
     missing = sorted(set(expected) - present)
     if missing:
         raise CheckpointError(
-            f"{ckpt.directory}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+            f"{ckpt.directory}: missing tensor(s) {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''} "
             f"({len(missing)} missing) for architecture {config.architecture!r}"
         )
     extra = present - set(expected)
@@ -220,7 +223,9 @@ def _check_tensors(config: DecoderConfig, ckpt: SafetensorsCheckpoint, views) ->
     if config.tie_word_embeddings and "lm_head.weight" in extra:
         ignorable.add("lm_head.weight")  # a tied checkpoint may store the shared table twice
     if ignorable:
-        logger.info("hf_io: ignoring %d unused tensor(s): %s", len(ignorable), sorted(ignorable)[:5])
+        logger.info(
+            "hf_io: ignoring %d unused tensor(s): %s", len(ignorable), sorted(ignorable)[:5]
+        )
     unexpected = sorted(extra - ignorable)
     if unexpected:
         raise CheckpointError(
@@ -238,7 +243,7 @@ def _check_tensors(config: DecoderConfig, ckpt: SafetensorsCheckpoint, views) ->
 
 
 def _normalize(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
 
 
 def _make_array(ckpt, view: TensorView, stacked: bool, shape, dtype, sharding) -> jax.Array:
@@ -248,7 +253,10 @@ def _make_array(ckpt, view: TensorView, stacked: bool, shape, dtype, sharding) -
             return view.read(ckpt.get(view.hf_name), index).astype(dtype)
         layers = range(index[0].start, index[0].stop)
         return np.stack(
-            [view.read(ckpt.get(view.hf_name.format(layer=i)), index[1:]).astype(dtype) for i in layers]
+            [
+                view.read(ckpt.get(view.hf_name.format(layer=i)), index[1:]).astype(dtype)
+                for i in layers
+            ]
         )
 
     return jax.make_array_from_callback(shape, sharding, block)
@@ -302,7 +310,9 @@ def load_hf_params(
             sharding = SingleDeviceSharding(jax.devices()[0])
         else:
             sharding = logical_sharding(axes, mesh, rules, shape=shape)
-        array = _make_array(ckpt, views[our_path], our_path[0] == "layers", shape, np_dtype, sharding)
+        array = _make_array(
+            ckpt, views[our_path], our_path[0] == "layers", shape, np_dtype, sharding
+        )
         return variable.replace(array)
 
     params = jax.tree_util.tree_map_with_path(
@@ -321,7 +331,7 @@ def load_hf_checkpoint(
     attention_impl: str | None = None,
     remat: str = "none",
 ) -> Decoder:
-    """A :class:`Decoder` with the weights of the HF directory ``path`` (see :func:`load_hf_params`)."""
+    """A :class:`Decoder` with the weights of the HF directory ``path`` (:func:`load_hf_params`)."""
     _, graphdef, params = load_hf_params(
         path,
         dtype=dtype,
@@ -334,7 +344,9 @@ def load_hf_checkpoint(
     return nnx.merge(graphdef, params)
 
 
-def _hf_tensors(config: DecoderConfig, params: nnx.State, np_dtype) -> Iterator[tuple[str, tuple, Any]]:
+def _hf_tensors(
+    config: DecoderConfig, params: nnx.State, np_dtype
+) -> Iterator[tuple[str, tuple, Any]]:
     """(HF name, HF shape, thunk producing the numpy tensor) in checkpoint order."""
     views = tensor_views(config)
     flat = {
@@ -377,7 +389,11 @@ def save_hf_checkpoint(
     Returns:
       ``path`` as a string.
     """
-    params = nnx.state(model_or_params, nnx.Param) if isinstance(model_or_params, nnx.Module) else model_or_params
+    params = (
+        nnx.state(model_or_params, nnx.Param)
+        if isinstance(model_or_params, nnx.Module)
+        else model_or_params
+    )
     np_dtype = np.dtype(jnp.dtype(dtype))
     if np_dtype not in _ST_NAMES:
         raise ValueError(f"save_hf_checkpoint: dtype {np_dtype} cannot be written to safetensors")
@@ -398,14 +414,16 @@ def save_hf_checkpoint(
     else:
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
-    for file, shard in zip(files, shards):
+    for file, shard in zip(files, shards, strict=True):
         _write_safetensors(os.path.join(out, file), shard, np_dtype)
         weight_map.update({name: file for name, _, _ in shard})
     if len(shards) > 1:
         total = sum(math.prod(shape) for _, shape, _ in tensors) * np_dtype.itemsize
         with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    dtype_name = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(np_dtype.name, np_dtype.name)
+    dtype_name = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(
+        np_dtype.name, np_dtype.name
+    )
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config.to_hf_dict(dtype=dtype_name), f, indent=2)
     return out
@@ -417,7 +435,11 @@ def _write_safetensors(path: str, entries: list, np_dtype: np.dtype) -> None:
     offset = 0
     for name, shape, _ in entries:
         nbytes = math.prod(shape) * np_dtype.itemsize
-        header[name] = {"dtype": _ST_NAMES[np_dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _ST_NAMES[np_dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
@@ -427,5 +449,7 @@ def _write_safetensors(path: str, entries: list, np_dtype: np.dtype) -> None:
         for name, shape, thunk in entries:
             tensor = np.ascontiguousarray(thunk())
             if tensor.shape != tuple(shape):
-                raise CheckpointError(f"save_hf_checkpoint: {name} has shape {tensor.shape}, expected {shape}")
+                raise CheckpointError(
+                    f"save_hf_checkpoint: {name} has shape {tensor.shape}, expected {shape}"
+                )
             f.write(tensor.tobytes())  # safetensors is little-endian, as are the hosts we run on

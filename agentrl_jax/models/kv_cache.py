@@ -50,7 +50,12 @@ class KVCache:
 
     @classmethod
     def shardings(
-        cls, config: DecoderConfig, batch: int, max_len: int, mesh: Mesh, rules: Rules = DEFAULT_RULES
+        cls,
+        config: DecoderConfig,
+        batch: int,
+        max_len: int,
+        mesh: Mesh,
+        rules: Rules = DEFAULT_RULES,
     ) -> KVCache:
         """``NamedSharding`` of k and v on ``mesh`` (non-divisible dims are replicated)."""
         sharding: NamedSharding = logical_sharding(

@@ -36,7 +36,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: Llama3RopeScaling | None) -> np.ndarray:
+def rope_inverse_frequencies(
+    head_dim: int, theta: float, scaling: Llama3RopeScaling | None
+) -> np.ndarray:
     """RoPE inverse frequencies ``1 / theta^(2i/K)`` for i < K/2 (Su et al. 2021, eq. 15).
 
     With Llama 3.1 scaling, wavelengths ``2 pi / f`` above ``M / low_freq_factor`` become

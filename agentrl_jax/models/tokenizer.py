@@ -76,13 +76,17 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = True
+    ) -> str:
         """The chat template's text for ``messages``."""
         return self.hf.apply_chat_template(
             [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt
         )
 
-    def apply_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of the rendered conversation, as ``apply_chat_template(tokenize=True)`` gives.
 
         transformers 4.x returns a list of ids, 5.x a ``BatchEncoding``; both are handled.
@@ -108,7 +112,9 @@ class Tokenizer:
         newline); it is needed when the previous ids end with a generated eos.
         """
         before = self.render_chat(_ANCHOR, add_generation_prompt=False)
-        after = self.render_chat([*_ANCHOR, dict(message)], add_generation_prompt=add_generation_prompt)
+        after = self.render_chat(
+            [*_ANCHOR, dict(message)], add_generation_prompt=add_generation_prompt
+        )
         if not after.startswith(before):
             raise ValueError(
                 "Tokenizer.append_message: the chat template re-renders earlier turns when a "

@@ -15,7 +15,9 @@ LLAMA3_SCALING = {
 # name -> save_tiny_hf_checkpoint kwargs; covers llama3 rope scaling, qwen2 bias, qwen3 q/k
 # norm, tied and untied embeddings, and head_dim != hidden / heads.
 CHECKPOINTS = {
-    "llama3_scaled": dict(architecture="llama", head_dim=16, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING),
+    "llama3_scaled": dict(
+        architecture="llama", head_dim=16, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING
+    ),
     "qwen2_tied": dict(architecture="qwen2", tie_word_embeddings=True),
     "qwen3": dict(architecture="qwen3", head_dim=32),
 }

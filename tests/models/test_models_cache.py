@@ -49,7 +49,12 @@ def test_chunked_prefill_then_decode_matches_full_forward(model):
     cache = KVCache.init(CONFIG, batch=2, max_len=24, dtype=jnp.float32)
     chunk1 = 5
     h1, cache = _forward(
-        graphdef, params, seqs[:, :chunk1], np.tile(np.arange(chunk1), (2, 1)), cache, np.zeros(2, np.int32)
+        graphdef,
+        params,
+        seqs[:, :chunk1],
+        np.tile(np.arange(chunk1), (2, 1)),
+        cache,
+        np.zeros(2, np.int32),
     )
     # Second prefill chunk, right-padded to a common length: row 0's padding lands at cache
     # positions 9..12 and must be overwritten by its decode steps.
@@ -80,7 +85,9 @@ def test_cache_holds_rope_keys_of_written_tokens_only(model):
     graphdef, params = split_params(model)
     cache = KVCache.init(CONFIG, batch=2, max_len=8, dtype=jnp.float32)
     ids = np.array([[1, 2, 3], [4, 5, 6]])
-    _, cache = _forward(graphdef, params, ids, np.tile(np.arange(3), (2, 1)), cache, np.array([0, 2], np.int32))
+    _, cache = _forward(
+        graphdef, params, ids, np.tile(np.arange(3), (2, 1)), cache, np.array([0, 2], np.int32)
+    )
     k = np.asarray(cache.k)
     assert np.abs(k[:, 0, :3]).min() > 0 and not k[:, 0, 3:].any()
     assert not k[:, 1, :2].any() and np.abs(k[:, 1, 2:5]).min() > 0 and not k[:, 1, 5:].any()
@@ -89,11 +96,20 @@ def test_cache_holds_rope_keys_of_written_tokens_only(model):
 def test_writes_past_the_cache_end_are_dropped(model):
     graphdef, params = split_params(model)
     cache = KVCache.init(CONFIG, batch=1, max_len=6, dtype=jnp.float32)
-    _, cache = _forward(graphdef, params, np.array([[1, 2, 3, 4]]), np.arange(4)[None], cache, np.zeros(1, np.int32))
+    _, cache = _forward(
+        graphdef, params, np.array([[1, 2, 3, 4]]), np.arange(4)[None], cache, np.zeros(1, np.int32)
+    )
     before = np.asarray(cache.k)
     # Three tokens at index 4 of a 6-long cache: positions 4, 5 are written, 6 is dropped
     # (a clamped dynamic_update_slice would have shifted the write onto positions 3..5).
-    _, cache = _forward(graphdef, params, np.array([[5, 6, 7]]), np.arange(4, 7)[None], cache, np.array([4], np.int32))
+    _, cache = _forward(
+        graphdef,
+        params,
+        np.array([[5, 6, 7]]),
+        np.arange(4, 7)[None],
+        cache,
+        np.array([4], np.int32),
+    )
     after = np.asarray(cache.k)
     np.testing.assert_array_equal(after[:, :, :4], before[:, :, :4])
     assert np.abs(after[:, :, 4:]).min() > 0

@@ -1,4 +1,4 @@
-"""HF checkpoint I/O: exact round trip, transformers loads our export, sharded files, bf16, errors."""
+"""HF checkpoint I/O: exact round trip, transformers loads the export, shards, bf16, errors."""
 
 import json
 import os
@@ -27,7 +27,10 @@ IDS = np.random.default_rng(0).integers(0, 97, (2, 12))
 
 
 def _flat(params):
-    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    return {
+        jax.tree_util.keystr(k): np.asarray(v)
+        for k, v in jax.tree_util.tree_leaves_with_path(params)
+    }
 
 
 def _hf_logits(path, dtype=torch.float32):
@@ -50,7 +53,9 @@ def test_load_export_load_round_trip_is_exact(tiny_checkpoints, tmp_path, name):
     np.testing.assert_array_equal(_hf_logits(out), _hf_logits(src))
     original = safetensors.numpy.load_file(os.path.join(src, "model.safetensors"))
     exported = safetensors.numpy.load_file(os.path.join(out, "model.safetensors"))
-    assert sorted(exported) == sorted(k for k in original if not (config.tie_word_embeddings and k == "lm_head.weight"))
+    assert sorted(exported) == sorted(
+        k for k in original if not (config.tie_word_embeddings and k == "lm_head.weight")
+    )
     for key in exported:
         np.testing.assert_array_equal(exported[key], original[key], err_msg=key)
 
@@ -115,25 +120,40 @@ def _edit_config(path, **changes):
 
 def test_missing_tensor_is_named(broken_copy):
     _edit_tensors(broken_copy, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) \['model.layers.1.self_attn.k_norm.weight'\]"):
+    with pytest.raises(
+        CheckpointError, match=r"missing tensor\(s\) \['model.layers.1.self_attn.k_norm.weight'\]"
+    ):
         load_hf_checkpoint(broken_copy)
 
 
 def test_unexpected_tensor_is_named(broken_copy):
-    _edit_tensors(broken_copy, lambda t: t.update({"model.layers.0.mlp.extra.weight": np.zeros(3, np.float32)}))
-    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) \['model.layers.0.mlp.extra.weight'\]"):
+    _edit_tensors(
+        broken_copy,
+        lambda t: t.update({"model.layers.0.mlp.extra.weight": np.zeros(3, np.float32)}),
+    )
+    with pytest.raises(
+        CheckpointError, match=r"unexpected tensor\(s\) \['model.layers.0.mlp.extra.weight'\]"
+    ):
         load_hf_checkpoint(broken_copy)
 
 
 def test_shape_mismatch_is_named(broken_copy):
     _edit_config(broken_copy, intermediate_size=96)
-    with pytest.raises(CheckpointError, match=r"tensor model.layers.0.mlp.gate_proj.weight has shape \[128, 64\], the config implies \[96, 64\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor model.layers.0.mlp.gate_proj.weight has shape \[128, 64\], "
+        r"the config implies \[96, 64\]",
+    ):
         load_hf_checkpoint(broken_copy)
 
 
 def test_unsupported_architecture_is_named(broken_copy):
     _edit_config(broken_copy, architectures=["MistralForCausalLM"], model_type="mistral")
-    with pytest.raises(ValueError, match=r"unsupported architecture MistralForCausalLM; supported: \['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"unsupported architecture MistralForCausalLM; supported: "
+        r"\['LlamaForCausalLM', 'Qwen2ForCausalLM', 'Qwen3ForCausalLM'\]",
+    ):
         load_hf_checkpoint(broken_copy)
 
 
@@ -163,7 +183,9 @@ HF4_LLAMA = {
 
 def test_config_reads_transformers_4_and_5_layouts():
     v4 = DecoderConfig.from_hf(HF4_LLAMA)
-    v5_dict = {k: v for k, v in HF4_LLAMA.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+    v5_dict = {
+        k: v for k, v in HF4_LLAMA.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")
+    }
     v5_dict["rope_parameters"] = {**HF4_LLAMA["rope_scaling"], "rope_theta": 500000.0}
     v5_dict["dtype"] = "bfloat16"
     v5 = DecoderConfig.from_hf(v5_dict)
@@ -174,13 +196,23 @@ def test_config_reads_transformers_4_and_5_layouts():
 
 
 def test_config_rejects_bad_values():
-    with pytest.raises(ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"):
+    with pytest.raises(
+        ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"
+    ):
         DecoderConfig.from_hf({**HF4_LLAMA, "num_key_value_heads": 3})
     with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
         DecoderConfig.from_hf({**HF4_LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
 
 
 def test_tiny_checkpoint_round_trips_through_config(tmp_path):
-    path = save_tiny_hf_checkpoint(tmp_path / "q2", "qwen2", vocab_size=32, hidden_size=16, intermediate_size=32, num_heads=2, num_kv_heads=1)
+    path = save_tiny_hf_checkpoint(
+        tmp_path / "q2",
+        "qwen2",
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        num_kv_heads=1,
+    )
     config = DecoderConfig.from_hf(path)
     assert config.attention_bias and not config.qk_norm and config.architecture == "qwen2"

@@ -8,15 +8,28 @@ import transformers
 from flax import nnx
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from agentrl_jax.models import Decoder, DecoderConfig, Llama3RopeScaling, param_logical_axes, split_params
-from agentrl_jax.models.layers import apply_rope, packed_causal_mask, rms_norm, rope_inverse_frequencies
+from agentrl_jax.models import (
+    Decoder,
+    DecoderConfig,
+    Llama3RopeScaling,
+    param_logical_axes,
+    split_params,
+)
+from agentrl_jax.models.layers import (
+    apply_rope,
+    packed_causal_mask,
+    rms_norm,
+    rope_inverse_frequencies,
+)
 
 
 def test_rms_norm_matches_numpy():
     rng = np.random.default_rng(0)
     x, w = rng.normal(size=(2, 3, 8)).astype(np.float32), rng.normal(size=8).astype(np.float32)
     want = w * x / np.sqrt(np.mean(x.astype(np.float64) ** 2, -1, keepdims=True) + 1e-6)
-    np.testing.assert_allclose(np.asarray(rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6)), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(rms_norm(jnp.asarray(x), jnp.asarray(w), 1e-6)), want, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_rope_is_a_rotation_of_each_frequency_pair():
@@ -36,13 +49,21 @@ def test_rope_is_a_rotation_of_each_frequency_pair():
 
 
 def test_llama3_frequencies_match_transformers():
-    scaling = Llama3RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+    scaling = Llama3RopeScaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    )
     config = transformers.LlamaConfig(
         hidden_size=2048,
         num_attention_heads=32,
         head_dim=64,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     )
     want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     got = rope_inverse_frequencies(64, 500000.0, scaling)
@@ -55,19 +76,27 @@ def test_packed_causal_mask_hand_values():
     segment_ids = jnp.array([[1, 1, 2, 2, 0]])
     attention_mask = jnp.array([[1, 1, 1, 1, 0]])
     mask = np.asarray(packed_causal_mask(segment_ids, attention_mask, 1, 5))[0, 0].astype(int)
-    want = np.array([
-        [1, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0],
-        [0, 0, 1, 0, 0],
-        [0, 0, 1, 1, 0],
-        [0, 0, 0, 0, 1],  # a padded query sees only itself (finite garbage)
-    ])
+    want = np.array(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [0, 0, 1, 0, 0],
+            [0, 0, 1, 1, 0],
+            [0, 0, 0, 0, 1],  # a padded query sees only itself (finite garbage)
+        ]
+    )
     np.testing.assert_array_equal(mask, want)
 
 
 CONFIG = DecoderConfig(
-    architecture="llama", vocab_size=50, hidden_size=32, intermediate_size=64, num_layers=2,
-    num_heads=4, num_kv_heads=2, head_dim=8,
+    architecture="llama",
+    vocab_size=50,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
 )
 
 
@@ -92,7 +121,7 @@ def no_remat():
 def test_remat_policies_give_same_values_and_gradients(no_remat, remat):
     (v0, g0), (v1, g1) = no_remat, _value_and_grad(remat)
     np.testing.assert_allclose(v0, v1, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -100,11 +129,13 @@ def test_every_param_has_one_logical_axis_per_dim():
     model = Decoder(CONFIG, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     axes = param_logical_axes(model)
-    shapes = jax.tree.leaves(jax.tree.map(lambda p: p.shape, params, is_leaf=lambda x: isinstance(x, nnx.Variable)),
-                             is_leaf=lambda x: isinstance(x, tuple))
+    shapes = jax.tree.leaves(
+        jax.tree.map(lambda p: p.shape, params, is_leaf=lambda x: isinstance(x, nnx.Variable)),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
     flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
     assert len(flat_axes) == len(shapes) == 12  # 9 stacked layer weights + embed + norm + lm_head
-    for ax, shape in zip(flat_axes, shapes):
+    for ax, shape in zip(flat_axes, shapes, strict=True):
         assert len(ax) == len(shape)
     assert axes["layers"]["wq"] == ("layers", "embed", "heads", "head_dim")
     table, layout = model.output_embedding()

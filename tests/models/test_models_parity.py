@@ -25,7 +25,9 @@ def _hf_logits(model, ids, positions, attention_mask=None):
         out = model(
             input_ids=torch.tensor(np.asarray(ids)),
             position_ids=torch.tensor(np.asarray(positions)),
-            attention_mask=None if attention_mask is None else torch.tensor(np.asarray(attention_mask)),
+            attention_mask=None
+            if attention_mask is None
+            else torch.tensor(np.asarray(attention_mask)),
         )
     return out.logits.numpy()
 

@@ -11,7 +11,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from agentrl_jax.models import KVCache, apply, param_shardings, split_params
 from agentrl_jax.models.hf_io import load_hf_checkpoint
 from agentrl_jax.models.tiny import save_tiny_hf_checkpoint
-from agentrl_jax.sharding import DEFAULT_RULES, inference_rules, logical_sharding, make_mesh, reshard
+from agentrl_jax.sharding import (
+    DEFAULT_RULES,
+    inference_rules,
+    logical_sharding,
+    make_mesh,
+    reshard,
+)
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
@@ -74,8 +80,22 @@ def test_sharded_cache_decode_equals_single_device(checkpoint):
 
     @functools.partial(jax.jit, static_argnums=0)
     def prefill_and_step(graphdef, params, cache):
-        _, cache = apply(graphdef, params, ids[:, :8], positions[:, :8], cache=cache, cache_index=jnp.zeros(B, jnp.int32))
-        hidden, cache = apply(graphdef, params, ids[:, 8:9], positions[:, 8:9], cache=cache, cache_index=jnp.full(B, 8, jnp.int32))
+        _, cache = apply(
+            graphdef,
+            params,
+            ids[:, :8],
+            positions[:, :8],
+            cache=cache,
+            cache_index=jnp.zeros(B, jnp.int32),
+        )
+        hidden, cache = apply(
+            graphdef,
+            params,
+            ids[:, 8:9],
+            positions[:, 8:9],
+            cache=cache,
+            cache_index=jnp.full(B, 8, jnp.int32),
+        )
         return hidden, cache
 
     model = load_hf_checkpoint(checkpoint)
@@ -86,7 +106,9 @@ def test_sharded_cache_decode_equals_single_device(checkpoint):
     mesh = make_mesh({"data": 2, "tensor": 4})
     rules = inference_rules(DEFAULT_RULES)
     graphdef, params = split_params(load_hf_checkpoint(checkpoint, mesh=mesh, rules=rules))
-    cache = jax.device_put(KVCache.init(config, B, 12, jnp.float32), KVCache.shardings(config, B, 12, mesh, rules))
+    cache = jax.device_put(
+        KVCache.init(config, B, 12, jnp.float32), KVCache.shardings(config, B, 12, mesh, rules)
+    )
     assert cache.k.sharding.spec == PartitionSpec(None, "data", None, "tensor", None)
     got, new_cache = prefill_and_step(graphdef, params, cache)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)

@@ -17,7 +17,10 @@ TEXTS = [
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 USER = {"role": "user", "content": "What is 2 + 3?"}
-ASSISTANT = {"role": "assistant", "content": "Let me compute this with code. <code>print(2 + 3)</code>"}
+ASSISTANT = {
+    "role": "assistant",
+    "content": "Let me compute this with code. <code>print(2 + 3)</code>",
+}
 TOOL = {"role": "tool", "content": "<interpreter>5</interpreter>"}
 
 
@@ -31,7 +34,11 @@ def test_saved_directory_has_chatml_template_and_special_tokens(tokenizer):
     config = json.load(open(os.path.join(tokenizer.path, "tokenizer_config.json")))
     assert "<|im_start|>" in config["chat_template"]
     assert config["eos_token"] == "<|im_end|>"
-    assert tokenizer.hf.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
+    assert tokenizer.hf.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [
+        0,
+        1,
+        2,
+    ]
 
 
 def test_eos_and_pad_ids(tokenizer, tmp_path):
@@ -60,7 +67,8 @@ def test_apply_chat_matches_apply_chat_template(tokenizer):
     assert text.endswith("<|im_start|>assistant\n")
     assert ids == tokenizer.encode(text)
     assert tokenizer.apply_chat(messages, add_generation_prompt=False) == tokenizer.encode(
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
     )
 
 
@@ -72,7 +80,10 @@ def test_append_after_generated_turn_equals_rerendering(tokenizer):
     full = tokenizer.apply_chat([SYSTEM, USER, ASSISTANT, TOOL], add_generation_prompt=True)
     assert new_ids == full
     assert new_ids[: len(so_far)] == so_far and new_ids[len(so_far) :] == appended
-    assert tokenizer.decode(appended) == "\n<|im_start|>tool\n<interpreter>5</interpreter><|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        tokenizer.decode(appended)
+        == "\n<|im_start|>tool\n<interpreter>5</interpreter><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_append_after_rendered_turn_and_without_generation_prompt(tokenizer):
@@ -84,7 +95,9 @@ def test_append_after_rendered_turn_and_without_generation_prompt(tokenizer):
 
 
 def test_template_that_rerenders_history_is_rejected(tmp_path):
-    template = "{{ messages|length }}{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    template = (
+        "{{ messages|length }}{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    )
     path = train_tiny_tokenizer(tmp_path / "bad", TEXTS, vocab_size=280, chat_template=template)
     with pytest.raises(ValueError, match="delta is not a suffix"):
         Tokenizer(path).append_message([5, 2], {"role": "user", "content": "hi"})
