@@ -37,7 +37,7 @@ from agentrl_jax.models.layers import (
     rope_frequencies,
     swiglu,
 )
-from agentrl_jax.sharding import DEFAULT_RULES, Rules, logical_sharding
+from agentrl_jax.sharding import DEFAULT_RULES, MESH_AXES, Rules, logical_sharding, logical_to_spec
 
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 ATTENTION_IMPLS = ("xla", "cudnn", None)
@@ -133,6 +133,9 @@ class Decoder(nnx.Module):
         ``jax.nn.dot_product_attention``.
       remat: "none", "full" (recompute each layer in the backward pass) or "dots_saveable"
         (keep matmul outputs).
+      activation_rules: logical-axis rules for activation sharding constraints (batch over
+        the data axes, heads over tensor), applied only while a mesh with axes
+        (data, fsdp, tensor) is set with ``jax.set_mesh``; None disables them.
       rngs: initializer randomness.
     """
 
@@ -144,6 +147,7 @@ class Decoder(nnx.Module):
         param_dtype=jnp.float32,
         attention_impl: str | None = None,
         remat: str = "none",
+        activation_rules: Rules | None = DEFAULT_RULES,
         rngs: nnx.Rngs | None = None,
     ):
         if attention_impl not in ATTENTION_IMPLS:
@@ -158,6 +162,7 @@ class Decoder(nnx.Module):
         self.param_dtype = param_dtype
         self.attention_impl = attention_impl
         self.remat = remat
+        self.activation_rules = activation_rules
         specs = param_specs(config)
         init = tuple((name, shape, kind) for name, (shape, _, kind) in specs.items())
         values = _init_values(rngs.params(), init, jnp.dtype(param_dtype))
@@ -205,12 +210,15 @@ class Decoder(nnx.Module):
         chex.assert_equal_shape([input_ids, positions])
         B, T = input_ids.shape
         hidden = jnp.take(self.embed[...], input_ids, axis=0).astype(self.dtype)
+        constrain = functools.partial(_constrain, rules=self.activation_rules)
+        hidden = constrain(hidden, ("batch", "sequence", "embed"))
         layer_weights = self.layers.stacked(cfg)
         block = functools.partial(
             _decoder_block,
             config=cfg,
             dtype=self.dtype,
             implementation=self.attention_impl,
+            constrain=constrain,
             positions=positions,
         )
         if cache is None:
@@ -274,6 +282,7 @@ def _decoder_block(
     config: DecoderConfig,
     dtype,
     implementation: str | None,
+    constrain,
     positions: jax.Array,
     mask: jax.Array,
     kv_write,
@@ -301,8 +310,9 @@ def _decoder_block(
     if config.qk_norm:
         q = rms_norm(q, cast["q_norm"], eps)
         k = rms_norm(k, cast["k_norm"], eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q = constrain(apply_rope(q, positions, inv_freq), ("batch", "sequence", "heads", "head_dim"))
+    k = constrain(apply_rope(k, positions, inv_freq), ("batch", "sequence", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "sequence", "kv_heads", "head_dim"))
     cache_state = None
     if kv_write is not None:
         k, v, cache_state = kv_write(k, v)
@@ -310,7 +320,22 @@ def _decoder_block(
     out = attention(q, k, v, mask, implementation)
     h = h + jnp.einsum("bthk,hkd->btd", out, cast["wo"])
     x = rms_norm(h, cast["mlp_norm"], eps)
-    return h + swiglu(x, cast["w_gate"], cast["w_up"], cast["w_down"]), cache_state
+    h = h + swiglu(x, cast["w_gate"], cast["w_up"], cast["w_down"])
+    return constrain(h, ("batch", "sequence", "embed")), cache_state
+
+
+def _constrain(x: jax.Array, axes: tuple[str, ...], *, rules: Rules | None) -> jax.Array:
+    """Pin an activation's sharding by logical axes when a (data, fsdp, tensor) mesh is set.
+
+    Without constraints XLA may resolve "batch on fsdp" x "weights' embed on fsdp" by
+    resharding activations instead of gathering weights; pinning batch and heads keeps the
+    FSDP + tensor-parallel pattern. Outside ``jax.set_mesh`` this is the identity.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if rules is None or mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return x
+    spec = logical_to_spec(axes, rules, shape=x.shape, mesh=mesh)
+    return jax.lax.with_sharding_constraint(x, spec)
 
 
 def split_params(model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:

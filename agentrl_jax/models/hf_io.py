@@ -278,7 +278,7 @@ def load_hf_params(
       path: an HF model directory.
       dtype: storage dtype of the params on device.
       mesh: shard the params on this mesh by their logical axes (None: default device).
-      rules: the logical-axis rule table.
+      rules: the logical-axis rule table (params, and the decoder's activation constraints).
       compute_dtype, attention_impl, remat: passed to :class:`Decoder` (compute dtype
         defaults to ``dtype``).
 
@@ -297,6 +297,7 @@ def load_hf_params(
             param_dtype=dtype,
             attention_impl=attention_impl,
             remat=remat,
+            activation_rules=rules,
         )
     )
     graphdef, abstract_params = split_params(abstract)

@@ -110,7 +110,8 @@ def test_sharded_cache_decode_equals_single_device(checkpoint):
         KVCache.init(config, B, 12, jnp.float32), KVCache.shardings(config, B, 12, mesh, rules)
     )
     assert cache.k.sharding.spec == PartitionSpec(None, "data", None, "tensor", None)
-    got, new_cache = prefill_and_step(graphdef, params, cache)
+    with jax.set_mesh(mesh):  # activation constraints on, as the engine runs it
+        got, new_cache = prefill_and_step(graphdef, params, cache)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
     assert isinstance(new_cache.k.sharding, NamedSharding)
 
@@ -122,4 +123,15 @@ def test_param_shardings_reshard_train_to_inference_layout(checkpoint, reference
     assert infer["layers"]["wq"][...].sharding.spec == PartitionSpec(None, None, "tensor", None)
     assert params["layers"]["wq"][...].sharding.spec == PartitionSpec(None, "fsdp", "tensor", None)
     hidden = _forward(graphdef, infer, *map(jnp.asarray, _batch()))
+    np.testing.assert_allclose(np.asarray(hidden), reference, atol=1e-5, rtol=0)
+
+
+def test_activation_constraints_under_set_mesh(checkpoint, reference):
+    mesh = make_mesh({"fsdp": 2, "tensor": 4})
+    graphdef, params = split_params(load_hf_checkpoint(checkpoint, mesh=mesh))
+    with jax.set_mesh(mesh):
+        lowered = _forward.lower(graphdef, params, *map(jnp.asarray, _batch()))
+        hidden = lowered.compile()(params, *map(jnp.asarray, _batch()))
+    assert "sharding_constraint" in lowered.as_text()
+    assert hidden.sharding.spec[0] == "fsdp"  # batch stays on the data axes
     np.testing.assert_allclose(np.asarray(hidden), reference, atol=1e-5, rtol=0)
