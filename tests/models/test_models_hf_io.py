@@ -94,7 +94,14 @@ def test_bfloat16_export_and_load(tiny_checkpoints, tmp_path):
     for key in a:
         assert b[key].dtype == ml_dtypes.bfloat16
         np.testing.assert_array_equal(a[key].astype(ml_dtypes.bfloat16), b[key], err_msg=key)
-    assert np.isfinite(_hf_logits(out, torch.bfloat16)).all()
+    # bf16 weights and compute stay close to transformers' bf16 forward.
+    model = load_hf_checkpoint(out, dtype=jnp.bfloat16)
+    ours = np.asarray(
+        jax.jit(lambda ids: model.logits(model(ids, jnp.arange(12)[None].repeat(2, 0))[0]))(IDS)
+    )
+    theirs = _hf_logits(out, torch.bfloat16)
+    assert np.isfinite(theirs).all()
+    assert np.abs(ours - theirs).max() < 0.1 * np.abs(theirs).max()
 
 
 @pytest.fixture
