@@ -152,3 +152,14 @@ def test_exception_in_loop_reaches_every_caller(engine, tiny_model):
     results, cause = drive(engine, tiny_model, run, detokenize=broken_detokenize)
     assert all(isinstance(r, KeyError) for r in results), results
     assert isinstance(cause, KeyError)
+
+
+def test_prompt_longer_than_max_prefill_is_prefilled_in_chunks(engine, tiny_model):
+    prompt = [(7 * i + 3) % 128 for i in range(40)]  # max_prefill_length is 32: two chunks
+
+    async def run(driver):
+        return await driver.generate(prompt, GREEDY, max_new_tokens=4)
+
+    completion = drive(engine, tiny_model, run)
+    assert completion.token_ids == greedy_reference(tiny_model, prompt, 4)
+    assert completion.prompt_length == 40
