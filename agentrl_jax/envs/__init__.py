@@ -4,10 +4,17 @@ from agentrl_jax.envs.arithmetic import ArithmeticEnv, arithmetic_config, demons
 from agentrl_jax.envs.base import Environment, StepResult, ToolStats, Trajectory
 from agentrl_jax.envs.remote_sandbox import RemoteSandbox, RemoteSandboxConfig
 from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv, interpreter_text, parse_code, truncate_middle
+from agentrl_jax.envs.retrieval import (BM25Index, LocalRetriever, Passage, RemoteRetriever, RemoteRetrieverConfig,
+                                        Retriever, RetrieverError, load_corpus)
+from agentrl_jax.envs.search import SearchConfig, SearchEnv, exact_match, normalize_answer, token_f1
+from agentrl_jax.envs.search_corpus import make_search_corpus, write_search_corpus
 from agentrl_jax.envs.sandbox import ExecResult, SandboxConfig, SandboxPool
 
 __all__ = [
-    "ArithmeticEnv", "Environment", "ExecResult", "RemoteSandbox", "RemoteSandboxConfig", "ReToolConfig",
-    "ReToolEnv", "SandboxConfig", "SandboxPool", "StepResult", "ToolStats", "Trajectory", "arithmetic_config",
-    "demonstration", "interpreter_text", "make_tasks", "parse_code", "truncate_middle",
+    "ArithmeticEnv", "BM25Index", "Environment", "ExecResult", "LocalRetriever", "Passage", "RemoteRetriever",
+    "RemoteRetrieverConfig", "RemoteSandbox", "RemoteSandboxConfig", "ReToolConfig", "ReToolEnv", "Retriever",
+    "RetrieverError", "SandboxConfig", "SandboxPool", "SearchConfig", "SearchEnv", "StepResult", "ToolStats",
+    "Trajectory", "arithmetic_config", "demonstration", "exact_match", "interpreter_text", "load_corpus",
+    "make_search_corpus", "make_tasks", "normalize_answer", "parse_code", "token_f1", "truncate_middle",
+    "write_search_corpus",
 ]
