@@ -308,7 +308,7 @@ class SandboxConfig(_Section):
 
 @dataclass(frozen=True)
 class EnvironmentConfig(_Section):
-    name: Literal["arithmetic", "retool"] = _f("arithmetic", "Which environment runs the episodes.")
+    name: Literal["arithmetic", "retool", "search"] = _f("arithmetic", "Which environment runs the episodes.")
     max_turns: int = _f(4, "Assistant turns per episode.")
     max_tool_calls: int = _f(3, "Interpreter calls per episode.")
     max_observation_tokens: int = _f(256, "Tokens of one interpreter answer (truncated with a marker).")
@@ -322,10 +322,27 @@ class EnvironmentConfig(_Section):
     num_train_tasks: int = _f(4000, "arithmetic: generated training tasks (when data.train_path is empty).")
     num_eval_tasks: int = _f(200, "arithmetic: generated held-out tasks (when data.eval_path is empty).")
     demo_tool_fraction: float = _f(0.5, "arithmetic SFT: fraction of demonstrations that call the tool.")
+    corpus_path: str = _f("", "search: JSONL corpus ({id, title, text} per line) for the local BM25 retriever.")
+    retriever_url: str = _f("", "search: a Search-R1 retrieval server endpoint (http://host:8000/retrieve) "
+                                "used instead of the local index.")
+    top_k: int = _f(3, "search: passages returned per query.")
+    answer_metric: Literal["em", "f1", "subem"] = _f(
+        "em", "search: answer score in the reward (exact match, token F1, substring match); "
+              "environment.format_weight is the weight of the format term.")
+    retriever_timeout_s: float = _f(10.0, "search: HTTP timeout of one retrieval request (retried 3 times).")
     sandbox: SandboxConfig = _section(SandboxConfig, "The code-execution sandbox.")
 
     def validate(self) -> None:
         _require(self.max_turns >= 1, self._path("max_turns"), "must be >= 1")
+        _require(self.top_k >= 1, self._path("top_k"), "must be >= 1")
+        _require(self.retriever_timeout_s > 0, self._path("retriever_timeout_s"), "must be > 0")
+        _require(not self.retriever_url or self.retriever_url.startswith(("http://", "https://")),
+                 self._path("retriever_url"), f"must start with http:// or https://, got {self.retriever_url!r}")
+        _require(not (self.corpus_path and self.retriever_url), "environment.corpus_path/retriever_url",
+                 "set one retriever: a local corpus or a remote server, not both")
+        if self.name == "search":
+            _require(0 <= self.format_weight < 1, self._path("format_weight"),
+                     f"must be in [0, 1) for environment.name='search', got {self.format_weight}")
         _require(self.max_tool_calls >= 0, self._path("max_tool_calls"), "must be >= 0")
         _require(1 <= self.min_digits <= self.max_digits, "environment.min_digits/max_digits",
                  f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
@@ -616,6 +633,11 @@ def check_required_paths(config: Config) -> None:
     """
     if config.environment.name == "arithmetic":
         return
+    if config.environment.name == "search":
+        _require(bool(config.environment.corpus_path or config.environment.retriever_url),
+                 "environment.corpus_path", "is required for environment.name='search' (set it with "
+                 "--set environment.corpus_path=corpus.jsonl, or use a retrieval server with "
+                 "--set environment.retriever_url=http://host:8000/retrieve)")
     for key, value in (
         ("model.path", config.model.path),
         ("data.train_path", config.data.train_path),
