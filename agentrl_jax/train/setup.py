@@ -25,6 +25,8 @@ from agentrl_jax.envs import (
     demonstration,
     make_tasks,
 )
+from agentrl_jax.envs.retrieval import LocalRetriever, RemoteRetriever, RemoteRetrieverConfig
+from agentrl_jax.envs.search import SearchConfig, SearchEnv
 from agentrl_jax.rewards.shaping import RewardWeights
 from agentrl_jax.rewards.verifier import MathVerifier
 
@@ -111,8 +113,43 @@ def make_sandbox(config: Config):
     )
 
 
+def search_env_config(config: Config) -> SearchConfig:
+    env = config.environment
+    return SearchConfig(
+        top_k=env.top_k,
+        max_turns=env.max_turns,
+        max_searches=max(env.max_tool_calls, 1),
+        max_observation_chars=max(env.max_observation_tokens * 4, 16),
+        max_observation_tokens=env.max_observation_tokens,
+        answer_metric=env.answer_metric,
+        format_score=env.format_weight,
+        outcome_scheme=env.outcome_scheme,
+        system_prompt=env.system_prompt or None,
+    )
+
+
+def make_retriever(config: Config):
+    """The search environment's retriever: a remote server, or a BM25 index built from the corpus."""
+    env = config.environment
+    if env.retriever_url:
+        return RemoteRetriever(RemoteRetrieverConfig(url=env.retriever_url, timeout_s=env.retriever_timeout_s))
+    if not env.corpus_path:
+        raise ConfigError("environment.corpus_path or environment.retriever_url is required for "
+                          "environment.name='search'")
+    retriever = LocalRetriever.from_corpus(env.corpus_path)
+    logger.info("BM25 index over %s: %d passages", env.corpus_path, len(retriever.index))
+    return retriever
+
+
 def env_factory(config: Config, pool: Any, verifier: MathVerifier, count_tokens=None) -> Callable[[], Environment]:
-    """A zero-argument constructor of a fresh environment (one per trajectory)."""
+    """A zero-argument constructor of a fresh environment (one per trajectory).
+
+    The search environment uses neither `pool` nor `verifier`; its retriever (one per
+    run) is built here.
+    """
+    if config.environment.name == "search":
+        retriever, search_cfg = make_retriever(config), search_env_config(config)
+        return lambda: SearchEnv(retriever, search_cfg, count_tokens=count_tokens)
     cfg = env_config(config)
     if config.environment.name == "arithmetic":
         return lambda: ArithmeticEnv(pool, verifier, cfg)
