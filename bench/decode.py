@@ -89,17 +89,10 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
             tokens = np.random.default_rng(0).integers(0, vocab, prompt).astype(np.int32)
             sampler = SamplingParams(temperature=1.0, seed=0)
 
-            def fill():
-                state = engine.init_decode_state()
-                prefix, _ = engine.prefill(params=params, padded_tokens=tokens, true_length=prompt, sampler=sampler)
-                for slot in range(batch):
-                    state = engine.insert(prefix, state, slot)
-                return jax.block_until_ready(state)
-
-            state = fill()
+            state = _fill(engine, params, tokens, sampler, batch)
             state, result = engine.generate(params, state, num_steps=steps)  # compile
             result.convert_to_numpy()
-            state = fill()
+            state = _fill(engine, params, tokens, sampler, batch)
             t0 = time.perf_counter()
             prefix, _ = engine.prefill(params=params, padded_tokens=tokens, true_length=prompt, sampler=sampler)
             jax.block_until_ready(prefix)
@@ -111,11 +104,21 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
                 result.convert_to_numpy()
             elapsed = time.perf_counter() - t0
             row.update(_rates(size, batch, prompt, dispatches * steps, elapsed, dtype_bytes=jnp.dtype(dtype).itemsize))
-            del state, params, engine
         except Exception as e:  # noqa: BLE001  (an OOM at one batch must not hide the others)
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
     return rows
+
+
+def _fill(engine, params, tokens, sampler, batch):
+    """A decode state with the same prefilled prompt in every slot."""
+    import jax
+
+    state = engine.init_decode_state()
+    prefix, _ = engine.prefill(params=params, padded_tokens=tokens, true_length=tokens.size, sampler=sampler)
+    for slot in range(batch):
+        state = engine.insert(prefix, state, slot)
+    return jax.block_until_ready(state)
 
 
 def _hf_worker(size: str, batches: list[int], prompt: int, gen: int, cache: str) -> list[dict]:
@@ -183,12 +186,12 @@ def _run_worker(kind: str, size: str, args) -> list[dict]:
            "--prompt", str(args.prompt), "--gen", str(args.gen), "--steps-per-dispatch", str(args.steps_per_dispatch),
            "--hf-cache", args.hf_cache]
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
-        return [{"impl": kind, "size": size, "batch": b, "device": "?", "error": f"worker rc={proc.returncode}: "
-                 + proc.stderr.strip().splitlines()[-1][:200] if proc.stderr.strip() else ""}
-                for b in _ints(args.batches)]
+        last = proc.stderr.strip().splitlines()[-1][:200] if proc.stderr.strip() else "no output"
+        error = f"worker rc={proc.returncode}: {last}"
+        return [{"impl": kind, "size": size, "batch": b, "device": "?", "error": error} for b in _ints(args.batches)]
     return [json.loads(ln) for ln in lines]
 
 
