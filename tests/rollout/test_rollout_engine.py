@@ -142,3 +142,25 @@ def test_sharded_decoding_equals_single_device(engine, params, tiny_model):
     for r, g in zip(ref, got):
         assert r[0] == g[0]
         np.testing.assert_allclose(r[1], g[1], atol=1e-5)
+
+
+def test_sampling_params_are_arrays_no_recompile(engine, params, tiny_model):
+    """top_k=1 at temperature 0.9 decodes the greedy tokens, reports the tau=0.9 trainer logprob and a
+    truncated logprob of 0; changing temperature/top-k/top-p reuses the compiled step."""
+    greedy_tokens = run_requests(engine, params, [PROMPT], [0], GREEDY, dispatches=1)[0][0]
+    compiled = engine._generate_fns[STEPS]._cache_size()
+    state = engine.init_decode_state()
+    for slot, sampler in enumerate(
+        [SamplingParams(0.9, top_k=1, seed=1), SamplingParams(0.5, top_p=0.3, seed=2), SamplingParams(1.5, seed=3)]
+    ):
+        prefix, _ = engine.prefill(params=params, padded_tokens=PROMPT, true_length=len(PROMPT), sampler=sampler)
+        state = engine.insert(prefix, state, slot)
+        if slot == 0:
+            first = prefix
+    state, result = engine.generate(params, state, num_steps=STEPS)
+    assert engine._generate_fns[STEPS]._cache_size() == compiled
+    tokens = [int(first.first_tokens[0])] + np.asarray(result.tokens[:, 0]).tolist()
+    assert tokens == greedy_tokens
+    np.testing.assert_allclose(np.asarray(result.truncated_log_prob[:, 0]), 0.0, atol=1e-6)
+    ref_logp, _ = trainer_logprobs(tiny_model, PROMPT, tokens, 0.9)
+    np.testing.assert_allclose(np.asarray(result.log_prob[:, 0]), ref_logp[1:], atol=1e-5)
