@@ -30,9 +30,10 @@ What happens to each kind of action (never an exception):
 - neither a search nor an answer (the model stopped): done, graded as no answer.
 - `max_turns` actions without an answer: done ("max_turns"), graded as no answer.
 
-Reward (Search-R1 section 3.3 and appendix, "format reward" variant), with the answer
+Reward (Search-R1's rule-based outcome reward; the lambda_f term is the format reward of
+Jin et al.'s follow-up empirical study of Search-R1, 2025), with the answer
 metric s in [0, 1] (EM by default, or token F1 / substring EM) and f = 1 when the
-response is well formed (one final `<answer>`, balanced `<search>` tags, no
+response is well formed (one final, non-empty `<answer>`, balanced `<search>` tags, no
 `<information>` written by the policy, nothing after the answer):
 
     r = (1 - lambda_f) * s + lambda_f * f            ("binary" scheme; Search-R1: lambda_f = 0)
@@ -208,7 +209,7 @@ def search_reward(answer: str | None, answers: Sequence[str], *, formatted: bool
     scores = {name: (metric(prediction, answers) if answer is not None else 0.0)
               for name, metric in ANSWER_METRICS.items()}
     outcome = scores[config.answer_metric]
-    fmt = float(formatted and answer is not None)
+    fmt = float(formatted and bool(answer and answer.strip()))  # an empty answer is not well formed
     reward = (1.0 - config.format_score) * outcome + config.format_score * fmt
     if config.outcome_scheme == "pm1":
         reward = 2.0 * reward - 1.0

@@ -145,6 +145,7 @@ def test_reward_scheme():
     assert search_reward("Paris", ["paris"], formatted=True, config=em) == (
         1.0, {"outcome": 1.0, "em": 1.0, "f1": 1.0, "format": 1.0})
     assert search_reward(None, ["paris"], formatted=True, config=em)[0] == 0.0
+    assert search_reward(" ", ["paris"], formatted=True, config=SearchConfig(format_score=0.2))[0] == 0.0
     lam = SearchConfig(format_score=0.2)
     assert search_reward("Lyon", ["paris"], formatted=True, config=lam)[0] == pytest.approx(0.2)
     assert search_reward("Paris", ["paris"], formatted=False, config=lam)[0] == pytest.approx(0.8)
