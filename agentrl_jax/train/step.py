@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec
 
 from agentrl_jax.config import OptimizerConfig
 from agentrl_jax.losses import (
@@ -249,11 +250,25 @@ def update_step(
 
 
 def init_train_state(params: Any, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
-    """A fresh state; the optimizer state follows the params' shardings."""
+    """A fresh state; the optimizer state follows the params' shardings.
+
+    Leaves without a mesh sharding (the step counter, the rng, optimizer counters) are
+    replicated on the params' mesh rather than left on device 0, so a state restored from
+    a checkpoint (whose leaves are committed to their target shardings) has the same
+    placement as a fresh one.
+    """
     chex.assert_tree_all_finite(params)
-    return TrainState(
+    state = TrainState(
         params=params,
         opt_state=optimizer.init(params),
         step=jnp.zeros((), jnp.int32),
         rng=jax.random.key_data(jax.random.key(seed)),
+    )
+    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+        return state
+    replicated = NamedSharding(sharding.mesh, PartitionSpec())
+    return jax.tree.map(
+        lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding) else jax.device_put(x, replicated),
+        state,
     )

@@ -46,9 +46,15 @@ def _metrics(out_dir):
     return {r["step"]: r for r in rows if "loss" in r}
 
 
-def test_demo_command_trains_two_steps_on_a_2x2x2_mesh(tmp_path):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def two_step_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e") / "run"
     proc = _launch(out, "total_steps=2", "checkpoint.resume=false")
+    return out, proc
+
+
+def test_demo_command_trains_two_steps_on_a_2x2x2_mesh(two_step_run):
+    out, proc = two_step_run
     assert "held-out evaluation" in proc.stdout
     results = json.loads((out / "results.json").read_text())
     for stage in ("start", "end"):
@@ -72,3 +78,17 @@ def test_bad_override_fails_with_the_field_name(tmp_path):
     proc = _launch(tmp_path / "bad", "algorithm.aggregation=mean", check=False)
     assert proc.returncode == 2
     assert "algorithm.aggregation: got 'mean'; allowed values are" in proc.stderr
+
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(two_step_run, tmp_path):
+    """Kill after step 2 (the run ended there), resume to step 4; compare with 4 steps in one go."""
+    out, _ = two_step_run
+    _launch(out, "total_steps=4", "checkpoint.resume=true")
+    resumed = _metrics(out)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    straight_dir = tmp_path / "straight"
+    _launch(straight_dir, "total_steps=4", "checkpoint.resume=false")
+    straight = _metrics(straight_dir)
+    for step in (3, 4):
+        for key in ("reward/mean", "rollout/sampled_tokens", "loss", "grad_norm", "entropy", "param_norm"):
+            assert resumed[step][key] == pytest.approx(straight[step][key], rel=1e-4, abs=1e-6), (step, key)
