@@ -394,6 +394,66 @@ class SFTConfig(_Section):
         _require(self.batch_size >= 1, self._path("batch_size"), "must be >= 1")
 
 
+JUDGE_FIELDS = ("problem", "trajectory", "outcome", "reward", "reference_answer")
+
+
+@dataclass(frozen=True)
+class HybridConfig(_Section):
+    """Teacher, on-policy distillation, PRM judge and hindsight bridge thoughts (seeds/000).
+
+    mode "opd": A_t = tea_t - old_t on every trajectory (pure on-policy distillation).
+    mode "hybrid": A_t = A_group + lam * (tea_t - old_t) on trajectories with a teacher
+    signal (a judge hint; every trajectory when judge="none"), pure A_group elsewhere.
+    With a judge, the teacher scores the response under [prompt + bridge thought + response].
+    """
+
+    mode: Literal["none", "opd", "hybrid"] = _f("none", "Teacher signal in the advantage: off, pure OPD, or hybrid.")
+    lam: float = _f(1.0, "lambda: weight of the OPD term in the hybrid advantage A_group + lambda * A_opd.")
+    teacher: Literal["reference", "checkpoint"] = _f(
+        "reference", "The teacher: the frozen initial policy (no extra memory if the reference exists) "
+        "or the HF checkpoint at hybrid.teacher_path.")
+    teacher_path: str = _f("", "HF checkpoint of the teacher when hybrid.teacher='checkpoint'.")
+    teacher_dtype: DType = _f("bfloat16", "Dtype of the frozen teacher params.")
+    judge: Literal["none", "policy", "reference", "teacher", "oracle"] = _f(
+        "none", "Who writes bridge thoughts / PRM scores after an episode: nobody, a model through the "
+        "rollout driver (current policy, reference or teacher params), or a scripted oracle (arithmetic only).")
+    judge_template: str = _f("", "Judge prompt with {problem} {trajectory} {outcome} {reward} {reference_answer}; "
+                                 "empty: the built-in template (agentrl_jax.train.hindsight).")
+    judge_max_new_tokens: int = _f(256, "Decoding budget of one judge answer.")
+    judge_temperature: float = _f(0.0, "Judge sampling temperature (0: greedy).")
+    max_hint_tokens: int = _f(64, "A bridge thought longer than this many tokens is rejected (counted).")
+    hint_placement: Literal["user_message", "assistant_prefix"] = _f(
+        "user_message", "Where the teacher context carries the hint: appended to the last user message "
+        "(prompt re-templated) or as tokens right after the generation prompt, before the response.")
+    hint_format: str = _f("\n\nHint: {hint}", "Text inserted for a hint; must contain {hint}.")
+    prm_weight: float = _f(0.0, "Weight of the judge's PRM score (in [0, 1]) added to the reward (0: off).")
+    sample_hints: int = _f(4, "Hints written as tensorboard text per logged step.")
+
+    def validate(self) -> None:
+        _require(self.lam >= 0, self._path("lam"), "must be >= 0")
+        _require(self.teacher != "checkpoint" or bool(self.teacher_path), self._path("teacher_path"),
+                 "is required when hybrid.teacher='checkpoint'")
+        _require(self.max_hint_tokens >= 1, self._path("max_hint_tokens"), "must be >= 1")
+        _require(self.judge_max_new_tokens >= 1, self._path("judge_max_new_tokens"), "must be >= 1")
+        _require(self.judge_temperature >= 0, self._path("judge_temperature"), "must be >= 0")
+        _require(self.prm_weight >= 0, self._path("prm_weight"), "must be >= 0")
+        _require("{hint}" in self.hint_format, self._path("hint_format"), "must contain {hint}")
+        if self.judge_template:
+            import string
+
+            try:
+                names = {f for _, f, _, _ in string.Formatter().parse(self.judge_template) if f is not None}
+            except ValueError as e:
+                raise ConfigError(f"hybrid.judge_template: not a format string ({e})") from None
+            unknown = names - set(JUDGE_FIELDS)
+            _require(not unknown, self._path("judge_template"),
+                     f"unknown fields {sorted(unknown)}; allowed: {', '.join(JUDGE_FIELDS)} "
+                     "(write literal braces as {{ }})")
+            _require("trajectory" in names, self._path("judge_template"), "must contain {trajectory}")
+        _require(self.prm_weight == 0 or self.judge != "none", self._path("prm_weight"),
+                 "needs a judge (hybrid.judge != 'none')")
+
+
 @dataclass(frozen=True)
 class Config(_Section):
     name: str = _f("experiment", "Run name (used in the output directory).")
@@ -411,6 +471,7 @@ class Config(_Section):
     logging: LoggingConfig = _section(LoggingConfig, "Metrics and logs.")
     eval: EvalConfig = _section(EvalConfig, "Evaluation.")
     sft: SFTConfig = _section(SFTConfig, "Supervised cold start.")
+    hybrid: HybridConfig = _section(HybridConfig, "Teacher, OPD, PRM judge and hindsight hints (seeds/000).")
 
     def validate(self) -> None:
         _require(self.total_steps >= 0, "total_steps", "must be >= 0")
@@ -436,6 +497,16 @@ class Config(_Section):
             )
 
 
+        hybrid = self.hybrid
+        if hybrid.mode == "hybrid":
+            _require(algo.advantage in ("grpo", "drgrpo", "rloo", "reinforce_pp"), "algorithm.advantage",
+                     f"must be a sequence estimator (grpo, drgrpo, rloo, reinforce_pp) for hybrid.mode='hybrid', "
+                     f"got {algo.advantage!r}")
+        _require(hybrid.judge != "oracle" or self.environment.name == "arithmetic", "hybrid.judge",
+                 "'oracle' is a scripted judge of the arithmetic environment only")
+        _require(hybrid.judge != "teacher" or hybrid.mode != "none", "hybrid.judge",
+                 "'teacher' needs a teacher (hybrid.mode 'opd' or 'hybrid')")
+
     def _path(self, name: str) -> str:
         return name
 
@@ -454,6 +525,7 @@ _SECTION_NAMES = {
     "LoggingConfig": "logging",
     "EvalConfig": "eval",
     "SFTConfig": "sft",
+    "HybridConfig": "hybrid",
 }
 
 

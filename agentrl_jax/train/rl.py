@@ -38,6 +38,7 @@ from agentrl_jax.losses import get_advantage, global_normalizer
 from agentrl_jax.rollout.sampling import SamplingParams
 from agentrl_jax.train.batch import TokenRecord, build_batch
 from agentrl_jax.train.evaluation import summarize
+from agentrl_jax.train.hindsight import Judge, Verdict, apply_prm_reward, judge_metrics
 from agentrl_jax.train.sft import batch_arrays, conversation_to_record, run_sft
 from agentrl_jax.train.step import (
     LossSettings,
@@ -45,6 +46,11 @@ from agentrl_jax.train.step import (
     init_train_state,
     make_optimizer,
     update_step,
+)
+from agentrl_jax.train.teacher import (
+    hindsight_contexts,
+    teacher_advantages,
+    teacher_logprobs,
 )
 
 logger = logging.getLogger(__name__)
@@ -107,7 +113,8 @@ class RLTrainer:
     """Owns the policy state, the rollout driver and the update functions of one run."""
 
     def __init__(self, config: Config, *, graphdef, params, tokenizer, driver, env_factory, train_tasks,
-                 eval_tasks, metrics_writer, checkpointer=None, reference_params=None):
+                 eval_tasks, metrics_writer, checkpointer=None, reference_params=None, teacher=None,
+                 judge: Judge | None = None):
         self.config = config
         self.graphdef = graphdef
         self.tokenizer = tokenizer
@@ -118,6 +125,8 @@ class RLTrainer:
         self.writer = metrics_writer
         self.checkpointer = checkpointer
         self.reference_params = reference_params
+        self.teacher = teacher  # (graphdef, frozen params) when config.hybrid.mode != "none"
+        self.judge = judge
         self.settings = loss_settings(config)
         self.optimizer, self.schedule = make_optimizer(config.optimizer, config.total_steps)
         self.state = init_train_state(params, self.optimizer, config.seed)
@@ -179,13 +188,47 @@ class RLTrainer:
 
     # ---------------------------------------------------------------- updates
 
-    def _logprobs(self, params, arrays: dict, micro_rows: int) -> jax.Array:
+    def _logprobs(self, params, arrays: dict, micro_rows: int, graphdef=None) -> jax.Array:
         rows = arrays["input_ids"].shape[0]
         parts = []
         for start in range(0, rows, micro_rows):
             part = {k: v[start : start + micro_rows] for k, v in arrays.items()}
-            parts.append(self._logprob_fn(self.graphdef, params, part))
+            parts.append(self._logprob_fn(graphdef or self.graphdef, params, part))
         return jnp.concatenate(parts, axis=0)
+
+    async def judge_episodes(self, trajectories: list[Trajectory], step: int) -> tuple[list[Verdict], dict]:
+        """PRM judge after the episodes: bridge thoughts, optional PRM reward, metrics."""
+        h = self.config.hybrid
+        verdicts = await self.judge(trajectories)
+        if h.prm_weight > 0:
+            apply_prm_reward(trajectories, verdicts, h.prm_weight)
+        malformed = [v for v in verdicts if v.status in ("malformed", "error")]
+        if malformed:
+            logger.info("judge: %d of %d answers malformed or failed (no hint), e.g. %r",
+                        len(malformed), len(verdicts), malformed[0].raw[:200])
+        hinted = [(t, v) for t, v in zip(trajectories, verdicts) if v.hint is not None]
+        if hinted and h.sample_hints and step % max(self.config.logging.log_every, 1) == 0:
+            self.writer.write_text(step + 1, {
+                f"hint_{i}": f"{v.hint}\n\n---\n{self.tokenizer.decode(t.token_ids.tolist())}"
+                for i, (t, v) in enumerate(hinted[: h.sample_hints])
+            })
+        return verdicts, judge_metrics(verdicts)
+
+    def _teacher_advantages(self, trajectories, verdicts, batch, old_logprobs, micro_rows):
+        """OPD / hybrid advantages [R, T] from the teacher's logprobs (seeds/000 sec. 4.5)."""
+        h = self.config.hybrid
+        hints = [v.hint for v in verdicts] if verdicts is not None else None
+        contexts = hindsight_contexts(trajectories, hints, self.tokenizer, mode=h.mode,
+                                      placement=h.hint_placement, hint_format=h.hint_format)
+        graphdef, params = self.teacher
+        teacher_logp, has_teacher = teacher_logprobs(
+            lambda arrays: self._logprobs(params, arrays, micro_rows, graphdef=graphdef),
+            trajectories, contexts, batch.shape, row_multiple=micro_rows, pad_token_id=self.tokenizer.pad_token_id,
+        )
+        adv, metrics = teacher_advantages(h.mode, batch.advantages, teacher_logp, np.asarray(old_logprobs),
+                                          batch.loss_mask, has_teacher, lam=h.lam)
+        metrics["opd/teacher_fraction"] = float(has_teacher[: len(trajectories)].mean())
+        return jnp.asarray(adv), metrics
 
     def _update_fn(self, rows: int, micro: int):
         key = (rows, micro)
@@ -203,8 +246,13 @@ class RLTrainer:
             )
         return self._update_fns[key]
 
-    def train_on(self, trajectories: list[Trajectory], step: int) -> dict[str, float]:
-        """Build the batch from finished trajectories and run the jitted updates."""
+    def train_on(self, trajectories: list[Trajectory], step: int,
+                 verdicts: list[Verdict] | None = None) -> dict[str, float]:
+        """Build the batch from finished trajectories and run the jitted updates.
+
+        With ``config.hybrid.mode`` set, the advantages mix in the teacher's signal
+        (judge ``verdicts`` carry the bridge thoughts of the hindsight teacher).
+        """
         a = self.config.algorithm
         records = [trajectory_record(t) for t in trajectories]
         rows_needed = a.minibatches * max(a.micro_batch_size, 1)
@@ -219,6 +267,10 @@ class RLTrainer:
         arrays["old_logprobs"] = self._logprobs(self.state.params, arrays, micro_rows)
         if self.settings.kl_coef > 0:
             arrays["ref_logprobs"] = self._logprobs(self.reference_params, arrays, micro_rows)
+        teacher_metrics: dict[str, float] = {}
+        if self.config.hybrid.mode != "none":
+            arrays["advantages"], teacher_metrics = self._teacher_advantages(
+                trajectories, verdicts, batch, arrays["old_logprobs"], micro_rows)
         max_response = int(batch.loss_mask.sum(axis=1).max()) or 1
         rng = np.random.default_rng([self.config.seed, step])
         collected: list[dict] = []
@@ -240,6 +292,7 @@ class RLTrainer:
         out["train_tokens"] = float(batch.loss_mask.sum())
         mismatch = np.abs(np.asarray(arrays["old_logprobs"]) - batch.rollout_logprobs) * batch.loss_mask
         out["logprob_gap_train_infer"] = float(mismatch.sum() / max(batch.loss_mask.sum(), 1))
+        out.update(teacher_metrics)
         return out
 
     async def sync_weights(self) -> None:
@@ -256,14 +309,19 @@ class RLTrainer:
             tasks = next(self.data)
             trajectories = await self.rollout(tasks, step)
             t_rollout = time.perf_counter() - t0
+            verdicts, judge_stats = None, {}
+            if self.judge is not None:
+                verdicts, judge_stats = await self.judge_episodes(trajectories, step)
             t1 = time.perf_counter()
-            metrics = self.train_on(trajectories, step)
+            metrics = self.train_on(trajectories, step, verdicts)
             jax.block_until_ready(self.state.params)
             t_update = time.perf_counter() - t1
             t2 = time.perf_counter()
             await self.sync_weights()
             t_sync = time.perf_counter() - t2
             metrics.update(rollout_metrics(trajectories))
+            metrics.update(judge_stats)
+            metrics["time/judge"] = t1 - t0 - t_rollout
             metrics.update({"time/rollout": t_rollout, "time/update": t_update, "time/sync": t_sync})
             metrics["throughput/sampled_tokens_per_s"] = metrics["rollout/sampled_tokens"] / max(t_rollout, 1e-9)
             if step % max(c.logging.log_every, 1) == 0:

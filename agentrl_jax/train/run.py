@@ -32,6 +32,7 @@ from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.sharding import DEFAULT_RULES, make_mesh
 from agentrl_jax.train import setup
 from agentrl_jax.train.checkpoint import Checkpointer
+from agentrl_jax.train.hindsight import ArithmeticOracleJudge, ModelJudge
 from agentrl_jax.train.metrics import MetricsWriter
 from agentrl_jax.train.rl import RLTrainer, _fmt_table
 from agentrl_jax.train.sft import conversation_to_record, run_sft
@@ -130,6 +131,7 @@ async def _train(config: Config) -> dict[str, Any]:
                 trainer.reference_params = jax.tree.map(
                     lambda x: x.astype(_DTYPES[m.reference_dtype]), trainer.state.params
                 )
+            _attach_teacher_and_judge(config, trainer, mesh, tokenizer)
             t0 = time.perf_counter()
             await trainer.run(start_step)
             results["rl_seconds"] = time.perf_counter() - t0
@@ -192,6 +194,43 @@ def _sft(config, graphdef, params, tokenizer, conversations, writer):
     if history:
         logger.info("SFT: %d steps, loss %.4f -> %.4f", len(history), history[0]["sft/loss"], history[-1]["sft/loss"])
     return state.params
+
+
+def _attach_teacher_and_judge(config: Config, trainer: RLTrainer, mesh, tokenizer: Tokenizer) -> None:
+    """The teacher (frozen initial policy or an HF checkpoint) and the PRM judge of ``config.hybrid``."""
+    h, m = config.hybrid, config.model
+    copies = {} if trainer.reference_params is None else {m.reference_dtype: trainer.reference_params}
+
+    def frozen(dtype: str):
+        """The frozen initial policy in ``dtype``: one copy per dtype, shared by reference, teacher, judge."""
+        if dtype not in copies:
+            copies[dtype] = jax.tree.map(lambda x: x.astype(_DTYPES[dtype]), trainer.state.params)
+        return copies[dtype]
+
+    if h.mode != "none":
+        if h.teacher == "checkpoint":
+            teacher = load_hf_checkpoint(h.teacher_path, dtype=_DTYPES[h.teacher_dtype],
+                                         compute_dtype=_DTYPES[m.compute_dtype], mesh=mesh, rules=DEFAULT_RULES,
+                                         attention_impl=None if m.attention_impl == "auto" else m.attention_impl,
+                                         remat="none")
+            trainer.teacher = split_params(teacher)
+        else:
+            trainer.teacher = (trainer.graphdef, frozen(h.teacher_dtype))
+    if h.judge == "none":
+        return
+    if h.judge == "oracle":
+        trainer.judge = ArithmeticOracleJudge(lambda s: len(tokenizer.encode(s)), max_hint_tokens=h.max_hint_tokens)
+        return
+    params = None
+    if h.judge == "reference":
+        params = frozen(m.reference_dtype)
+    elif h.judge == "teacher":
+        params = trainer.teacher[1]
+    trainer.judge = ModelJudge(
+        trainer.driver, tokenizer, template=h.judge_template, max_new_tokens=h.judge_max_new_tokens,
+        temperature=h.judge_temperature, max_hint_tokens=h.max_hint_tokens, params=params,
+        restore=lambda: (trainer.state.params, trainer.version), seed=config.seed,
+    )
 
 
 async def _maybe_resume(config: Config, trainer: RLTrainer, checkpointer: Checkpointer) -> int:
