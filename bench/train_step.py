@@ -74,8 +74,10 @@ def make_batch(rows: int, seq: int, vocab: int, seed: int = 0):
     return ids, mask, adv
 
 
-def bench_jax(cfg: DecoderConfig, rows: int, seq: int, steps: int, param_dtype, remat: str) -> dict:
-    model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=param_dtype, remat=remat, rngs=nnx.Rngs(0))
+def bench_jax(cfg: DecoderConfig, rows: int, seq: int, steps: int, param_dtype, remat: str,
+              attention: str | None = None) -> dict:
+    model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=param_dtype, remat=remat, attention_impl=attention,
+                    rngs=nnx.Rngs(0))
     graphdef, params = split_params(model)
     del model
     ids, mask, adv = make_batch(rows, seq, cfg.vocab_size)
@@ -166,6 +168,22 @@ def bench_torch(cfg: DecoderConfig, rows: int, seq: int, steps: int, param_dtype
     return out
 
 
+def _run_worker(kind: str, size: str, args) -> dict:
+    """One measurement in a fresh process, so JAX's and PyTorch's allocators never share the card."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--sizes", size, "--seq", str(args.seq),
+           "--rows", str(args.rows), "--steps", str(args.steps), "--param-dtype", args.param_dtype,
+           "--remat", args.remat, "--attention", args.attention]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{kind} worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1.7b,4b")
@@ -175,30 +193,42 @@ def main() -> None:
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--remat", default="full", choices=["none", "full", "dots_saveable"])
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"])
     p.add_argument("--tiny", action="store_true", help="tiny shape, short sequence: a CPU smoke run")
+    p.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.tiny:
         args.sizes, args.seq, args.rows, args.steps = "tiny", 128, 2, 2
+    if args.worker:
+        cfg = DecoderConfig(architecture="qwen3", qk_norm=True, rope_theta=1e6, **SHAPES[args.sizes])
+        if args.worker == "jax":
+            pdt = jnp.float32 if args.param_dtype == "float32" else jnp.bfloat16
+            impl = None if args.attention == "auto" else args.attention
+            result = bench_jax(cfg, args.rows, args.seq, args.steps, pdt, args.remat, impl)
+        else:
+            result = bench_torch(cfg, args.rows, args.seq, args.steps, args.param_dtype)
+        print("RESULT " + json.dumps(result))
+        return
     name, peak = device_peak()
-    print(f"device: {name} x{jax.device_count()}  jax {jax.__version__}  peak bf16: {peak}")
+    print(f"device: {name} x{jax.device_count()}  jax {jax.__version__}  peak bf16: {peak}", flush=True)
     rows_out = []
     for size in args.sizes.split(","):
         cfg = DecoderConfig(architecture="qwen3", qk_norm=True, rope_theta=1e6, **SHAPES[size])
         tokens = args.rows * args.seq
         flops = model_flops_per_token(cfg, args.seq) * tokens
-        pdt = jnp.float32 if args.param_dtype == "float32" else jnp.bfloat16
-        j = bench_jax(cfg, args.rows, args.seq, args.steps, pdt, args.remat)
+        j = _run_worker("jax", size, args)
         row = {"size": size, "seq": args.seq, "rows": args.rows, "param_dtype": args.param_dtype,
+               "remat": args.remat, "attention": args.attention,
                "jax_step_s": j["step_s"], "jax_tokens_per_s": tokens / j["step_s"], "jax_compile_s": j["compile_s"]}
         if peak:
             row["jax_mfu"] = flops / j["step_s"] / peak
         if not args.no_torch:
-            t = bench_torch(cfg, args.rows, args.seq, args.steps, args.param_dtype)
+            t = _run_worker("torch", size, args)
             row.update(torch_step_s=t["step_s"], torch_tokens_per_s=tokens / t["step_s"],
                        speedup=t["step_s"] / j["step_s"])
             if peak:
                 row["torch_mfu"] = flops / t["step_s"] / peak
-        print(json.dumps(row))
+        print(json.dumps(row), flush=True)
         rows_out.append(row)
     print("\n| shape | tokens/update | agentrl_jax tok/s | MFU | HF torch tok/s | MFU | ratio |")
     print("|---|---|---|---|---|---|---|")

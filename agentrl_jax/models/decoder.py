@@ -182,6 +182,7 @@ class Decoder(nnx.Module):
         *,
         segment_ids: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
+        lengths: jax.Array | None = None,
         cache: KVCache | None = None,
         cache_index: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
@@ -199,6 +200,9 @@ class Decoder(nnx.Module):
           positions: ``[B, T]`` int32 RoPE positions (restart per packed segment).
           segment_ids: ``[B, T]`` int32 or None (one segment per row).
           attention_mask: ``[B, T]``, 1 for real tokens, 0 for padding; or None.
+          lengths: ``[B]`` int32, for right-padded rows of one sequence each: tokens
+            ``[0, lengths[b])`` are real. Replaces ``segment_ids``/``attention_mask`` with a
+            mask-free causal attention (cuDNN flash attention on GPU).
           cache: a ``KVCache`` with k, v ``[L, B, S, KV, K]``, or None.
           cache_index: ``[B]`` int32 write offsets; required with ``cache``.
 
@@ -221,7 +225,16 @@ class Decoder(nnx.Module):
             constrain=constrain,
             positions=positions,
         )
-        if cache is None:
+        if cache is None and lengths is not None:
+            if segment_ids is not None or attention_mask is not None:
+                raise ValueError("Decoder: pass either lengths or segment_ids/attention_mask, not both")
+            chex.assert_shape(lengths, (B,))
+            body = _remat(
+                lambda h, w: (block(h, w, mask=None, kv_write=None, lengths=lengths)[0], None), self.remat
+            )
+            hidden, _ = jax.lax.scan(body, hidden, layer_weights)
+            new_cache = None
+        elif cache is None:
             mask = packed_causal_mask(segment_ids, attention_mask, B, T)
             body = _remat(lambda h, w: (block(h, w, mask=mask, kv_write=None)[0], None), self.remat)
             hidden, _ = jax.lax.scan(body, hidden, layer_weights)
@@ -284,8 +297,9 @@ def _decoder_block(
     implementation: str | None,
     constrain,
     positions: jax.Array,
-    mask: jax.Array,
+    mask: jax.Array | None,
     kv_write,
+    lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
     """One pre-norm block: ``h + Attn(RMSNorm(h))``, then ``h + SwiGLU(RMSNorm(h))``.
 
@@ -317,7 +331,7 @@ def _decoder_block(
     if kv_write is not None:
         k, v, cache_state = kv_write(k, v)
         k, v = k.astype(dtype), v.astype(dtype)
-    out = attention(q, k, v, mask, implementation)
+    out = attention(q, k, v, mask, implementation, lengths=lengths)
     h = h + jnp.einsum("bthk,hkd->btd", out, cast["wo"])
     x = rms_norm(h, cast["mlp_norm"], eps)
     h = h + swiglu(x, cast["w_gate"], cast["w_up"], cast["w_down"])

@@ -128,7 +128,13 @@ def cache_causal_mask(cache_index: jax.Array, length: int, cache_len: int) -> ja
 
 
 def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, implementation: str | None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array | None,
+    implementation: str | None,
+    *,
+    lengths: jax.Array | None = None,
 ) -> jax.Array:
     """Scaled dot-product attention with GQA (Vaswani et al. 2017; Ainslie et al. 2023).
 
@@ -136,14 +142,24 @@ def attention(
     ``h // (H / KV)``.
 
     Args:
-      q: ``[B, T, H, K]``; k, v: ``[B, S, KV, K]``; mask: ``[B, 1, T, S]`` bool.
+      q: ``[B, T, H, K]``; k, v: ``[B, S, KV, K]``.
+      mask: ``[B, 1, T, S]`` bool, or None for causal attention over right-padded rows
+        whose real tokens are ``[0, lengths[b])``: no mask is materialized, which lets
+        cuDNN run its fused flash kernel on GPU.
       implementation: "xla", "cudnn" or None (JAX picks).
+      lengths: ``[B]`` int32 real lengths when ``mask`` is None (None: no padding).
 
     Returns:
       ``[B, T, H, K]``.
     """
-    chex.assert_rank([q, k, v, mask], 4)
+    chex.assert_rank([q, k, v], 4)
     chex.assert_equal_shape([k, v])
+    if mask is None:
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+            implementation=implementation,
+        )
+    chex.assert_rank(mask, 4)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
 
 

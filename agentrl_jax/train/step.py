@@ -105,16 +105,24 @@ def forward_logprobs(
     temperature: float,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    packed: bool = False,
 ):
     """Tempered logprobs of ``batch['targets']`` (and entropy) from one forward pass.
 
     Args:
       batch: ``input_ids``, ``positions``, ``segment_ids``, ``targets`` of shape [B, T].
+      packed: rows hold several segments (segment-id mask). Otherwise each row is one
+        right-padded trajectory and attention runs mask-free with row lengths (the fused
+        flash path on GPU).
     Returns:
       logp [B, T] float32 (and entropy [B, T] when ``with_entropy``).
     """
     model = nnx.merge(graphdef, params)
-    hidden, _ = model(batch["input_ids"], batch["positions"], segment_ids=batch["segment_ids"])
+    if packed:
+        hidden, _ = model(batch["input_ids"], batch["positions"], segment_ids=batch["segment_ids"])
+    else:
+        lengths = jnp.sum(batch["segment_ids"] > 0, axis=1).astype(jnp.int32)
+        hidden, _ = model(batch["input_ids"], batch["positions"], lengths=lengths)
     table, layout = model.output_embedding()
     return token_logprobs(
         hidden,
@@ -143,6 +151,7 @@ def policy_loss(
         temperature=settings.temperature,
         chunk_size=settings.chunk_size,
         with_entropy=True,
+        packed=settings.packed,
     )
     mask = micro["loss_mask"]
     seq = dict(sequence_ids=micro["sequence_ids"], num_sequences=num_sequences) if settings.packed else {}
