@@ -128,9 +128,7 @@ async def _train(config: Config) -> dict[str, Any]:
                                                           sft_conversations else "start")
                 writer.write(0, {f"eval/{k}": v for k, v in results["start"].items()})
             if config.algorithm.kl_coef > 0:
-                trainer.reference_params = jax.tree.map(
-                    lambda x: x.astype(_DTYPES[m.reference_dtype]), trainer.state.params
-                )
+                trainer.reference_params = _frozen_copy(trainer.state.params, m.reference_dtype)
             _attach_teacher_and_judge(config, trainer, mesh, tokenizer)
             t0 = time.perf_counter()
             await trainer.run(start_step)
@@ -196,6 +194,16 @@ def _sft(config, graphdef, params, tokenizer, conversations, writer):
     return state.params
 
 
+def _frozen_copy(params, dtype: str):
+    """A frozen copy of ``params`` in ``dtype`` that owns its buffers.
+
+    ``astype`` to the same dtype returns the very same arrays, which the donating update
+    step would then delete under the frozen model; those leaves are copied instead.
+    """
+    target = _DTYPES[dtype]
+    return jax.tree.map(lambda x: x.astype(target) if x.dtype != target else jnp.copy(x), params)
+
+
 def _attach_teacher_and_judge(config: Config, trainer: RLTrainer, mesh, tokenizer: Tokenizer) -> None:
     """The teacher (frozen initial policy or an HF checkpoint) and the PRM judge of ``config.hybrid``."""
     h, m = config.hybrid, config.model
@@ -204,7 +212,7 @@ def _attach_teacher_and_judge(config: Config, trainer: RLTrainer, mesh, tokenize
     def frozen(dtype: str):
         """The frozen initial policy in ``dtype``: one copy per dtype, shared by reference, teacher, judge."""
         if dtype not in copies:
-            copies[dtype] = jax.tree.map(lambda x: x.astype(_DTYPES[dtype]), trainer.state.params)
+            copies[dtype] = _frozen_copy(trainer.state.params, dtype)
         return copies[dtype]
 
     if h.mode != "none":

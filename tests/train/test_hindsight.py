@@ -352,3 +352,14 @@ def test_demo_hybrid_command_runs_two_steps_with_hints(tmp_path):
         assert np.isfinite(r["opd/kl_student_teacher"]) and r["judge/malformed"] == 0
     samples = (tmp_path / "run" / "metrics" / "samples.jsonl").read_text()
     assert '"tag": "hint_0"' in samples and "I should" in samples
+
+
+def test_frozen_teacher_copy_survives_the_donating_update():
+    """astype to the same dtype aliases buffers; the frozen copy must own its own."""
+    from agentrl_jax.train.run import _frozen_copy
+
+    params = {"w": jnp.arange(4.0), "b": jnp.ones(2, jnp.bfloat16)}
+    frozen = _frozen_copy(params, "float32")
+    assert frozen["b"].dtype == jnp.float32
+    params["w"].delete()  # what donate_argnums does to the policy's buffers
+    np.testing.assert_array_equal(np.asarray(frozen["w"]), [0, 1, 2, 3])
