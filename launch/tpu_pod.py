@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="config file (path, or a name in configs/)")
+    p.add_argument("--config", help="config file (path, or a name in configs/); required unless --describe")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set optimizer.learning_rate=1e-6 (repeatable)")
     p.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 (multi-host, not on Cloud TPU)")
@@ -42,6 +42,9 @@ def main(argv=None) -> int:
     if args.describe:
         print(describe())
         return 0
+    if not args.config:
+        print("error: --config is required (a path, or a name in configs/ such as demo)", file=sys.stderr)
+        return 2
     import jax
 
     if args.coordinator:

@@ -139,7 +139,8 @@ class Checkpointer:
                  save_interval_steps: int = 1, async_save: bool = True):
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be None or >= 1, got {max_to_keep}")
-        self.directory = os.fspath(directory)
+        # orbax refuses relative paths; resolve against the working directory.
+        self.directory = os.path.abspath(os.fspath(directory))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
             enable_async_checkpointing=async_save)

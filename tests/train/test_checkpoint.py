@@ -250,3 +250,16 @@ def test_two_processes_agree_to_stop_and_save_together(tmp_path):
             if proc.poll() is None:
                 proc.kill()
     assert outputs == [["stopped", "3", "3", "0.0", "0.0"], ["stopped", "3", "3", "1.0", "1.0"]]
+
+
+def test_relative_directory_is_resolved(tmp_path, monkeypatch):
+    import jax.numpy as jnp
+
+    from agentrl_jax.train.checkpoint import Checkpointer
+
+    monkeypatch.chdir(tmp_path)
+    with Checkpointer("runs/rel", async_save=False) as ckpt:
+        assert ckpt.directory == str(tmp_path / "runs" / "rel")
+        ckpt.save(1, {"w": jnp.ones(3)}, force=True)
+        ckpt.wait_until_finished()
+    assert (tmp_path / "runs" / "rel" / "1").is_dir()
