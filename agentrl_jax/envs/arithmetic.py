@@ -40,8 +40,9 @@ def arithmetic_config(fenced: bool = False, **overrides) -> ReToolConfig:
 class ArithmeticEnv(ReToolEnv):
     """`ReToolEnv` with the demo's short format; tasks come from `make_tasks`."""
 
-    def __init__(self, pool: SandboxPool, verifier: MathVerifier, config: ReToolConfig | None = None):
-        super().__init__(pool, verifier, config or arithmetic_config())
+    def __init__(self, pool: SandboxPool, verifier: MathVerifier, config: ReToolConfig | None = None,
+                 count_tokens=None):
+        super().__init__(pool, verifier, config or arithmetic_config(), count_tokens=count_tokens)
 
 
 def _is_held_out(a: int, b: int, op: str, held_out_fraction: float) -> bool:

@@ -87,6 +87,7 @@ def env_config(config: Config) -> ReToolConfig:
         max_turns=env.max_turns,
         max_tool_calls=max(env.max_tool_calls, 1),
         max_observation_chars=max(env.max_observation_tokens * 4, 16),
+        max_observation_tokens=env.max_observation_tokens,
         tool_timeout_s=env.sandbox.timeout_s,
         reward_weights=reward_weights(config),
     )
@@ -152,7 +153,7 @@ def env_factory(config: Config, pool: Any, verifier: MathVerifier, count_tokens=
         return lambda: SearchEnv(retriever, search_cfg, count_tokens=count_tokens)
     cfg = env_config(config)
     if config.environment.name == "arithmetic":
-        return lambda: ArithmeticEnv(pool, verifier, cfg)
+        return lambda: ArithmeticEnv(pool, verifier, cfg, count_tokens=count_tokens)
     return lambda: ReToolEnv(pool, verifier, cfg, count_tokens=count_tokens)
 
 
