@@ -95,7 +95,7 @@ def _check_type(value: Any, tp: Any, path: str) -> Any:
             return tuple(_check_type(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
         if len(args) != len(value):
             raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
-        return tuple(_check_type(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(args, value)))
+        return tuple(_check_type(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a dict, got {type(value).__name__}")
@@ -225,7 +225,6 @@ class AlgorithmConfig(_Section):
     dual_clip: float = _f(0.0, "Dual-clip constant c > 1 for negative advantages (0: off).")
     kl_coef: float = _f(0.0, "Weight of the KL to the reference (0: no reference forward).")
     kl_estimator: Literal["k1", "k2", "k3"] = _f("k3", "KL estimator (Schulman's k1/k2/k3).")
-    kl_mode: Literal["loss", "reward"] = _f("loss", "KL as a loss term or folded into the reward.")
     entropy_coef: float = _f(0.0, "Entropy bonus weight.")
     ppo_epochs: int = _f(1, "Passes over each batch.")
     minibatches: int = _f(1, "Optimizer updates per epoch (the batch is split into this many).")
@@ -239,9 +238,21 @@ class AlgorithmConfig(_Section):
     dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal and draw more.")
     max_sampling_rounds: int = _f(3, "Bound on extra draws with dynamic sampling.")
     loss_normalizer: float = _f(0.0, "Constant for seq-mean-token-sum-norm (0: max response length).")
+    loss_hparams: tuple[tuple[str, float], ...] = _f(
+        (), "Extra keyword hyper-parameters for the loss as (name, value) pairs, e.g. for a registered "
+        "custom loss: --set 'algorithm.loss_hparams=[[\"beta\", 0.1]]'. They override the built-in ones."
+    )
 
     def validate(self) -> None:
         _require(self.group_size >= 1, self._path("group_size"), "must be >= 1")
+        _require(
+            self.advantage != "gae",
+            self._path("advantage"),
+            "'gae' needs a critic (value head), which the RL trainer does not have; it is available "
+            "as agentrl_jax.losses.gae_advantages for your own trainer. Use grpo, drgrpo, rloo or reinforce_pp",
+        )
+        names = [k for k, _ in self.loss_hparams]
+        _require(len(names) == len(set(names)), self._path("loss_hparams"), f"names repeat: {names}")
         _require(self.eps_low > 0 and self.eps_high > 0, "algorithm.eps_low/eps_high", "must be > 0")
         _require(self.dual_clip == 0 or self.dual_clip > 1, self._path("dual_clip"), "must be 0 (off) or > 1")
         _require(self.kl_coef >= 0, self._path("kl_coef"), "must be >= 0")

@@ -72,7 +72,6 @@ def get_config() -> Config:
             eps_high=0.2,
             kl_coef=0.001,
             kl_estimator="k3",
-            kl_mode="loss",
             minibatches=2,
             micro_batch_size=16,
         ),

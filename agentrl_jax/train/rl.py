@@ -67,7 +67,15 @@ def loss_settings(config: Config) -> LossSettings:
     if a.loss == "ppo" and a.dual_clip:
         hparams["dual_clip"] = a.dual_clip
     if a.loss == "cispo":
-        hparams["eps_max"] = a.eps_high
+        # CISPO truncates the IS weight at 1 + eps_high (MiniMax-M1, eq. 4).
+        hparams["eps_max"] = 1.0 + a.eps_high
+    if a.loss in ("gspo", "gspo_token") and a.eps_high > 0.01:
+        logger.warning(
+            "algorithm.loss=%s with eps_low/eps_high=%s/%s: GSPO clips a length-normalized sequence "
+            "ratio, and its paper uses 3e-4/4e-4; PPO-sized ranges clip almost nothing",
+            a.loss, a.eps_low, a.eps_high,
+        )
+    hparams.update(dict(a.loss_hparams))
     correction_hparams: dict[str, Any] = {}
     if a.correction in ("tis", "mis"):
         correction_hparams = {"cap": a.correction_cap, "level": a.correction_level}
@@ -151,16 +159,52 @@ class RLTrainer:
         r = self.config.rollout
         return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p, seed=seed)
 
-    async def rollout(self, tasks: list[dict], step: int) -> list[Trajectory]:
+    async def rollout(self, tasks: list[dict], step: int, first_group: int = 0) -> list[Trajectory]:
+        """G trajectories per task, all in flight at once; group ids from ``first_group``."""
         G = self.config.algorithm.group_size
         groups = await asyncio.gather(
             *[
                 self.loop.run_group(self.env_factory, task, G, self.sampling(seed=hash((self.config.seed, step, i))
                                                                               & 0x7FFFFFFF), group_id=i)
-                for i, task in enumerate(tasks)
+                for i, task in enumerate(tasks, start=first_group)
             ]
         )
         return [t for g in groups for t in g]
+
+    async def collect(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
+        """This step's trajectories; with DAPO dynamic sampling, only informative groups.
+
+        Dynamic sampling (Yu et al. 2025, DAPO sec. 3.2) drops groups whose rewards are all
+        equal (zero advantage, no gradient) and draws more prompts, at most
+        ``max_sampling_rounds`` times, until ``prompts_per_step`` groups remain. If every
+        round comes back uninformative the step trains on what it has (counted).
+        """
+        a, P = self.config.algorithm, self.config.data.prompts_per_step
+        trajectories = await self.rollout(next(self.data), step)
+        if not a.dynamic_sampling:
+            return trajectories, {}
+        groups = _groups(trajectories)
+        drawn = len(groups)
+        kept = [g for g in groups if _informative(g)]
+        rounds = 0
+        while len(kept) < P and rounds < a.max_sampling_rounds:
+            rounds += 1
+            more = _groups(await self.rollout(next(self.data), step, first_group=rounds * P))
+            drawn += len(more)
+            kept += [g for g in more if _informative(g)]
+        stats = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/kept_groups": float(min(len(kept), P)),
+                 "dynamic_sampling/dropped_groups": float(drawn - len(kept)),
+                 "dynamic_sampling/fell_back": float(not kept)}
+        if not kept:
+            logger.warning("dynamic sampling: no informative group after %d extra rounds; training on the last draw",
+                           rounds)
+            return trajectories, stats
+        out = []
+        for new_id, group in enumerate(kept[:P]):
+            for t in group:
+                t.group_id = new_id
+                out.append(t)
+        return out, stats
 
     async def evaluate(self, tasks: list[dict], *, label: str) -> dict[str, float]:
         e = self.config.eval
@@ -256,6 +300,9 @@ class RLTrainer:
         a = self.config.algorithm
         records = [trajectory_record(t) for t in trajectories]
         rows_needed = a.minibatches * max(a.micro_batch_size, 1)
+        if a.dynamic_sampling:
+            # A step may keep fewer groups: pad to the full row count so the update compiles once.
+            rows_needed = self.config.data.prompts_per_step * a.group_size
         batch = build_batch(records, row_multiple=rows_needed, pad_token_id=self.tokenizer.pad_token_id)
         rewards = np.asarray([t.reward for t in trajectories], np.float32)
         group_ids = np.asarray([t.group_id for t in trajectories], np.int32)
@@ -306,8 +353,7 @@ class RLTrainer:
         c = self.config
         for step in range(start_step, c.total_steps):
             t0 = time.perf_counter()
-            tasks = next(self.data)
-            trajectories = await self.rollout(tasks, step)
+            trajectories, sampling_stats = await self.collect(step)
             t_rollout = time.perf_counter() - t0
             verdicts, judge_stats = None, {}
             if self.judge is not None:
@@ -320,6 +366,7 @@ class RLTrainer:
             await self.sync_weights()
             t_sync = time.perf_counter() - t2
             metrics.update(rollout_metrics(trajectories))
+            metrics.update(sampling_stats)
             metrics.update(judge_stats)
             metrics["time/judge"] = t1 - t0 - t_rollout
             metrics.update({"time/rollout": t_rollout, "time/update": t_update, "time/sync": t_sync})
@@ -347,6 +394,17 @@ class RLTrainer:
             return
         self.checkpointer.save(step, self.state, data_state=self.data.get_state(), config_dict=to_dict(self.config),
                                extra={"version": self.version, **(extra or {})}, force=True)
+
+
+def _groups(trajectories: list[Trajectory]) -> list[list[Trajectory]]:
+    by_id: dict[int, list[Trajectory]] = {}
+    for t in trajectories:
+        by_id.setdefault(t.group_id, []).append(t)
+    return list(by_id.values())
+
+
+def _informative(group: list[Trajectory]) -> bool:
+    return len({t.reward for t in group}) > 1
 
 
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:

@@ -104,6 +104,7 @@ def test_describe_lists_every_field():
 
 def test_shipped_configs_load_and_retool_requires_paths():
     assert cfg.load_config("configs/demo.py").environment.name == "arithmetic"
+    assert cfg.load_config("configs/demo_hybrid.py").hybrid.mode == "hybrid"
     with pytest.raises(ConfigError, match=r"model.path: is required for environment.name='retool'"):
         cfg.load_config("retool")
     c = cfg.load_config("retool", ["model.path=/m", "data.train_path=/t.parquet", "data.eval_path=/e.jsonl"])
@@ -113,3 +114,21 @@ def test_shipped_configs_load_and_retool_requires_paths():
 def test_unknown_loss_name_lists_registered(tmp_path):
     with pytest.raises(ConfigError, match=r"algorithm.loss: unknown name 'ppo2'; registered: .*cispo.*ppo"):
         cfg.load_config("demo", ["algorithm.loss=ppo2"])
+
+
+def test_gae_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match=r"algorithm.advantage: 'gae' needs a critic"):
+        apply_overrides(Config(), ["algorithm.advantage=gae"])
+
+
+def test_loss_hparams_from_the_command_line():
+    c = apply_overrides(Config(), ['algorithm.loss_hparams=[["beta", 0.1], ["eps_max", 4]]'])
+    assert c.algorithm.loss_hparams == (("beta", 0.1), ("eps_max", 4.0))
+    from agentrl_jax.train.rl import loss_settings
+
+    c = apply_overrides(Config(), ["algorithm.loss=cispo"])
+    assert dict(loss_settings(c).hparams)["eps_max"] == pytest.approx(1.28)
+    c = apply_overrides(c, ['algorithm.loss_hparams=[["eps_max", 4.0]]'])
+    assert dict(loss_settings(c).hparams)["eps_max"] == 4.0
+    with pytest.raises(ConfigError, match="names repeat"):
+        apply_overrides(Config(), ['algorithm.loss_hparams=[["a", 1], ["a", 2]]'])
