@@ -166,6 +166,13 @@ class ModelConfig(_Section):
     remat: Literal["none", "full", "dots_saveable"] = _f("full", "Rematerialization policy per layer.")
     scratch: ScratchModelConfig = _section(ScratchModelConfig, "Tiny from-scratch model (when path is empty).")
 
+    def validate(self) -> None:
+        _require(
+            not (self.attention_impl == "cudnn" and self.compute_dtype == "float32"),
+            self._path("attention_impl"),
+            "'cudnn' needs model.compute_dtype='bfloat16' (cuDNN's fused attention takes 16-bit inputs)",
+        )
+
 
 @dataclass(frozen=True)
 class MeshConfig(_Section):

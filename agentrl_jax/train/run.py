@@ -54,15 +54,16 @@ def train(config: Config) -> dict[str, Any]:
     return asyncio.run(train_async(config))
 
 
-def attention_implementation(setting: str) -> str | None:
-    """``model.attention_impl`` -> the decoder's: "auto" is cuDNN on GPU, JAX's choice elsewhere.
+def attention_implementation(setting: str, compute_dtype: str) -> str | None:
+    """``model.attention_impl`` -> the decoder's: "auto" is cuDNN on GPU in bf16, else JAX's choice.
 
     JAX's own choice (None) keeps the XLA kernel on GPU for the trainer's causal attention,
-    2x slower than cuDNN's fused kernel at the 1.7B shape (docs/benchmarks.md).
+    2x slower than cuDNN's fused kernel at the 1.7B shape (docs/benchmarks.md). cuDNN's
+    fused attention takes only 16-bit inputs, so float32 compute stays on XLA.
     """
     if setting != "auto":
         return setting
-    return "cudnn" if jax.default_backend() == "gpu" else None
+    return "cudnn" if jax.default_backend() == "gpu" and compute_dtype == "bfloat16" else None
 
 
 async def train_async(config: Config) -> dict[str, Any]:
@@ -90,7 +91,7 @@ async def train_async(config: Config) -> dict[str, Any]:
         compute_dtype=_DTYPES[m.compute_dtype],
         mesh=mesh,
         rules=DEFAULT_RULES,
-        attention_impl=attention_implementation(m.attention_impl),
+        attention_impl=attention_implementation(m.attention_impl, m.compute_dtype),
         remat=m.remat,
     )
     graphdef, params = split_params(policy)
@@ -231,7 +232,7 @@ def _reference_params(config: Config, trainer: RLTrainer, mesh):
         return _frozen_copy(trainer.state.params, m.reference_dtype)
     reference = load_hf_checkpoint(m.reference_path, dtype=_DTYPES[m.reference_dtype],
                                    compute_dtype=_DTYPES[m.compute_dtype], mesh=mesh, rules=DEFAULT_RULES,
-                                   attention_impl=attention_implementation(m.attention_impl))
+                                   attention_impl=attention_implementation(m.attention_impl, m.compute_dtype))
     graphdef, params = split_params(reference)
     if jax.tree.structure(params) != jax.tree.structure(trainer.state.params):
         from agentrl_jax.config import ConfigError
@@ -255,7 +256,7 @@ def _attach_teacher_and_judge(config: Config, trainer: RLTrainer, mesh, tokenize
         if h.teacher == "checkpoint":
             teacher = load_hf_checkpoint(h.teacher_path, dtype=_DTYPES[h.teacher_dtype],
                                          compute_dtype=_DTYPES[m.compute_dtype], mesh=mesh, rules=DEFAULT_RULES,
-                                         attention_impl=attention_implementation(m.attention_impl),
+                                         attention_impl=attention_implementation(m.attention_impl, m.compute_dtype),
                                          remat="none")
             trainer.teacher = split_params(teacher)
         else:
