@@ -46,11 +46,51 @@ def _isolate(config):
         # Private propagation first: without it our tmpfs mounts would leak to the host.
         if _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0:
             opts = f"size={int(config['tmpfs_mb'])}m,mode=1777".encode()
-            filesystem = all(
-                _libc.mount(b"tmpfs", path, b"tmpfs", MS_NOSUID | MS_NODEV, opts) == 0
-                for path in (b"/tmp", b"/var/tmp", b"/dev/shm") if os.path.isdir(path))
-            filesystem = filesystem and _expose_prefixes()
+            roots = [path for path in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(path)]
+            kept = _stash_covered_prefixes(roots)
+            filesystem = kept is not None and all(
+                _libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) == 0 for path in roots)
+            filesystem = filesystem and _restore_prefixes(kept) and _expose_prefixes()
     return network, filesystem
+
+
+def _prefixes():
+    return sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.base_exec_prefix)})
+
+
+def _stash_covered_prefixes(roots):
+    """Bind aside interpreter prefixes that the private tmpfs mounts would hide.
+
+    A virtualenv under /tmp (CI clones often live there) would vanish under the fresh
+    /tmp; its bind mount is parked outside the covered roots and moved back afterwards.
+    Returns [(staging, prefix)], or None on failure.
+    """
+    kept = []
+    for n, prefix in enumerate(_prefixes()):
+        if not any(prefix == r or prefix.startswith(r + os.sep) for r in roots):
+            continue
+        for parent in ("/run", "/dev", "/"):
+            staging = os.path.join(parent, f".agentrl_keep_{os.getpid()}_{n}")
+            try:
+                os.makedirs(staging, exist_ok=True)
+                break
+            except OSError:
+                continue
+        else:
+            return None
+        if _libc.mount(prefix.encode(), staging.encode(), None, MS_BIND | MS_REC, None) != 0:
+            return None
+        kept.append((staging, prefix))
+    return kept
+
+
+def _restore_prefixes(kept):
+    for staging, prefix in kept:
+        os.makedirs(prefix, mode=0o755, exist_ok=True)
+        if _libc.mount(staging.encode(), prefix.encode(), None, MS_MOVE, None) != 0:
+            return False
+        os.rmdir(staging)
+    return True
 
 
 def _closed_ancestor(path):
@@ -70,8 +110,7 @@ def _expose_prefixes():
     prefix aside, cover the closed ancestor with an empty tmpfs (which also hides the
     rest of it, e.g. /root, from cells), and move the prefix back into place.
     """
-    prefixes = sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.base_exec_prefix)})
-    for n, prefix in enumerate(prefixes):
+    for n, prefix in enumerate(_prefixes()):
         ancestor = _closed_ancestor(prefix)
         if ancestor is None:
             continue

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from agentrl_jax.rollout.sampling import SamplingParams
 from agentrl_jax.train.batch import TokenRecord, build_batch
 from agentrl_jax.train.evaluation import summarize
 from agentrl_jax.train.hindsight import Judge, Verdict, apply_prm_reward, judge_metrics
+from agentrl_jax.train.multihost import gather_objects, is_multihost, put_global, to_host
 from agentrl_jax.train.sft import batch_arrays, conversation_to_record, run_sft
 from agentrl_jax.train.step import (
     LossSettings,
@@ -122,7 +124,7 @@ class RLTrainer:
 
     def __init__(self, config: Config, *, graphdef, params, tokenizer, driver, env_factory, train_tasks,
                  eval_tasks, metrics_writer, checkpointer=None, reference_params=None, teacher=None,
-                 judge: Judge | None = None):
+                 judge: Judge | None = None, mesh=None, engine_params: Callable[[Any], Any] | None = None):
         self.config = config
         self.graphdef = graphdef
         self.tokenizer = tokenizer
@@ -135,6 +137,10 @@ class RLTrainer:
         self.reference_params = reference_params
         self.teacher = teacher  # (graphdef, frozen params) when config.hybrid.mode != "none"
         self.judge = judge
+        # Training arrays go onto this mesh; the engine may live on a host-local one
+        # (multi-host), reached through `engine_params`.
+        self.mesh = mesh
+        self.engine_params = engine_params or (lambda params: params)
         self.settings = loss_settings(config)
         self.optimizer, self.schedule = make_optimizer(config.optimizer, config.total_steps)
         self.state = init_train_state(params, self.optimizer, config.seed)
@@ -146,7 +152,10 @@ class RLTrainer:
         )
         from agentrl_jax.data import BatchIterator
 
-        self.data = BatchIterator(train_tasks, batch_size=config.data.prompts_per_step, seed=config.data.shuffle_seed)
+        # data.prompts_per_step is global; each host draws its share of every global batch.
+        self.data = BatchIterator(train_tasks, batch_size=config.data.prompts_per_step // jax.process_count(),
+                                  seed=config.data.shuffle_seed, shard_index=jax.process_index(),
+                                  shard_count=jax.process_count())
         self._update_fns: dict[tuple, Any] = {}
         self._logprob_fn = jax.jit(
             functools.partial(forward_logprobs, temperature=config.rollout.temperature), static_argnums=(0,)
@@ -170,6 +179,13 @@ class RLTrainer:
             ]
         )
         return [t for g in groups for t in g]
+
+    def exchange(self, trajectories: list[Trajectory]) -> list[Trajectory]:
+        """Multi-host: every host gets every host's trajectories (group ids made global)."""
+        offset = jax.process_index() * (self.config.data.prompts_per_step // jax.process_count())
+        for t in trajectories:
+            t.group_id += offset
+        return [t for host in gather_objects(trajectories) for t in host]
 
     async def collect(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
         """This step's trajectories; with DAPO dynamic sampling, only informative groups.
@@ -232,13 +248,19 @@ class RLTrainer:
 
     # ---------------------------------------------------------------- updates
 
-    def _logprobs(self, params, arrays: dict, micro_rows: int, graphdef=None) -> jax.Array:
+    def _put(self, value) -> jax.Array:
+        """A host array (identical on every host) onto the training mesh."""
+        value = np.asarray(value)
+        return jnp.asarray(value) if self.mesh is None else put_global(value, self.mesh)
+
+    def _logprobs(self, params, arrays: dict, micro_rows: int, graphdef=None) -> np.ndarray:
+        """Tempered logprobs [R, T] of ``arrays['targets']``, in micro-batches, as numpy."""
         rows = arrays["input_ids"].shape[0]
         parts = []
         for start in range(0, rows, micro_rows):
-            part = {k: v[start : start + micro_rows] for k, v in arrays.items()}
-            parts.append(self._logprob_fn(graphdef or self.graphdef, params, part))
-        return jnp.concatenate(parts, axis=0)
+            part = {k: self._put(np.asarray(v[start : start + micro_rows])) for k, v in arrays.items()}
+            parts.append(to_host(self._logprob_fn(graphdef or self.graphdef, params, part)))
+        return np.concatenate(parts, axis=0)
 
     async def judge_episodes(self, trajectories: list[Trajectory], step: int) -> tuple[list[Verdict], dict]:
         """PRM judge after the episodes: bridge thoughts, optional PRM reward, metrics."""
@@ -307,17 +329,19 @@ class RLTrainer:
         rewards = np.asarray([t.reward for t in trajectories], np.float32)
         group_ids = np.asarray([t.group_id for t in trajectories], np.int32)
         batch = batch.replace(advantages=compute_advantages(self.config, batch, rewards, group_ids))
-        arrays = batch_arrays(batch)
+        arrays = batch_arrays(batch, device=False)
         rows = batch.shape[0]
         per_minibatch = rows // a.minibatches
         micro_rows = a.micro_batch_size or per_minibatch
-        arrays["old_logprobs"] = self._logprobs(self.state.params, arrays, micro_rows)
+        forward_inputs = {k: arrays[k] for k in ("input_ids", "positions", "segment_ids", "targets")}
+        arrays["old_logprobs"] = self._logprobs(self.state.params, forward_inputs, micro_rows)
         if self.settings.kl_coef > 0:
-            arrays["ref_logprobs"] = self._logprobs(self.reference_params, arrays, micro_rows)
+            arrays["ref_logprobs"] = self._logprobs(self.reference_params, forward_inputs, micro_rows)
         teacher_metrics: dict[str, float] = {}
         if self.config.hybrid.mode != "none":
-            arrays["advantages"], teacher_metrics = self._teacher_advantages(
+            advantages, teacher_metrics = self._teacher_advantages(
                 trajectories, verdicts, batch, arrays["old_logprobs"], micro_rows)
+            arrays["advantages"] = np.asarray(advantages)
         max_response = int(batch.loss_mask.sum(axis=1).max()) or 1
         rng = np.random.default_rng([self.config.seed, step])
         collected: list[dict] = []
@@ -325,17 +349,18 @@ class RLTrainer:
             order = rng.permutation(rows)
             for mb in range(a.minibatches):
                 idx = order[mb * per_minibatch : (mb + 1) * per_minibatch]
-                minibatch = {k: v[idx] for k, v in arrays.items()}
-                normalizer = global_normalizer(
-                    minibatch["loss_mask"], a.aggregation,
+                minibatch = {k: self._put(v[idx]) for k, v in arrays.items()}
+                normalizer = self._put(global_normalizer(
+                    arrays["loss_mask"][idx], a.aggregation,
                     max_response_length=int(a.loss_normalizer) or max_response,
-                )
+                ))
                 fn = self._update_fn(per_minibatch, per_minibatch // micro_rows)
                 self.state, metrics = fn(self.state, minibatch, normalizer)
                 collected.append(metrics)
-        out = {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]}
-        out["skipped_updates"] = float(sum(float(m["skipped"]) for m in collected))
-        out["learning_rate"] = float(self.schedule(int(self.state.step)))
+        collected = [{k: float(to_host(v)) for k, v in m.items()} for m in collected]
+        out = {k: float(np.mean([m[k] for m in collected])) for k in collected[0]}
+        out["skipped_updates"] = float(sum(m["skipped"] for m in collected))
+        out["learning_rate"] = float(self.schedule(int(to_host(self.state.step))))
         out["train_tokens"] = float(batch.loss_mask.sum())
         mismatch = np.abs(np.asarray(arrays["old_logprobs"]) - batch.rollout_logprobs) * batch.loss_mask
         out["logprob_gap_train_infer"] = float(mismatch.sum() / max(batch.loss_mask.sum(), 1))
@@ -345,7 +370,7 @@ class RLTrainer:
     async def sync_weights(self) -> None:
         """Push the new params to the engine (device_put into its sharding) as a new version."""
         self.version += 1
-        await self.driver.update_params(self.state.params, self.version)
+        await self.driver.update_params(self.engine_params(self.state.params), self.version)
 
     # ---------------------------------------------------------------- the loop
 
@@ -354,6 +379,8 @@ class RLTrainer:
         for step in range(start_step, c.total_steps):
             t0 = time.perf_counter()
             trajectories, sampling_stats = await self.collect(step)
+            if is_multihost():
+                trajectories = self.exchange(trajectories)
             t_rollout = time.perf_counter() - t0
             verdicts, judge_stats = None, {}
             if self.judge is not None:
@@ -420,6 +447,7 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
                 components.setdefault(k, []).append(float(v))
     for k, vals in components.items():
         out[f"reward/{k}"] = float(np.mean(vals))
+    out["rollout/trajectories"] = float(len(trajectories))
     out["rollout/sampled_tokens"] = float(sum(t.num_sampled_tokens for t in trajectories))
     out["rollout/response_length"] = float(np.mean([t.num_sampled_tokens for t in trajectories]))
     out["rollout/turns"] = float(np.mean([len([x for x in t.turns if x.get("role") == "assistant"])

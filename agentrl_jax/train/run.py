@@ -31,7 +31,7 @@ from agentrl_jax.rewards.verifier import MathVerifier
 from agentrl_jax.rollout.driver import Driver
 from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.sharding import DEFAULT_RULES, make_mesh
-from agentrl_jax.train import setup
+from agentrl_jax.train import multihost, setup
 from agentrl_jax.train.checkpoint import Checkpointer
 from agentrl_jax.train.hindsight import ArithmeticOracleJudge, ModelJudge
 from agentrl_jax.train.metrics import MetricsWriter
@@ -80,10 +80,20 @@ async def train_async(config: Config) -> dict[str, Any]:
     corpus = [m["content"] for conv in (sft_conversations or []) for m in conv] or [
         t["question"] for t in train_tasks
     ]
+    _check_multihost(config)
+    if jax.process_index() == 0:  # hosts may share output_dir: one writes, the others wait
+        setup.prepare_model_assets(config, corpus)
+    multihost.barrier("model assets")
     model_path, tokenizer_path = setup.prepare_model_assets(config, corpus)
     tokenizer = Tokenizer(tokenizer_path)
 
     mesh = make_mesh(config.mesh.shape())
+    # Rollouts are host-local (multihost.py): the engine gets this host's devices.
+    engine_mesh = multihost.local_mesh(config.mesh.tensor) if multihost.is_multihost() else mesh
+
+    def engine_params(p):
+        return multihost.local_replica(p, mesh, engine_mesh)
+
     m = config.model
     policy = load_hf_checkpoint(
         model_path,
@@ -98,7 +108,7 @@ async def train_async(config: Config) -> dict[str, Any]:
     r = config.rollout
     engine = Engine(
         policy,
-        mesh=mesh,
+        mesh=engine_mesh,
         max_concurrent_decodes=r.max_concurrent,
         max_target_length=r.max_sequence_length,
         max_prefill_length=r.max_prompt_length,
@@ -116,7 +126,7 @@ async def train_async(config: Config) -> dict[str, Any]:
     async with setup.make_sandbox(config) as pool:
         driver = Driver(
             engine,
-            params,
+            engine_params(params),
             eos_token_ids=tokenizer.eos_token_ids,
             detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             steps_per_dispatch=r.steps_per_dispatch,
@@ -135,16 +145,18 @@ async def train_async(config: Config) -> dict[str, Any]:
                 eval_tasks=eval_tasks,
                 metrics_writer=writer,
                 checkpointer=checkpointer,
+                mesh=mesh,
+                engine_params=engine_params,
             )
             start_step = await _maybe_resume(config, trainer, checkpointer)
             if start_step == 0:
                 if sft_conversations:
                     t0 = time.perf_counter()
                     with MetricsWriter(out / "sft_metrics", total_steps=config.sft.steps) as sft_writer:
-                        params = _sft(config, graphdef, params, tokenizer, sft_conversations, sft_writer)
+                        params = _sft(config, graphdef, params, tokenizer, sft_conversations, sft_writer, mesh)
                     results["sft_seconds"] = time.perf_counter() - t0
                     trainer.state = init_train_state(params, trainer.optimizer, config.seed)
-                    await trainer.driver.update_params(params, 0)
+                    await trainer.driver.update_params(engine_params(params), 0)
                 results["start"] = await trainer.evaluate(eval_tasks, label="start (after SFT)" if
                                                           sft_conversations else "start")
                 writer.write(0, {f"eval/{k}": v for k, v in results["start"].items()})
@@ -161,7 +173,9 @@ async def train_async(config: Config) -> dict[str, Any]:
     checkpointer.close()
     writer.close()
     verifier.close()
-    if config.checkpoint.export_hf:
+    if config.checkpoint.export_hf and multihost.is_multihost():
+        logger.warning("checkpoint.export_hf: not supported on several hosts yet; convert a checkpoint instead")
+    elif config.checkpoint.export_hf:
         save_hf_checkpoint(trainer.state.params, policy.config, out / "export")
         tokenizer.hf.save_pretrained(str(out / "export"))
     results["total_seconds"] = time.perf_counter() - t_start
@@ -169,13 +183,29 @@ async def train_async(config: Config) -> dict[str, Any]:
     table = _fmt_table(rows, TABLE_KEYS + [k for k in next(iter(rows.values()), {}) if k.startswith("pass@")
                                             and k != "pass@1"])
     results["table"] = table
-    (out / "results.json").write_text(json.dumps(results, indent=2))
     if jax.process_index() == 0:
+        (out / "results.json").write_text(json.dumps(results, indent=2))
         n_eval = int(results.get("end", results.get("start", {})).get("num_tasks", 0))
         print(f"\nheld-out evaluation ({n_eval} tasks, {config.eval.samples_per_task} samples each):")
         print(table)
         print(f"results: {out / 'results.json'}  ({results['total_seconds']:.0f} s)")
     return results
+
+
+def _check_multihost(config: Config) -> None:
+    """What several hosts do not support yet fails before anything starts."""
+    if not multihost.is_multihost():
+        return
+    from agentrl_jax.config import ConfigError
+
+    n = jax.process_count()
+    if config.data.prompts_per_step % n:
+        raise ConfigError(f"data.prompts_per_step ({config.data.prompts_per_step}) must be divisible by the "
+                          f"number of hosts ({n}): each host rolls out its share")
+    if config.hybrid.mode != "none" or config.hybrid.judge != "none":
+        raise ConfigError("hybrid.mode / hybrid.judge: not supported on several hosts yet")
+    if config.algorithm.dynamic_sampling:
+        raise ConfigError("algorithm.dynamic_sampling: not supported on several hosts yet")
 
 
 def _load_sft(config: Config) -> list[list[dict[str, str]]]:
@@ -190,7 +220,7 @@ def _load_sft(config: Config) -> list[list[dict[str, str]]]:
     return [[{"role": msg.role, "content": msg.content} for msg in r.messages] for r in records]
 
 
-def _sft(config, graphdef, params, tokenizer, conversations, writer):
+def _sft(config, graphdef, params, tokenizer, conversations, writer, mesh):
     records = [conversation_to_record(tokenizer, conv) for conv in conversations]
     too_long = [r for r in records if len(r.token_ids) > config.sft.max_length]
     if too_long:
@@ -209,6 +239,7 @@ def _sft(config, graphdef, params, tokenizer, conversations, writer):
         row_length=config.sft.max_length,
         seed=config.seed,
         metrics_writer=writer,
+        mesh=mesh,
     )
     if history:
         logger.info("SFT: %d steps, loss %.4f -> %.4f", len(history), history[0]["sft/loss"], history[-1]["sft/loss"])
@@ -288,6 +319,6 @@ async def _maybe_resume(config: Config, trainer: RLTrainer, checkpointer: Checkp
     if restored.data_state:
         trainer.data.set_state(restored.data_state)
     trainer.version = int((restored.extra or {}).get("version", restored.step))
-    await trainer.driver.update_params(trainer.state.params, trainer.version)
+    await trainer.driver.update_params(trainer.engine_params(trainer.state.params), trainer.version)
     logger.info("resumed from step %d (params version %d)", restored.step, trainer.version)
     return int(restored.step)

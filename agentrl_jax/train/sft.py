@@ -27,6 +27,7 @@ import numpy as np
 
 from agentrl_jax.losses import global_normalizer
 from agentrl_jax.train.batch import TokenRecord, build_batch
+from agentrl_jax.train.multihost import put_global, to_host
 from agentrl_jax.train.step import LossSettings, TrainState, update_step
 
 logger = logging.getLogger(__name__)
@@ -73,10 +74,21 @@ def sft_settings(chunk_size: int = 1024) -> LossSettings:
     return LossSettings(loss="reinforce", aggregation="token-mean", chunk_size=chunk_size, packed=True)
 
 
-def batch_arrays(batch, *, old_logprobs=None) -> dict[str, jax.Array]:
-    """The device arrays the update consumes, from a TrainBatch."""
+def batch_arrays(batch, *, old_logprobs=None, device: bool = True, mesh=None) -> dict[str, Any]:
+    """The arrays the update consumes, from a TrainBatch.
+
+    Args:
+      device: device arrays (on ``mesh``, replicated, when given: every host passes the same
+        batch); False: numpy.
+    """
+    if device and mesh is not None:
+        put = functools.partial(put_global, mesh=mesh)
+    elif device:
+        put = jnp.asarray
+    else:
+        put = np.asarray
     arrays = {
-        name: jnp.asarray(getattr(batch, name))
+        name: put(getattr(batch, name))
         for name in (
             "input_ids",
             "positions",
@@ -88,7 +100,7 @@ def batch_arrays(batch, *, old_logprobs=None) -> dict[str, jax.Array]:
             "sequence_ids",
         )
     }
-    arrays["old_logprobs"] = jnp.zeros_like(arrays["loss_mask"]) if old_logprobs is None else old_logprobs
+    arrays["old_logprobs"] = put(np.zeros_like(batch.loss_mask)) if old_logprobs is None else old_logprobs
     return arrays
 
 
@@ -104,6 +116,7 @@ def run_sft(
     seed: int,
     metrics_writer: Any = None,
     log_prefix: str = "sft/",
+    mesh: Any = None,
 ) -> tuple[TrainState, list[dict[str, float]]]:
     """SFT for ``steps`` updates on shuffled batches of ``batch_size`` conversations.
 
@@ -126,7 +139,7 @@ def run_sft(
         batch = build_batch(chosen, pack=True, row_length=row_length)
         rows = 1 << max(0, (batch.shape[0] - 1).bit_length())
         batch = build_batch(chosen, pack=True, row_length=row_length, row_multiple=rows)
-        arrays = batch_arrays(batch)
+        arrays = batch_arrays(batch, mesh=mesh)
         if rows not in compiled:
             compiled[rows] = jax.jit(
                 functools.partial(
@@ -139,9 +152,10 @@ def run_sft(
                 ),
                 donate_argnums=(0,),
             )
-        normalizer = global_normalizer(arrays["loss_mask"], "token-mean")
+        normalizer = np.asarray(global_normalizer(batch.loss_mask, "token-mean"))
+        normalizer = jnp.asarray(normalizer) if mesh is None else put_global(normalizer, mesh)
         state, metrics = compiled[rows](state, arrays, normalizer)
-        scalars = {f"{log_prefix}{k}": float(v) for k, v in metrics.items()
+        scalars = {f"{log_prefix}{k}": float(to_host(v)) for k, v in metrics.items()
                    if k in ("loss", "grad_norm", "update_norm", "skipped", "entropy")}
         history.append(scalars)
         if metrics_writer is not None:
