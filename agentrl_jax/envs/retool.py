@@ -115,6 +115,12 @@ def parse_code(action: str, config: ReToolConfig) -> tuple[str | None, str | Non
     return body.strip("\n"), note
 
 
+def initial_messages(config: ReToolConfig, task: dict[str, Any]) -> list[dict[str, str]]:
+    """The chat messages an episode starts from: the optional system prompt, then the question."""
+    messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+    return messages + [{"role": "user", "content": str(task["question"])}]
+
+
 class ReToolEnv(Environment):
     """Math with a Python interpreter; tasks are {"question": str, "answer": str, ...}."""
 
@@ -126,8 +132,7 @@ class ReToolEnv(Environment):
         self.task: dict[str, Any] | None = None
 
     def initial_messages(self, task: dict[str, Any]) -> list[dict[str, str]]:
-        messages = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
-        return messages + [{"role": "user", "content": str(task["question"])}]
+        return initial_messages(self.config, task)
 
     async def reset(self, task: dict[str, Any]) -> list[dict[str, str]]:
         for field in ("question", "answer"):

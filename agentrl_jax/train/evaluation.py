@@ -56,3 +56,11 @@ def summarize(results: Mapping[str, Sequence[Mapping]], ks: Sequence[int] = (1,)
     out["mean_response_tokens"] = float(np.mean([x.get("num_sampled_tokens", 0) for x in samples]))
     out["num_tasks"] = float(len(results))
     return out
+
+
+def results_table(rows: Mapping[str, Mapping[str, float]], keys: Sequence[str]) -> str:
+    """A markdown table: one row per stage (e.g. "start", "end"), one column per metric."""
+    lines = ["| stage | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for name, values in rows.items():
+        lines.append(f"| {name} | " + " | ".join(f"{values.get(k, float('nan')):.3f}" for k in keys) + " |")
+    return "\n".join(lines)

@@ -22,10 +22,8 @@ import asyncio
 import functools
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -41,7 +39,7 @@ from agentrl_jax.train.batch import TokenRecord, build_batch
 from agentrl_jax.train.evaluation import summarize
 from agentrl_jax.train.hindsight import Judge, Verdict, apply_prm_reward, judge_metrics
 from agentrl_jax.train.multihost import gather_objects, is_multihost, put_global, to_host
-from agentrl_jax.train.sft import batch_arrays, conversation_to_record, run_sft
+from agentrl_jax.train.sft import batch_arrays
 from agentrl_jax.train.step import (
     LossSettings,
     forward_logprobs,
@@ -56,9 +54,6 @@ from agentrl_jax.train.teacher import (
 )
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
 
 def loss_settings(config: Config) -> LossSettings:
     """The static objective of the update, from the algorithm config."""
@@ -466,12 +461,3 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     for k, v in reasons.items():
         out[f"finish/{k or 'unknown'}"] = v / len(trajectories)
     return out
-
-
-def _fmt_table(rows: dict[str, dict[str, float]], keys: list[str]) -> str:
-    head = "| stage | " + " | ".join(keys) + " |"
-    sep = "|---" * (len(keys) + 1) + "|"
-    lines = [head, sep]
-    for name, vals in rows.items():
-        lines.append(f"| {name} | " + " | ".join(f"{vals.get(k, math.nan):.3f}" for k in keys) + " |")
-    return "\n".join(lines)

@@ -35,7 +35,8 @@ from agentrl_jax.train import multihost, setup
 from agentrl_jax.train.checkpoint import Checkpointer
 from agentrl_jax.train.hindsight import ArithmeticOracleJudge, ModelJudge
 from agentrl_jax.train.metrics import MetricsWriter
-from agentrl_jax.train.rl import RLTrainer, _fmt_table
+from agentrl_jax.train.evaluation import results_table
+from agentrl_jax.train.rl import RLTrainer
 from agentrl_jax.train.sft import conversation_to_record, run_sft
 from agentrl_jax.train.step import init_train_state, make_optimizer
 
@@ -180,7 +181,7 @@ async def train_async(config: Config) -> dict[str, Any]:
         tokenizer.hf.save_pretrained(str(out / "export"))
     results["total_seconds"] = time.perf_counter() - t_start
     rows = {k: results[k] for k in ("start", "end") if k in results}
-    table = _fmt_table(rows, TABLE_KEYS + [k for k in next(iter(rows.values()), {}) if k.startswith("pass@")
+    table = results_table(rows, TABLE_KEYS + [k for k in next(iter(rows.values()), {}) if k.startswith("pass@")
                                             and k != "pass@1"])
     results["table"] = table
     if jax.process_index() == 0:

@@ -27,6 +27,7 @@ from agentrl_jax.envs import (
 )
 from agentrl_jax.envs.retrieval import LocalRetriever, RemoteRetriever, RemoteRetrieverConfig
 from agentrl_jax.envs.search import SearchConfig, SearchEnv
+from agentrl_jax.envs.retool import initial_messages
 from agentrl_jax.rewards.shaping import RewardWeights
 from agentrl_jax.rewards.verifier import MathVerifier
 
@@ -172,9 +173,7 @@ def arithmetic_demonstrations(config: Config, tasks: list[dict[str, Any]]) -> li
     for task in tasks:
         style = "tool" if rng.random() < config.environment.demo_tool_fraction else "memory"
         turns = demonstration(task, style, rng, fenced=env_cfg.fenced)
-        prompt = ArithmeticEnv.__new__(ArithmeticEnv)
-        prompt.config = env_cfg
-        conversations.append(prompt.initial_messages(task) + turns)
+        conversations.append(initial_messages(env_cfg, task) + turns)
     return conversations
 
 

@@ -74,7 +74,7 @@ def sft_settings(chunk_size: int = 1024) -> LossSettings:
     return LossSettings(loss="reinforce", aggregation="token-mean", chunk_size=chunk_size, packed=True)
 
 
-def batch_arrays(batch, *, old_logprobs=None, device: bool = True, mesh=None) -> dict[str, Any]:
+def batch_arrays(batch, *, device: bool = True, mesh=None) -> dict[str, Any]:
     """The arrays the update consumes, from a TrainBatch.
 
     Args:
@@ -100,7 +100,7 @@ def batch_arrays(batch, *, old_logprobs=None, device: bool = True, mesh=None) ->
             "sequence_ids",
         )
     }
-    arrays["old_logprobs"] = put(np.zeros_like(batch.loss_mask)) if old_logprobs is None else old_logprobs
+    arrays["old_logprobs"] = put(np.zeros_like(batch.loss_mask))  # SFT: no ratio; RL overwrites it
     return arrays
 
 

@@ -48,3 +48,11 @@ def test_summarize():
     assert s["tool_use_rate"] == pytest.approx(0.25)
     assert s["mean_response_tokens"] == pytest.approx(6.5)
     assert np.isclose(s["num_tasks"], 2)
+
+
+def test_results_table():
+    from agentrl_jax.train.evaluation import results_table
+
+    text = results_table({"start": {"pass@1": 0.25}, "end": {"pass@1": 0.5}}, ["pass@1", "tool_use_rate"])
+    assert text.splitlines() == ["| stage | pass@1 | tool_use_rate |", "|---|---|---|",
+                                 "| start | 0.250 | nan |", "| end | 0.500 | nan |"]
