@@ -132,3 +132,9 @@ def test_loss_hparams_from_the_command_line():
     assert dict(loss_settings(c).hparams)["eps_max"] == 4.0
     with pytest.raises(ConfigError, match="names repeat"):
         apply_overrides(Config(), ['algorithm.loss_hparams=[["a", 1], ["a", 2]]'])
+
+
+def test_cudnn_attention_needs_16_bit_compute():
+    with pytest.raises(ConfigError, match=r"model.attention_impl: 'cudnn' needs model.compute_dtype='bfloat16'"):
+        apply_overrides(Config(), ["model.attention_impl=cudnn", "model.compute_dtype=float32"])
+    assert apply_overrides(Config(), ["model.attention_impl=cudnn"]).model.compute_dtype == "bfloat16"
