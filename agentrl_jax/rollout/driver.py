@@ -42,6 +42,7 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -178,6 +179,11 @@ class Driver:
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self._closed = False
+        self._release_requested = False
+        # Cumulative seconds the loop spent in ticks with work (device busy) and waiting for
+        # work (no slot active, nothing admitted: the rollout devices idle).
+        self.busy_seconds = 0.0
+        self.idle_seconds = 0.0
 
     # ---- public API -------------------------------------------------------------------
 
@@ -236,6 +242,19 @@ class Driver:
         self._ensure_running()
         self._wakeup.set()
         await done
+
+    def release_cache(self) -> None:
+        """Free the decode state (the KV cache) once the driver is idle; the next request re-creates it.
+
+        A synchronous trainer calls this after a rollout so the update has the device memory.
+        Requests in flight are not affected: the release waits for a tick with no slot in use.
+        """
+        self._release_requested = True
+        if self._task is not None and not self._task.done():
+            self._wakeup.set()
+        elif not self._slots:
+            self._state = None
+            self._release_requested = False
 
     async def close(self) -> None:
         """Stop the background task (waiting requests fail) and release the decode state."""
@@ -330,8 +349,10 @@ class Driver:
             self._wakeup.clear()
             inbox, self._inbox = self._inbox, []
             update = self._pending_update
+            started = time.perf_counter()
             try:
                 resolved, update_done = await loop.run_in_executor(self._executor, self._tick, inbox, update)
+                self.busy_seconds += time.perf_counter() - started
             except BaseException as exc:  # noqa: BLE001  (every caller must see it; the process lives on)
                 logger.exception("rollout driver loop failed")
                 self._failure = exc
@@ -348,7 +369,11 @@ class Driver:
                 else:
                     future.set_result(value)
             if not self._slots and not self._waiting and not self._inbox and self._pending_update is None:
+                if self._release_requested:
+                    self._state, self._release_requested = None, False
+                started = time.perf_counter()
                 await self._wakeup.wait()
+                self.idle_seconds += time.perf_counter() - started
 
     def _fail_all(self, exc: BaseException, extra: Sequence[_Request] = ()) -> None:
         requests = {id(r): r for r in [*extra, *self._inbox, *self._waiting, *(t.request for t in self._slots.values())]}
