@@ -15,6 +15,13 @@ without importing `jetstream`.
   trajectory can free its slot while a tool runs and later continue with
   `prefill(existing_prefix=...)` of only the observation tokens.
 
+The model runs through `agentrl_jax.models.decode.forward`, not the trainer's layer scan:
+`load_params` re-lays the weights out once per update (`DecodeParams`: one dict per layer,
+fused QKV and gate/up), the cache is one `[S, KV, M, K]` buffer per layer updated in place,
+and a decode step's attention reads only the filled entries: a window of the first W
+entries (W bucketed by `attend_bucket`, a few compiles) with the "xla" attention, or
+each slot's own length with the Pallas GPU kernel ("pallas", the default on GPU).
+
 All state is sharded on the mesh with the inference rule table (kv heads over `tensor`,
 slots over the data axes, weights with tensor parallelism only) and is donated through
 every jitted call. Prompt chunks are padded to power-of-two buckets; slot indices,
@@ -33,37 +40,47 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from agentrl_jax.models import Decoder, KVCache, param_shardings, split_params
+from agentrl_jax.models import Decoder, param_shardings, split_params
+from agentrl_jax.models.decode import (
+    DecodeParams,
+    LayerCache,
+    decode_params_axes,
+    forward,
+    to_decode_params,
+)
 from agentrl_jax.rollout.result_tokens import ResultTokens
-from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, next_token_logits, request_key, sample, step_keys
+from agentrl_jax.rollout.sampling import (
+    SamplingParams,
+    SlotSampling,
+    next_token_logits,
+    request_key,
+    sample,
+    step_keys,
+)
 from agentrl_jax.rollout.state import (
     DecodeState,
     Prefix,
+    attend_bucket,
     decode_state_shardings,
     init_decode_state,
     prefill_bucket,
     prefix_shardings,
 )
-from agentrl_jax.sharding import Rules, inference_rules, make_mesh
+from agentrl_jax.sharding import Rules, inference_rules, make_mesh, tree_shardings
+
+DECODE_ATTENTION = ("xla", "pallas")
 
 
-def _forward(graphdef, params, tokens, positions, cache, cache_index):
-    """Hidden states and new cache, plus the output embedding (table, layout)."""
-    model = nnx.merge(graphdef, params)
-    hidden, cache = model(tokens, positions, cache=cache, cache_index=cache_index)
-    return hidden, cache, model.output_embedding()
-
-
-def _resize_row(cache: KVCache, capacity: int) -> KVCache:
+def _resize_row(cache: LayerCache, capacity: int) -> LayerCache:
     """Keep the first `capacity` entries of a cache row, zero-padding when it is shorter."""
 
     def one(x):
         have = x.shape[2]
         if have >= capacity:
             return x[:, :, :capacity]
-        return jnp.pad(x, ((0, 0), (0, 0), (0, capacity - have), (0, 0), (0, 0)))
+        return jnp.pad(x, ((0, 0), (0, 0), (0, capacity - have), (0, 0)))
 
-    return jax.tree.map(one, cache)
+    return cache.map(one)
 
 
 class Engine:
@@ -78,6 +95,14 @@ class Engine:
       min_prefill_bucket: the smallest padded prefill length.
       cache_dtype: dtype of the KV cache (default: the model's compute dtype).
       rules: logical-axis rule table (default: `inference_rules()`).
+      attend_granule: decode attention reads a window of the first W cache entries, W
+        rounded up from the longest live slot (+ the dispatch's steps) in steps of at
+        least this many entries (`attend_bucket`); each W compiles once.
+      decode_attention: "xla" (einsums over the window) or "pallas" (JAX's Pallas GPU
+        decode-attention kernel, run per shard, which reads each slot's filled entries
+        only; elsewhere than on GPU it runs interpreted, for tests). Default: "pallas" on
+        GPU meshes with a 16-bit compute dtype, else "xla" (the kernel's float32 dots
+        would run in TF32, loosening the engine/trainer logprob match).
     """
 
     def __init__(
@@ -91,30 +116,50 @@ class Engine:
         min_prefill_bucket: int = 16,
         cache_dtype: Any = None,
         rules: Rules | None = None,
+        attend_granule: int = 256,
+        decode_attention: str | None = None,
     ):
         for name, value in (
             ("max_concurrent_decodes", max_concurrent_decodes),
             ("max_target_length", max_target_length),
             ("max_prefill_length", max_prefill_length),
             ("min_prefill_bucket", min_prefill_bucket),
+            ("attend_granule", attend_granule),
         ):
             if value < 1:
                 raise ValueError(f"Engine: {name} must be >= 1, got {value}")
-        self.config = model.config
-        self.graphdef, abstract = split_params(model)
-        self._param_dtype = model.param_dtype
         self._mesh = mesh if mesh is not None else make_mesh({"data": -1})
+        if decode_attention is None:
+            on_gpu = all(d.platform == "gpu" for d in self._mesh.devices.flat)
+            decode_attention = "pallas" if on_gpu and jnp.dtype(model.dtype).itemsize == 2 else "xla"
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"Engine: decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
+        self.config = model.config
+        _, abstract = split_params(model)
+        self._param_dtype = model.param_dtype
+        self._dtype = model.dtype
+        self._attend_granule = attend_granule
+        self.decode_attention = decode_attention
         self._rules = rules if rules is not None else inference_rules()
         self._slots = max_concurrent_decodes
         self.max_target_length = max_target_length
+        # the Pallas kernel walks the cache in blocks (and splits it into chunks for few slots)
+        self._cache_len = -(-max_target_length // 256) * 256 if decode_attention == "pallas" else max_target_length
         self._max_prefill = max_prefill_length
         self._min_bucket = min(min_prefill_bucket, max_prefill_length)
         self.cache_dtype = cache_dtype if cache_dtype is not None else model.dtype
         self.param_shardings = param_shardings(abstract, self._mesh, self._rules)
-        self.state_shardings = decode_state_shardings(
-            self.config, self._slots, max_target_length, self.cache_dtype, self._mesh, self._rules
+        layout = jax.eval_shape(functools.partial(to_decode_params, self.config), abstract)
+        self.decode_param_shardings = tree_shardings(
+            decode_params_axes(self.config), self._mesh, self._rules, shapes=layout
         )
-        self._generate_fns: dict[int | None, Any] = {}
+        self._to_decode_params = jax.jit(
+            functools.partial(to_decode_params, self.config), out_shardings=self.decode_param_shardings
+        )
+        self.state_shardings = decode_state_shardings(
+            self.config, self._slots, self._cache_len, self.cache_dtype, self._mesh, self._rules
+        )
+        self._generate_fns: dict[tuple[int | None, int], Any] = {}
         self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self.state_shardings)
         self._deactivate = jax.jit(
             lambda state, slots: state.replace(active=state.active.at[slots].set(False)),
@@ -145,11 +190,14 @@ class Engine:
 
     # ---- params and state -------------------------------------------------------------
 
-    def load_params(self, params: nnx.State | Decoder, *, dtype: Any = None) -> nnx.State:
-        """Place params (an `nnx.State` of `nnx.Param`, or a `Decoder`) in the inference sharding.
+    def load_params(self, params: nnx.State | Decoder | DecodeParams, *, dtype: Any = None) -> DecodeParams:
+        """The engine's copy of the weights: `DecodeParams` (per-layer, fused QKV and gate/up).
 
-        Floating leaves are cast to `dtype` (default: the model's param dtype). This is a
-        `jax.device_put`, so weights coming from the trainer's sharding never visit the host.
+        Accepts an `nnx.State` of `nnx.Param` or a `Decoder` (the trainer's stacked layout),
+        or `DecodeParams`. Floating leaves are cast to `dtype` (default: the model's param
+        dtype), placed with `jax.device_put` in the inference sharding (weights coming from
+        the trainer's sharding never visit the host), then re-laid out on the device. The
+        result is a new buffer: the caller's params are never donated.
         """
         if isinstance(params, nnx.Module):
             params = nnx.state(params, nnx.Param)
@@ -158,13 +206,15 @@ class Engine:
         def cast(x):
             return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
 
-        return jax.device_put(jax.tree.map(cast, params), self.param_shardings)
+        if isinstance(params, DecodeParams):
+            return jax.device_put(jax.tree.map(cast, params), self.decode_param_shardings)
+        return self._to_decode_params(jax.device_put(jax.tree.map(cast, params), self.param_shardings))
 
     def init_decode_state(self) -> DecodeState:
         """All slots free, materialized directly in the decode-state sharding."""
         if self._init_state is None:
             make = functools.partial(
-                init_decode_state, self.config, self._slots, self.max_target_length, self.cache_dtype
+                init_decode_state, self.config, self._slots, self._cache_len, self.cache_dtype
             )
             self._init_state = jax.jit(make, out_shardings=self.state_shardings)
         return self._init_state()
@@ -179,7 +229,7 @@ class Engine:
     def prefill(
         self,
         *,
-        params: nnx.State,
+        params: DecodeParams,
         existing_prefix: Prefix | None = None,
         padded_tokens: jax.Array | np.ndarray | Sequence[int],
         true_length: int,
@@ -227,7 +277,7 @@ class Engine:
                     f"num_samples={num_samples}; a continuation keeps its sample count"
                 )
             keys, generated, old_cache = existing_prefix.keys, existing_prefix.generated, existing_prefix.cache
-        key = (bucket, capacity, None if old_cache is None else old_cache.k.shape[2], num_samples)
+        key = (bucket, capacity, None if old_cache is None else old_cache.max_len, num_samples)
         if key not in self._prefill_fns:
             self._prefill_fns[key] = jax.jit(
                 functools.partial(self._prefill_impl, capacity=capacity),
@@ -240,15 +290,16 @@ class Engine:
 
     def _prefill_impl(self, params, old_cache, start, tokens, true_length, keys, generated, sampling, *, capacity):
         if old_cache is None:
-            cache = KVCache.init(self.config, 1, capacity, self.cache_dtype)
+            cache = LayerCache.init(self.config, 1, capacity, self.cache_dtype)
         else:
             cache = _resize_row(old_cache, capacity)
         positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        hidden, cache, (table, layout) = _forward(
-            self.graphdef, params, tokens[None], positions[None], cache, start[None]
+        hidden, cache = forward(
+            params, tokens[None], positions[None], cache, start[None],
+            config=self.config, attend_len=capacity, dtype=self._dtype,
         )
         last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, keepdims=True)
-        logits = next_token_logits(last, table, layout)
+        logits = next_token_logits(last, *params.output_embedding())
         num_samples = keys.shape[0]
         logits = jnp.broadcast_to(logits, (num_samples, logits.shape[-1]))
         first, log_prob, truncated = sample(logits, step_keys(keys, generated), sampling)
@@ -269,15 +320,13 @@ class Engine:
 
     def _insert_impl(self, prefix: Prefix, state: DecodeState, slots: jax.Array) -> DecodeState:
         row = _resize_row(prefix.cache, min(prefix.capacity, self.max_target_length))
-        cache = state.cache
-        for g in range(slots.shape[0]):
-            cache = jax.tree.map(
-                lambda whole, part, g=g: jax.lax.dynamic_update_slice(
-                    whole, part.astype(whole.dtype), (0, slots[g], 0, 0, 0)
-                ),
-                cache,
-                row,
-            )
+
+        def copy_into(whole, part):
+            for g in range(slots.shape[0]):
+                whole = jax.lax.dynamic_update_slice(whole, part.astype(whole.dtype), (slots[g], 0, 0, 0))
+            return whole
+
+        cache = jax.tree.map(copy_into, state.cache, row)
 
         def put(field, values):
             return field.at[slots].set(values)
@@ -294,7 +343,7 @@ class Engine:
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
         """Copy sample 0 of `prefix` into `slot` (the decode state is donated)."""
-        first = lambda x: x[:1]  # noqa: E731
+        first = lambda x: x[:1]
         single = prefix.replace(
             first_tokens=first(prefix.first_tokens),
             log_prob=first(prefix.log_prob),
@@ -349,10 +398,8 @@ class Engine:
 
     @staticmethod
     def _extract_impl(state: DecodeState, slot, length, generated, *, capacity):
-        row = jax.tree.map(
-            lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=1)[:, :, :capacity], state.cache
-        )
-        one = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)  # noqa: E731
+        row = state.cache.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)[:, :, :capacity])
+        one = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)
         return Prefix(
             cache=row,
             length=length,
@@ -366,11 +413,13 @@ class Engine:
 
     # ---- generate ---------------------------------------------------------------------
 
-    def _step(self, params, state: DecodeState) -> tuple[DecodeState, tuple]:
-        hidden, cache, (table, layout) = _forward(
-            self.graphdef, params, state.last_tokens[:, None], state.lengths[:, None], state.cache, state.lengths
+    def _step(self, params, state: DecodeState, attend_len: int) -> tuple[DecodeState, tuple]:
+        hidden, cache = forward(
+            params, state.last_tokens[:, None], state.lengths[:, None], state.cache, state.lengths,
+            config=self.config, attend_len=attend_len, dtype=self._dtype, attention=self.decode_attention,
+            cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh,
         )
-        logits = next_token_logits(hidden[:, -1], table, layout)
+        logits = next_token_logits(hidden[:, -1], *params.output_embedding())
         tokens, log_prob, truncated = sample(logits, step_keys(state.keys, state.generated), state.sampling)
         valid = state.active & (state.lengths < self.max_target_length)
         step = valid.astype(jnp.int32)
@@ -383,9 +432,9 @@ class Engine:
         )
         return new_state, (tokens, valid, new_state.generated, log_prob, truncated)
 
-    def _generate_impl(self, params, state: DecodeState, *, num_steps: int | None):
+    def _generate_impl(self, params, state: DecodeState, *, num_steps: int | None, attend_len: int):
         if num_steps is None:
-            state, out = self._step(params, state)
+            state, out = self._step(params, state, attend_len)
             return state, ResultTokens.pack(*out)
         slots = self._slots
         buffers = (
@@ -398,7 +447,7 @@ class Engine:
 
         def body(i, carry):
             state, buffers = carry
-            state, out = self._step(params, state)
+            state, out = self._step(params, state, attend_len)
             buffers = tuple(b.at[i].set(o) for b, o in zip(buffers, out))
             return state, buffers
 
@@ -406,19 +455,44 @@ class Engine:
         return state, ResultTokens.pack(*buffers)
 
     def generate(
-        self, params: nnx.State, decode_state: DecodeState, *, num_steps: int | None = None
+        self,
+        params: DecodeParams,
+        decode_state: DecodeState,
+        *,
+        num_steps: int | None = None,
+        attend_len: int | None = None,
     ) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot ([S] results), or `num_steps` steps in one dispatch ([N, S]).
 
         The decode state is donated. A slot stops advancing (valid = 0) once it is inactive
         or its cache is full; every other stop condition is checked by the caller.
+
+        Attention reads the first W cache entries of every slot, W = `attend_bucket` of the
+        longest active slot's length + the dispatch's steps (read from the state: one small
+        device-to-host copy). A caller that tracks lengths itself may pass `attend_len`
+        (any value >= that bound, at most `max_target_length`; smaller values give wrong
+        results for the longer slots). With `decode_attention="pallas"` there is no window
+        (the kernel stops at each slot's length) and `attend_len` is ignored.
         """
         if num_steps is not None and num_steps < 1:
             raise ValueError(f"generate: num_steps must be >= 1, got {num_steps}")
-        if num_steps not in self._generate_fns:
-            self._generate_fns[num_steps] = jax.jit(
-                functools.partial(self._generate_impl, num_steps=num_steps),
+        if self.decode_attention == "pallas":
+            attend_len = self._cache_len  # the kernel bounds each slot's reads by its length itself
+        elif attend_len is None:
+            attend_len = self.attend_window(decode_state, 1 if num_steps is None else num_steps)
+        elif not 0 < attend_len <= self.max_target_length:
+            raise ValueError(f"generate: attend_len={attend_len} must be in [1, {self.max_target_length}]")
+        key = (num_steps, attend_len)
+        if key not in self._generate_fns:
+            self._generate_fns[key] = jax.jit(
+                functools.partial(self._generate_impl, num_steps=num_steps, attend_len=attend_len),
                 donate_argnums=(1,),
                 out_shardings=(self.state_shardings, None),
             )
-        return self._generate_fns[num_steps](params, decode_state)
+        return self._generate_fns[key](params, decode_state)
+
+    def attend_window(self, decode_state: DecodeState, num_steps: int = 1) -> int:
+        """The attention window W for `num_steps` steps of `decode_state` (see `generate`)."""
+        lengths, active = jax.device_get((decode_state.lengths, decode_state.active))
+        longest = int(lengths[active].max()) if active.any() else 0
+        return attend_bucket(longest + num_steps, self.max_target_length, self._attend_granule)

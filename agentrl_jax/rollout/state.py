@@ -1,14 +1,15 @@
 """Device-side state of the rollout engine: the decode slots and prefilled prefixes.
 
-`DecodeState` holds S decode slots. Slot s owns row s of the KV cache (``[L, S, M, KV,
-K]``) plus per-slot scalars: how many cache entries are valid (`lengths`, which is also the
+`DecodeState` holds S decode slots. Slot s owns row s of every layer's KV buffer (a
+`LayerCache`: L buffers ``[S, KV, M, K]``, updated in place by the decode step) plus
+per-slot scalars: how many cache entries are valid (`lengths`, which is also the
 position of the next token fed), the token to feed next (`last_tokens`), how many tokens
 the request has sampled so far (`generated`, the fold-in index of its next random key), the
 request's own key, and its sampling parameters as arrays (so changing them never
 recompiles).
 
-`Prefix` is the result of a prefill: the KV entries of a prompt (one cache row of
-``C`` entries, of which `length` are valid), and G first tokens sampled from the prompt's
+`Prefix` is the result of a prefill: the KV entries of a prompt (one row ``[1, KV, C, K]``
+per layer, of which `length` entries are valid), and G first tokens sampled from the prompt's
 last position, one per sample of a group, each with its own key. The first tokens are
 not in the cache yet: they are fed by the next decode step.
 
@@ -22,7 +23,8 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
-from agentrl_jax.models import KV_CACHE_AXES, DecoderConfig, KVCache
+from agentrl_jax.models import DecoderConfig
+from agentrl_jax.models.decode import LayerCache
 from agentrl_jax.rollout.sampling import SlotSampling
 from agentrl_jax.sharding import Rules, tree_shardings
 
@@ -32,7 +34,7 @@ class DecodeState:
     """S decode slots on the mesh.
 
     Attributes:
-      cache: KV cache, k and v ``[L, S, M, KV, K]``.
+      cache: KV cache, L k and v buffers ``[S, KV, M, K]``.
       lengths: [S] int32 valid cache entries = position of `last_tokens`.
       last_tokens: [S] int32 the sampled token that the next step feeds.
       generated: [S] int32 tokens the request has sampled so far (rng fold-in index).
@@ -41,7 +43,7 @@ class DecodeState:
       active: [S] bool slot holds a live request.
     """
 
-    cache: KVCache
+    cache: LayerCache
     lengths: jax.Array
     last_tokens: jax.Array
     generated: jax.Array
@@ -55,7 +57,7 @@ class Prefix:
     """A prefilled prompt and its G first sampled tokens.
 
     Attributes:
-      cache: KV entries of the prompt, k and v ``[L, 1, C, KV, K]``.
+      cache: KV entries of the prompt, L k and v rows ``[1, KV, C, K]``.
       length: [] int32 valid entries (the prompt length, including any earlier turns).
       first_tokens: [G] int32 tokens sampled from the prompt's last position.
       log_prob: [G] float32 their full-distribution logprobs (see `sampling`).
@@ -65,7 +67,7 @@ class Prefix:
       sampling: per-sample sampling params, each [G].
     """
 
-    cache: KVCache
+    cache: LayerCache
     length: jax.Array
     first_tokens: jax.Array
     log_prob: jax.Array
@@ -80,15 +82,14 @@ class Prefix:
 
     @property
     def capacity(self) -> int:
-        return self.cache.k.shape[2]
+        return self.cache.max_len
 
 
 def _slot_axes(config: DecoderConfig) -> DecodeState:
     """Logical axes of every DecodeState leaf (slots over the data axes, kv heads over tensor)."""
-    del config
     per_slot = ("slots",)
     return DecodeState(
-        cache=KVCache(k=KV_CACHE_AXES, v=KV_CACHE_AXES),
+        cache=LayerCache.logical_axes(config),
         lengths=per_slot,
         last_tokens=per_slot,
         generated=per_slot,
@@ -99,10 +100,9 @@ def _slot_axes(config: DecoderConfig) -> DecodeState:
 
 
 def _prefix_axes(config: DecoderConfig) -> Prefix:
-    del config
     per_sample = (None,)
     return Prefix(
-        cache=KVCache(k=KV_CACHE_AXES, v=KV_CACHE_AXES),
+        cache=LayerCache.logical_axes(config),
         length=(),
         first_tokens=per_sample,
         log_prob=per_sample,
@@ -130,10 +130,10 @@ def prefix_shardings(
     config: DecoderConfig, capacity: int, num_samples: int, cache_dtype, mesh: Mesh, rules: Rules
 ) -> Prefix:
     """NamedSharding of every Prefix leaf (the batch-1 cache row is replicated over slots)."""
-    cache_shape = KVCache.shape(config, 1, capacity)
+    row = (jax.ShapeDtypeStruct(LayerCache.shape(config, 1, capacity), cache_dtype),) * config.num_layers
     g = num_samples
     shapes = Prefix(
-        cache=KVCache(k=jax.ShapeDtypeStruct(cache_shape, cache_dtype), v=jax.ShapeDtypeStruct(cache_shape, cache_dtype)),
+        cache=LayerCache(k=row, v=row),
         length=jax.ShapeDtypeStruct((), jnp.int32),
         first_tokens=jax.ShapeDtypeStruct((g,), jnp.int32),
         log_prob=jax.ShapeDtypeStruct((g,), jnp.float32),
@@ -149,7 +149,7 @@ def init_decode_state(config: DecoderConfig, slots: int, max_len: int, cache_dty
     """All slots free: zero cache, greedy sampling, inactive."""
     zeros = jnp.zeros((slots,), jnp.int32)
     return DecodeState(
-        cache=KVCache.init(config, slots, max_len, cache_dtype),
+        cache=LayerCache.init(config, slots, max_len, cache_dtype),
         lengths=zeros,
         last_tokens=zeros,
         generated=zeros,
@@ -177,3 +177,16 @@ def prefill_bucket(length: int, minimum: int, maximum: int) -> int:
         )
     bucket = max(minimum, 1 << (length - 1).bit_length())
     return min(bucket, maximum)
+
+
+def attend_bucket(length: int, maximum: int, granule: int = 256) -> int:
+    """The attention window of a decode dispatch: ``length`` rounded up, at most ``maximum``.
+
+    Steps are multiples of ``granule`` and at least a quarter of the largest power of two
+    <= length: a window wastes at most max(granule, length / 4) entries, and the number
+    of compiled windows grows by about four per doubling of the cache.
+    """
+    if length < 1:
+        raise ValueError(f"attend_bucket: length must be >= 1, got {length}")
+    step = max(granule, (1 << (length.bit_length() - 1)) // 4 // granule * granule)
+    return min(maximum, -(-length // step) * step)

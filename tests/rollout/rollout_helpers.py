@@ -20,7 +20,10 @@ TINY = DecoderConfig(
     tie_word_embeddings=False,
     rope_theta=10000.0,
 )
-ENGINE_KW = dict(max_concurrent_decodes=4, max_target_length=64, max_prefill_length=32, min_prefill_bucket=16)
+# attend_granule=16: decode attention windows of 16, 32, 48 or 64 entries, so the tests cross them
+ENGINE_KW = dict(
+    max_concurrent_decodes=4, max_target_length=64, max_prefill_length=32, min_prefill_bucket=16, attend_granule=16
+)
 
 
 def make_model(seed: int = 0) -> Decoder:

@@ -10,6 +10,7 @@ from rollout_helpers import ENGINE_KW, teacher_forced
 from agentrl_jax.losses.logprobs import token_logprobs
 from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.sampling import SamplingParams
+from agentrl_jax.rollout.state import attend_bucket
 from agentrl_jax.sharding import make_mesh
 
 STEPS = 4
@@ -135,7 +136,9 @@ def test_sharded_decoding_equals_single_device(engine, params, tiny_model):
     sharded = Engine(tiny_model, mesh=mesh, **ENGINE_KW)
     sharded_params = sharded.load_params(tiny_model)
     state = sharded.init_decode_state()
-    assert state.cache.k.sharding.spec[3] == "tensor" and state.cache.k.sharding.spec[1] == "data"
+    assert state.cache.k[0].sharding.spec[:2] == ("data", "tensor")
+    wqkv = sharded_params.layers[0]["wqkv"]  # [D, KV, G + 2, K]: whole kv-head groups per tensor shard
+    assert wqkv.sharding.spec[1] == "tensor" and wqkv.addressable_shards[0].data.shape[1] == 1
     prompts = [PROMPT, np.arange(30, 50, dtype=np.int32)]
     ref = run_requests(engine, params, prompts, [1, 2], GREEDY)
     got = run_requests(sharded, sharded_params, prompts, [1, 2], GREEDY)
@@ -148,7 +151,7 @@ def test_sampling_params_are_arrays_no_recompile(engine, params, tiny_model):
     """top_k=1 at temperature 0.9 decodes the greedy tokens, reports the tau=0.9 trainer logprob and a
     truncated logprob of 0; changing temperature/top-k/top-p reuses the compiled step."""
     greedy_tokens = run_requests(engine, params, [PROMPT], [0], GREEDY, dispatches=1)[0][0]
-    compiled = engine._generate_fns[STEPS]._cache_size()
+    compiled = {key: fn._cache_size() for key, fn in engine._generate_fns.items()}
     state = engine.init_decode_state()
     for slot, sampler in enumerate(
         [SamplingParams(0.9, top_k=1, seed=1), SamplingParams(0.5, top_p=0.3, seed=2), SamplingParams(1.5, seed=3)]
@@ -158,9 +161,69 @@ def test_sampling_params_are_arrays_no_recompile(engine, params, tiny_model):
         if slot == 0:
             first = prefix
     state, result = engine.generate(params, state, num_steps=STEPS)
-    assert engine._generate_fns[STEPS]._cache_size() == compiled
+    assert {key: fn._cache_size() for key, fn in engine._generate_fns.items()} == compiled
     tokens = [int(first.first_tokens[0])] + np.asarray(result.tokens[:, 0]).tolist()
     assert tokens == greedy_tokens
     np.testing.assert_allclose(np.asarray(result.truncated_log_prob[:, 0]), 0.0, atol=1e-6)
     ref_logp, _ = trainer_logprobs(tiny_model, PROMPT, tokens, 0.9)
     np.testing.assert_allclose(np.asarray(result.log_prob[:, 0]), ref_logp[1:], atol=1e-5)
+
+
+def test_attend_bucket_edges():
+    assert [attend_bucket(n, 10_000) for n in (1, 256, 257, 1024, 1025, 2048, 2049, 4097)] == [
+        256, 256, 512, 1024, 1280, 2048, 2560, 5120
+    ]
+    assert attend_bucket(300, 300) == 300  # never past the cache
+    assert [attend_bucket(n, 64, granule=16) for n in (1, 16, 17, 33, 63)] == [16, 16, 32, 48, 64]
+    with pytest.raises(ValueError, match="length"):
+        attend_bucket(0, 64)
+
+
+def test_window_covers_a_slot_that_crosses_a_bucket_inside_a_dispatch(engine, params, tiny_model):
+    """A 13-token slot decoding 4 steps reaches entry 16: the window must be 32, not 16, and a
+    longer slot that was freed must not widen it. Tokens equal the full-cache window's."""
+    prompt = np.arange(40, 53, dtype=np.int32)
+    state = engine.init_decode_state()
+    long_prefix, _ = engine.prefill(params=params, padded_tokens=np.arange(30), true_length=30, sampler=GREEDY)
+    state = engine.free_resource(3, engine.insert(long_prefix, state, 3))
+    prefix, first = engine.prefill(params=params, padded_tokens=prompt, true_length=len(prompt), sampler=GREEDY)
+    state = engine.insert(prefix, state, 0)
+    assert engine.attend_window(state, STEPS) == 32 < engine.max_target_length
+    tokens = {}
+    for window in (None, engine.max_target_length):
+        run_state = engine.insert(prefix, engine.init_decode_state(), 0)
+        run_state, result = engine.generate(params, run_state, num_steps=STEPS, attend_len=window)
+        tokens[window] = [int(first.tokens[0])] + np.asarray(result.tokens[:, 0]).tolist()
+        run_state, result = engine.generate(params, run_state, num_steps=STEPS, attend_len=window)
+        tokens[window] += np.asarray(result.tokens[:, 0]).tolist()
+    assert tokens[None] == tokens[engine.max_target_length]
+    _, logits = trainer_logprobs(tiny_model, prompt, tokens[None], 1.0)
+    np.testing.assert_array_equal(tokens[None], np.argmax(logits, -1)[len(prompt) - 1 : -1])
+    assert (STEPS, 32) in engine._generate_fns
+
+
+@pytest.fixture(scope="module")
+def pallas_engine(tiny_model):
+    """The Pallas decode-attention path (interpreted off GPU) on one device."""
+    return Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), decode_attention="pallas", **ENGINE_KW)
+
+
+def test_pallas_decode_attention_matches_teacher_forcing(pallas_engine, tiny_model):
+    params = pallas_engine.load_params(tiny_model)
+    assert pallas_engine.init_decode_state().cache.k[0].shape[2] % 256 == 0
+    [(tokens, logprobs)] = run_requests(pallas_engine, params, [PROMPT], [2], GREEDY)
+    ref_logp, logits = trainer_logprobs(tiny_model, PROMPT, tokens, 1.0)
+    np.testing.assert_array_equal(tokens, np.argmax(logits, -1)[len(PROMPT) - 1 : -1])
+    np.testing.assert_allclose(logprobs, ref_logp, atol=1e-5)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+def test_sharded_pallas_decoding_equals_single_device(pallas_engine, tiny_model):
+    """The kernel runs per (slots, kv heads) shard under shard_map."""
+    sharded = Engine(tiny_model, mesh=make_mesh({"data": 2, "tensor": 4}), decode_attention="pallas", **ENGINE_KW)
+    prompts = [PROMPT, np.arange(30, 50, dtype=np.int32)]
+    ref = run_requests(pallas_engine, pallas_engine.load_params(tiny_model), prompts, [1, 2], GREEDY)
+    got = run_requests(sharded, sharded.load_params(tiny_model), prompts, [1, 2], GREEDY)
+    for r, g in zip(ref, got):
+        assert r[0] == g[0]
+        np.testing.assert_allclose(r[1], g[1], atol=1e-5)
