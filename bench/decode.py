@@ -8,7 +8,9 @@ Quick check (CPU, < 1 min):
 Qwen3 shapes with random bf16 weights (no download). For each size and batch, the engine
 fills every slot with a random `--prompt`-token prompt and decodes `--gen` tokens
 (temperature 1, `--steps-per-dispatch` steps per jitted call, results copied to the host
-after every dispatch as the driver does). The baseline is HF transformers `generate`
+after every dispatch as the driver does). One untimed pass first compiles every attention
+window the run needs (`Engine.attend_window`); the timed pass refills the slots and runs
+again, so the numbers are steady-state decoding. The baseline is HF transformers `generate`
 (PyTorch, bf16, same shapes, random init) in the same run, timed the same way: decode
 time = time(generate gen tokens) - time(generate 1 token).
 
@@ -59,7 +61,7 @@ def kv_bytes_per_token(size: str, dtype_bytes: int = 2) -> int:
     return 2 * layers * kv * k * dtype_bytes
 
 
-def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int) -> list[dict]:
+def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int, attention: str) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -81,17 +83,23 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
     mesh = make_mesh({"data": 1}, [device])
     rows = []
     for batch in batches:
-        row = {"impl": "agentrl_jax", "size": size, "batch": batch, "device": device.device_kind}
+        row = {"impl": "agentrl_jax", "size": size, "batch": batch, "device": device.device_kind, "jax": jax.__version__}
         try:
             engine = Engine(model, mesh=mesh, max_concurrent_decodes=batch, max_target_length=prompt + gen + 1,
-                            max_prefill_length=prompt, cache_dtype=dtype)
+                            max_prefill_length=prompt, cache_dtype=dtype,
+                            decode_attention=None if attention == "default" else attention)
+            row["impl"] = f"agentrl_jax ({engine.decode_attention} attention)"
             params = engine.load_params(model)
             tokens = np.random.default_rng(0).integers(0, vocab, prompt).astype(np.int32)
             sampler = SamplingParams(temperature=1.0, seed=0)
 
             state = _fill(engine, params, tokens, sampler, batch)
-            state, result = engine.generate(params, state, num_steps=steps)  # compile
-            result.convert_to_numpy()
+            t0 = time.perf_counter()
+            for _ in range(gen // steps):  # compiles every attention window of the run
+                state, result = engine.generate(params, state, num_steps=steps)
+                result.convert_to_numpy()
+            row["warmup_s"] = time.perf_counter() - t0
+            row["compiled_windows"] = len(engine._generate_fns)
             state = _fill(engine, params, tokens, sampler, batch)
             t0 = time.perf_counter()
             prefix, _ = engine.prefill(params=params, padded_tokens=tokens, true_length=prompt, sampler=sampler)
@@ -182,16 +190,17 @@ def _rates(size: str, batch: int, prompt: int, steps: int, seconds: float, dtype
 
 
 def _run_worker(kind: str, size: str, args) -> list[dict]:
-    cmd = [sys.executable, __file__, "--worker", kind, "--sizes", size, "--batches", args.batches,
+    batches = args.hf_batches if kind == "hf" else args.batches
+    cmd = [sys.executable, __file__, "--worker", kind, "--sizes", size, "--batches", batches,
            "--prompt", str(args.prompt), "--gen", str(args.gen), "--steps-per-dispatch", str(args.steps_per_dispatch),
-           "--hf-cache", args.hf_cache]
+           "--hf-cache", args.hf_cache, "--decode-attention", args.decode_attention]
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode or not lines:
         last = proc.stderr.strip().splitlines()[-1][:200] if proc.stderr.strip() else "no output"
         error = f"worker rc={proc.returncode}: {last}"
-        return [{"impl": kind, "size": size, "batch": b, "device": "?", "error": error} for b in _ints(args.batches)]
+        return [{"impl": kind, "size": size, "batch": b, "device": "?", "error": error} for b in _ints(batches)]
     return [json.loads(ln) for ln in lines]
 
 
@@ -201,9 +210,10 @@ def _ints(text: str) -> list[int]:
 
 def _table(rows: list[dict], args) -> str:
     device = next((r["device"] for r in rows if r.get("device") not in (None, "?")), "?")
+    jax_version = next((r["jax"] for r in rows if "jax" in r), "?")
     bandwidth = hbm_bandwidth(device)
     lines = [
-        f"device: {device}; HBM bandwidth: {bandwidth / 1e12 if bandwidth else 'unknown'} TB/s; "
+        f"device: {device}; HBM bandwidth: {bandwidth / 1e12 if bandwidth else 'unknown'} TB/s; jax {jax_version}; "
         f"prompt {args.prompt}, gen {args.gen}, steps/dispatch {args.steps_per_dispatch}",
         "",
         "| size | batch | impl | tokens/s | ms/step | GB/s | MBU | vs HF |",
@@ -221,6 +231,14 @@ def _table(rows: list[dict], args) -> str:
             f"| {r['size']} | {r['batch']} | {r['impl']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.2f} | "
             f"{r['achieved_GBps']:.0f} | {mbu} | {ratio} |"
         )
+    warm = [r for r in rows if "warmup_s" in r]
+    if warm:
+        lines.append("")
+        lines += [
+            f"{r['size']} batch {r['batch']}: untimed first pass {r['warmup_s']:.1f} s "
+            f"({r['compiled_windows']} compiled attention windows)"
+            for r in warm
+        ]
     return "\n".join(lines)
 
 
@@ -232,6 +250,9 @@ def main(argv=None) -> None:
     parser.add_argument("--gen", type=int, default=1024)
     parser.add_argument("--steps-per-dispatch", type=int, default=32)
     parser.add_argument("--hf-cache", choices=("dynamic", "static"), default="dynamic")
+    parser.add_argument("--hf-batches", help="batches of the transformers baseline (default: --batches)")
+    parser.add_argument("--decode-attention", choices=("default", "xla", "pallas"), default="default",
+                        help="the engine's decode attention (Engine(decode_attention=...); default: its own choice)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: a < 1 min smoke run")
     parser.add_argument("--json", help="also write the rows to this JSON file")
@@ -239,12 +260,14 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.tiny:
         args.sizes, args.batches, args.prompt, args.gen, args.steps_per_dispatch = "tiny", "1,4", 32, 32, 8
+        args.hf_batches = None
+    args.hf_batches = args.hf_batches or args.batches
     if args.gen % args.steps_per_dispatch:
         parser.error(f"--gen {args.gen} must be a multiple of --steps-per-dispatch {args.steps_per_dispatch}")
     if args.worker:
         size, batches = args.sizes, _ints(args.batches)
         if args.worker == "jax":
-            rows = _jax_worker(size, batches, args.prompt, args.gen, args.steps_per_dispatch)
+            rows = _jax_worker(size, batches, args.prompt, args.gen, args.steps_per_dispatch, args.decode_attention)
         else:
             rows = _hf_worker(size, batches, args.prompt, args.gen, args.hf_cache)
         for row in rows:
