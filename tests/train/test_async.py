@@ -111,7 +111,8 @@ def test_snapshot_old_logprobs_are_exact_for_stale_tokens(async_runs):
 
 def test_staleness_zero_gives_the_synchronous_updates(tmp_path):
     common = ["total_steps=3", "optimizer.learning_rate=0.02"]
-    sync = _run(tmp_path / "sync", *common)
+    # the synchronous run also keeps its optimizer state in host memory during rollouts
+    sync = _run(tmp_path / "sync", *common, "async_rl.offload_optimizer=true")
     pipelined = _run(tmp_path / "async", *common, "async_rl.enabled=true", "async_rl.max_staleness=0")
     assert sorted(sync) == sorted(pipelined) == [1, 2, 3]
     for step in sync:
@@ -202,3 +203,32 @@ def test_disaggregated_meshes_split_the_devices():
     train_mesh, engine_mesh = make_meshes(config)
     assert engine_mesh.devices.size == 2 and train_mesh.devices.size == jax.device_count() - 2
     assert not set(engine_mesh.devices.flat) & set(train_mesh.devices.flat)
+
+
+def test_optimizer_state_moves_to_host_memory_and_back():
+    """async_rl.offload_optimizer (synchronous runs): the optimizer state leaves device memory
+    during the rollout and comes back unchanged for the update."""
+    import types
+
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from agentrl_jax.sharding import make_mesh
+    from agentrl_jax.train.rl import RLTrainer
+    from agentrl_jax.train.step import init_train_state
+
+    mesh = make_mesh({"fsdp": -1})
+    params = {"w": jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, PartitionSpec("fsdp")))}
+    state = init_train_state(params, optax.adam(1e-3), 0)
+    state = state.replace(opt_state=jax.tree.map(lambda x: x + 1, state.opt_state))
+    trainer = types.SimpleNamespace(state=state)
+    device_kind = jax.devices()[0].default_memory().kind
+    trainer.state = RLTrainer._place_optimizer_state(trainer, "pinned_host")
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(trainer.state.opt_state)}
+    assert kinds == {"pinned_host"}
+    assert trainer.state.params["w"].sharding.memory_kind == device_kind  # params stay
+    trainer.state = RLTrainer._place_optimizer_state(trainer, None)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(trainer.state.opt_state)} == {device_kind}
+    for a, b in zip(jax.tree.leaves(trainer.state.opt_state), jax.tree.leaves(state.opt_state)):
+        np.testing.assert_array_equal(a, b)
+        assert a.sharding.spec == b.sharding.spec
