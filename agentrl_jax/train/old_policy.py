@@ -10,7 +10,7 @@ trainer has to choose an "old":
   as in a synchronous run); old/mu then also carries the staleness, which the correction
   truncates or masks.
 - ``snapshot``: exact old logits. The params of every version still referenced by queued
-  data are kept (``max_staleness`` extra copies on the training mesh) and each token's old
+  data are kept (``max_staleness + 1`` copies on the training mesh) and each token's old
   logprob comes from the version that sampled it: one forward per distinct version, over
   the rows that hold it.
 - ``ewma``: the PPO-EWMA proximal policy (Hilton et al. 2022): an exponential moving
