@@ -473,6 +473,52 @@ class HybridConfig(_Section):
 
 
 @dataclass(frozen=True)
+class AsyncConfig(_Section):
+    """Asynchronous rollouts with bounded staleness (seeds/003, seeds/004; docs/async.md).
+
+    Off (the default): each step rolls out, then trains, then syncs the weights. On: rollouts
+    of later steps run while the trainer updates (a producer/consumer pipeline); a batch
+    trained at params version k holds only tokens sampled by versions >= k - max_staleness,
+    enforced by admission (a step's rollouts start only once version >= step - max_staleness;
+    finished work is never discarded). In-flight trajectories continue on new weights
+    (partial rollouts) with per-token versions.
+    """
+
+    enabled: bool = _f(False, "Overlap rollouts of later steps with training (async RL).")
+    max_staleness: int = _f(1, "Versions a trained token may lag the params being updated (0: on-policy; "
+                               "the async pipeline then reproduces the synchronous run).")
+    placement: Literal["colocated", "disaggregated"] = _f(
+        "colocated", "colocated: rollout and training share every device (time-shared); disaggregated: the "
+        "devices split into a rollout mesh and a training mesh, weights move by device_put.")
+    rollout_devices: int = _f(0, "disaggregated: devices given to the rollout engine (0: half of them); "
+                                 "the training mesh (mesh.*) gets the rest.")
+    old_logprobs: Literal["recompute", "snapshot", "ewma"] = _f(
+        "recompute", "The 'old' policy of the PPO ratio: recompute (the params being trained, before the "
+        "update), snapshot (exact: the params of the version that sampled each token, kept while queued "
+        "data references them), ewma (PPO-EWMA proximal policy: an EWMA of the params).")
+    ewma_decay: float = _f(0.5, "old_logprobs='ewma': theta_ewma <- decay * theta_ewma + (1 - decay) * theta "
+                                "after every step.")
+    ewma_reset_every: int = _f(0, "old_logprobs='ewma': reset the EWMA to the params every N steps (0: never).")
+    ewma_min_kept: float = _f(0.0, "old_logprobs='ewma': reset when the off-policy correction keeps less than "
+                                   "this share of the loss tokens (seeds/003's automatic reset; 0: off).")
+    offload_optimizer: bool = _f(False, "Synchronous colocated runs: keep the optimizer state in host memory "
+                                        "during rollouts (moved back for the update).")
+    release_kv_cache: bool = _f(True, "Synchronous runs: free the rollout KV cache after each rollout so the "
+                                      "update has the memory (it is re-created for the next rollout).")
+
+    def validate(self) -> None:
+        _require(self.max_staleness >= 0, self._path("max_staleness"), "must be >= 0")
+        _require(self.rollout_devices >= 0, self._path("rollout_devices"), "must be >= 0 (0: half)")
+        _require(0.0 <= self.ewma_decay < 1.0, self._path("ewma_decay"), f"must be in [0, 1), got {self.ewma_decay}")
+        _require(self.ewma_reset_every >= 0, self._path("ewma_reset_every"), "must be >= 0 (0: never)")
+        _require(0.0 <= self.ewma_min_kept <= 1.0, self._path("ewma_min_kept"), "must be in [0, 1]")
+        _require(self.placement == "colocated" or self.enabled, self._path("placement"),
+                 "'disaggregated' needs async_rl.enabled=true (a synchronous step would leave one half idle)")
+        _require(not (self.offload_optimizer and self.enabled), self._path("offload_optimizer"),
+                 "applies to synchronous runs only (async rollouts run while the optimizer works)")
+
+
+@dataclass(frozen=True)
 class Config(_Section):
     name: str = _f("experiment", "Run name (used in the output directory).")
     seed: int = _f(0, "Global seed: init, sampling, data order.")
@@ -490,6 +536,7 @@ class Config(_Section):
     eval: EvalConfig = _section(EvalConfig, "Evaluation.")
     sft: SFTConfig = _section(SFTConfig, "Supervised cold start.")
     hybrid: HybridConfig = _section(HybridConfig, "Teacher, OPD, PRM judge and hindsight hints (seeds/000).")
+    async_rl: AsyncConfig = _section(AsyncConfig, "Asynchronous rollouts, staleness bound, old-logit source.")
 
     def validate(self) -> None:
         _require(self.total_steps >= 0, "total_steps", "must be >= 0")
@@ -524,6 +571,16 @@ class Config(_Section):
                  "'oracle' is a scripted judge of the arithmetic environment only")
         _require(hybrid.judge != "teacher" or hybrid.mode != "none", "hybrid.judge",
                  "'teacher' needs a teacher (hybrid.mode 'opd' or 'hybrid')")
+        a = self.async_rl
+        if a.enabled:
+            _require(hybrid.judge not in ("policy", "reference", "teacher"), "hybrid.judge",
+                     f"{hybrid.judge!r} decodes through the rollout driver between steps, which async rollouts "
+                     "keep busy; use async_rl.enabled=false, or hybrid.judge 'none'/'oracle'")
+            _require(a.max_staleness == 0 or a.old_logprobs == "snapshot" or algo.correction != "none",
+                     "algorithm.correction",
+                     f"async_rl.max_staleness={a.max_staleness} with old_logprobs={a.old_logprobs!r}: the 'old' "
+                     "policy is not the one that sampled the tokens, so the discrepancy old/mu must be corrected "
+                     "(set algorithm.correction to 'tis', 'mis' or 'icepop'; or async_rl.old_logprobs='snapshot')")
 
     def _path(self, name: str) -> str:
         return name
@@ -544,6 +601,7 @@ _SECTION_NAMES = {
     "EvalConfig": "eval",
     "SFTConfig": "sft",
     "HybridConfig": "hybrid",
+    "AsyncConfig": "async_rl",
 }
 
 

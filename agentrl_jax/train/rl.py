@@ -39,6 +39,7 @@ from agentrl_jax.train.batch import TokenRecord, build_batch
 from agentrl_jax.train.evaluation import summarize
 from agentrl_jax.train.hindsight import Judge, Verdict, apply_prm_reward, judge_metrics
 from agentrl_jax.train.multihost import gather_objects, is_multihost, put_global, to_host
+from agentrl_jax.train.old_policy import OldPolicy, copy_params, staleness_stats
 from agentrl_jax.train.sft import batch_arrays
 from agentrl_jax.train.step import (
     LossSettings,
@@ -156,6 +157,9 @@ class RLTrainer:
             functools.partial(forward_logprobs, temperature=config.rollout.temperature), static_argnums=(0,)
         )
         self.version = 0
+        a = config.async_rl
+        self.old_policy = OldPolicy(a, a.max_staleness if a.enabled else 0)
+        self.last_token_staleness: np.ndarray | None = None
 
     # ---------------------------------------------------------------- rollouts
 
@@ -182,8 +186,9 @@ class RLTrainer:
             t.group_id += offset
         return [t for host in gather_objects(trajectories) for t in host]
 
-    async def collect(self, step: int) -> tuple[list[Trajectory], dict[str, float]]:
-        """This step's trajectories; with DAPO dynamic sampling, only informative groups.
+    async def collect(self, step: int, tasks: list[dict] | None = None) -> tuple[list[Trajectory], dict[str, float]]:
+        """This step's trajectories (of ``tasks``, default: the next prompts); with DAPO dynamic
+        sampling, only informative groups.
 
         Dynamic sampling (Yu et al. 2025, DAPO sec. 3.2) drops groups whose rewards are all
         equal (zero advantage, no gradient) and draws more prompts, at most
@@ -191,7 +196,7 @@ class RLTrainer:
         round comes back uninformative the step trains on what it has (counted).
         """
         a, P = self.config.algorithm, self.config.data.prompts_per_step
-        trajectories = await self.rollout(next(self.data), step)
+        trajectories = await self.rollout(next(self.data) if tasks is None else tasks, step)
         if not a.dynamic_sampling:
             return trajectories, {}
         groups = _groups(trajectories)
@@ -329,7 +334,9 @@ class RLTrainer:
         per_minibatch = rows // a.minibatches
         micro_rows = a.micro_batch_size or per_minibatch
         forward_inputs = {k: arrays[k] for k in ("input_ids", "positions", "segment_ids", "targets")}
-        arrays["old_logprobs"] = self._logprobs(self.state.params, forward_inputs, micro_rows)
+        arrays["old_logprobs"] = self.old_policy.logprobs(
+            lambda params, inputs, micro: self._logprobs(params, inputs, micro), self.state.params, self.version,
+            forward_inputs, batch.params_versions, batch.loss_mask, micro_rows)
         if self.settings.kl_coef > 0:
             arrays["ref_logprobs"] = self._logprobs(self.reference_params, forward_inputs, micro_rows)
         teacher_metrics: dict[str, float] = {}
@@ -359,20 +366,47 @@ class RLTrainer:
         out["train_tokens"] = float(batch.loss_mask.sum())
         mismatch = np.abs(np.asarray(arrays["old_logprobs"]) - batch.rollout_logprobs) * batch.loss_mask
         out["logprob_gap_train_infer"] = float(mismatch.sum() / max(batch.loss_mask.sum(), 1))
+        # The same gap over the trajectories sampled entirely by one older version: ~0 when the
+        # old logprobs are exact (old_logprobs='snapshot'), the staleness otherwise.
+        stale = np.asarray([_single_stale_version(v, m, self.version) for v, m in
+                            zip(batch.params_versions, batch.loss_mask)], bool)
+        if stale.any():
+            out["old_policy/gap_stale_rows"] = float(mismatch[stale].sum() / batch.loss_mask[stale].sum())
         out.update(teacher_metrics)
+        masked = [out[k] for k in ("mis_masked_frac", "icepop_masked_frac") if k in out]
+        out.update(self.old_policy.after_update(self.state.params, step, 1.0 - masked[0] if masked else None))
+        version_stats, self.last_token_staleness = staleness_stats(
+            batch.params_versions, batch.loss_mask, self.version, len(records))
+        out.update(version_stats)
         return out
 
-    async def sync_weights(self) -> None:
-        """Push the new params to the engine (device_put into its sharding) as a new version."""
-        self.version += 1
-        await self.driver.update_params(self.engine_params(self.state.params), self.version)
+    async def sync_weights(self, *, bump: bool = True) -> None:
+        """Push the params to the engine (device_put into its sharding) as a new version.
+
+        With async rollouts the engine keeps sampling with them while the next update runs,
+        and the update donates the trainer's buffers: the engine gets its own copy (a
+        device_put into an identical sharding would alias them).
+        """
+        self.version += int(bump)
+        params = self.engine_params(self.state.params)
+        if self.config.async_rl.enabled:
+            params = copy_params(params)
+        await self.driver.update_params(params, self.version)
 
     # ---------------------------------------------------------------- the loop
 
     async def run(self, start_step: int = 0) -> None:
-        c = self.config
-        for step in range(start_step, c.total_steps):
+        """RL steps ``start_step .. total_steps``: synchronous, or the async pipeline (``async_rl``)."""
+        if self.config.async_rl.enabled:
+            from agentrl_jax.train.pipeline import AsyncPipeline
+
+            await AsyncPipeline(self).run(start_step)
+            return
+        a = self.config.async_rl
+        for step in range(start_step, self.config.total_steps):
             t0 = time.perf_counter()
+            if a.offload_optimizer:
+                self.state = self._place_optimizer_state("pinned_host")
             trajectories, sampling_stats = await self.collect(step)
             if is_multihost():
                 trajectories = self.exchange(trajectories)
@@ -380,6 +414,10 @@ class RLTrainer:
             verdicts, judge_stats = None, {}
             if self.judge is not None:
                 verdicts, judge_stats = await self.judge_episodes(trajectories, step)
+            if a.release_kv_cache:
+                self.driver.release_cache()
+            if a.offload_optimizer:
+                self.state = self._place_optimizer_state(None)
             t1 = time.perf_counter()
             metrics = self.train_on(trajectories, step, verdicts)
             jax.block_until_ready(self.state.params)
@@ -387,35 +425,71 @@ class RLTrainer:
             t2 = time.perf_counter()
             await self.sync_weights()
             t_sync = time.perf_counter() - t2
-            metrics.update(rollout_metrics(trajectories))
             metrics.update(sampling_stats)
             metrics.update(judge_stats)
             metrics["time/judge"] = t1 - t0 - t_rollout
-            metrics.update({"time/rollout": t_rollout, "time/update": t_update, "time/sync": t_sync})
-            metrics["throughput/sampled_tokens_per_s"] = metrics["rollout/sampled_tokens"] / max(t_rollout, 1e-9)
-            if step % max(c.logging.log_every, 1) == 0:
-                self.writer.write(step + 1, metrics)
-                if c.logging.sample_trajectories:
-                    self.writer.write_text(step + 1, {
-                        f"sample_{i}": self.tokenizer.decode(t.token_ids.tolist())
-                        for i, t in enumerate(trajectories[: c.logging.sample_trajectories])
-                    })
-            if c.eval.every_steps and (step + 1) % c.eval.every_steps == 0 and step + 1 < c.total_steps:
-                ev = await self.evaluate(self.eval_tasks, label=f"step {step + 1}")
-                self.writer.write(step + 1, {f"eval/{k}": v for k, v in ev.items()})
-            if self.checkpointer is not None:
-                saved_every = c.checkpoint.every_steps and (step + 1) % c.checkpoint.every_steps == 0
-                if saved_every or self.checkpointer.should_stop():
-                    self.save(step + 1)
-                if self.checkpointer.should_stop():
-                    logger.warning("preemption requested: saved step %d, stopping", step + 1)
-                    return
+            metrics.update({"time/rollout": t_rollout, "time/update": t_update, "time/sync": t_sync,
+                            "time/step": time.perf_counter() - t0})
+            metrics["throughput/sampled_tokens_per_s"] = (
+                sum(t.num_sampled_tokens for t in trajectories) / max(t_rollout, 1e-9))
+            if await self.end_step(step, trajectories, metrics):
+                return
 
-    def save(self, step: int, extra: dict | None = None) -> None:
+    async def end_step(self, step: int, trajectories: list[Trajectory], metrics: dict[str, float],
+                       data_state: Any = None) -> bool:
+        """Metrics, periodic evaluation and checkpoint after ``step``; True when preempted (saved).
+
+        ``data_state``: the data iterator's position to checkpoint (default: its current one;
+        the async pipeline passes the position before the prompts not trained yet).
+        """
+        c = self.config
+        metrics.update(rollout_metrics(trajectories))
+        metrics["throughput/trajectories_per_s"] = len(trajectories) / max(metrics.get("time/step", 0.0), 1e-9)
+        if step % max(c.logging.log_every, 1) == 0:
+            self.writer.write(step + 1, metrics)
+            if c.async_rl.enabled and self.last_token_staleness is not None and len(self.last_token_staleness):
+                self.writer.write_histograms(step + 1, {"async/token_staleness": self.last_token_staleness})
+            if c.logging.sample_trajectories:
+                self.writer.write_text(step + 1, {
+                    f"sample_{i}": self.tokenizer.decode(t.token_ids.tolist())
+                    for i, t in enumerate(trajectories[: c.logging.sample_trajectories])
+                })
+        if c.eval.every_steps and (step + 1) % c.eval.every_steps == 0 and step + 1 < c.total_steps:
+            ev = await self.evaluate(self.eval_tasks, label=f"step {step + 1}")
+            self.writer.write(step + 1, {f"eval/{k}": v for k, v in ev.items()})
+        if self.checkpointer is not None:
+            saved_every = c.checkpoint.every_steps and (step + 1) % c.checkpoint.every_steps == 0
+            if saved_every or self.checkpointer.should_stop():
+                self.save(step + 1, data_state=data_state)
+            if self.checkpointer.should_stop():
+                logger.warning("preemption requested: saved step %d, stopping", step + 1)
+                return True
+        return False
+
+    def _place_optimizer_state(self, memory_kind: str | None):
+        """The train state with its optimizer state moved to ``memory_kind`` (None: device memory)."""
+
+        def move(x):
+            sharding = getattr(x, "sharding", None)
+            if not isinstance(sharding, jax.sharding.NamedSharding):
+                return x
+            kind = memory_kind or next(iter(sharding.device_set)).default_memory().kind
+            return x if sharding.memory_kind == kind else jax.device_put(x, sharding.with_memory_kind(kind))
+
+        return self.state.replace(opt_state=jax.tree.map(move, self.state.opt_state))
+
+    def save(self, step: int, extra: dict | None = None, data_state: Any = None) -> None:
         if self.checkpointer is None:
             return
-        self.checkpointer.save(step, self.state, data_state=self.data.get_state(), config_dict=to_dict(self.config),
+        data_state = self.data.get_state() if data_state is None else data_state
+        self.checkpointer.save(step, self.state, data_state=data_state, config_dict=to_dict(self.config),
                                extra={"version": self.version, **(extra or {})}, force=True)
+
+
+def _single_stale_version(versions: np.ndarray, mask: np.ndarray, current: int) -> bool:
+    """A row whose sampled tokens all come from one params version older than ``current``."""
+    sampled = versions[mask > 0]
+    return bool(len(sampled)) and sampled.min() == sampled.max() < current
 
 
 def _groups(trajectories: list[Trajectory]) -> list[list[Trajectory]]:

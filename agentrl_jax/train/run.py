@@ -17,13 +17,16 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from agentrl_jax.config import Config
+from agentrl_jax.envs.base import Environment
 from agentrl_jax.models import split_params
 from agentrl_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
 from agentrl_jax.models.tokenizer import Tokenizer
@@ -42,17 +45,26 @@ from agentrl_jax.train.step import init_train_state, make_optimizer
 
 logger = logging.getLogger(__name__)
 
+# make_env(config, sandbox pool, math verifier, tokenizer) -> zero-argument Environment constructor
+MakeEnv = Callable[[Config, Any, MathVerifier, Tokenizer], Callable[[], Environment]]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 TABLE_KEYS = ["pass@1", "tool_use_rate", "mean_response_tokens"]
 
 
-def train(config: Config) -> dict[str, Any]:
+def train(config: Config, *, make_env: MakeEnv | None = None) -> dict[str, Any]:
     """Run the configured job; returns the results dict also written to results.json.
 
     From code that already runs an event loop (a Jupyter/Colab cell), ``await
     train_async(config)`` instead.
+
+    Args:
+      config: the experiment.
+      make_env: your own environment: ``make_env(config, pool, verifier, tokenizer)`` returns a
+        zero-argument constructor of a fresh ``Environment`` (one per trajectory), used instead
+        of ``environment.name``'s. Tasks still come from the configured data (``data.*``, or
+        the generated arithmetic tasks), and the sandbox pool and math verifier are yours to use.
     """
-    return asyncio.run(train_async(config))
+    return asyncio.run(train_async(config, make_env=make_env))
 
 
 def attention_implementation(setting: str, compute_dtype: str) -> str | None:
@@ -67,7 +79,7 @@ def attention_implementation(setting: str, compute_dtype: str) -> str | None:
     return "cudnn" if jax.default_backend() == "gpu" and compute_dtype == "bfloat16" else None
 
 
-async def train_async(config: Config) -> dict[str, Any]:
+async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dict[str, Any]:
     """The coroutine behind :func:`train`."""
     t_start = time.perf_counter()
     out = Path(config.output_dir).absolute()
@@ -88,9 +100,7 @@ async def train_async(config: Config) -> dict[str, Any]:
     model_path, tokenizer_path = setup.prepare_model_assets(config, corpus)
     tokenizer = Tokenizer(tokenizer_path)
 
-    mesh = make_mesh(config.mesh.shape())
-    # Rollouts are host-local (multihost.py): the engine gets this host's devices.
-    engine_mesh = multihost.local_mesh(config.mesh.tensor) if multihost.is_multihost() else mesh
+    mesh, engine_mesh = make_meshes(config)
 
     def engine_params(p):
         return multihost.local_replica(p, mesh, engine_mesh)
@@ -134,7 +144,11 @@ async def train_async(config: Config) -> dict[str, Any]:
             seed=config.seed,
         )
         async with driver:
-            env_factory = setup.env_factory(config, pool, verifier, count_tokens=lambda s: len(tokenizer.encode(s)))
+            if make_env is not None:
+                env_factory = make_env(config, pool, verifier, tokenizer)
+            else:
+                env_factory = setup.env_factory(config, pool, verifier,
+                                                count_tokens=lambda s: len(tokenizer.encode(s)))
             trainer = RLTrainer(
                 config,
                 graphdef=graphdef,
@@ -193,6 +207,33 @@ async def train_async(config: Config) -> dict[str, Any]:
     return results
 
 
+def make_meshes(config: Config) -> tuple[Mesh, Mesh]:
+    """(training mesh, rollout-engine mesh).
+
+    One host: the same mesh (colocated), or with ``async_rl.placement='disaggregated'`` the
+    first ``rollout_devices`` devices (default half) for the engine (slots over ``data``,
+    ``mesh.tensor``-way tensor parallel when it divides them) and the rest for training
+    (``mesh.*``). Several hosts: rollouts are host-local (multihost.py), so the engine gets
+    this host's devices.
+    """
+    a = config.async_rl
+    if a.enabled and a.placement == "disaggregated":
+        from agentrl_jax.config import ConfigError
+
+        devices = jax.devices()
+        n = a.rollout_devices or len(devices) // 2
+        if not 1 <= n < len(devices):
+            raise ConfigError(f"async_rl.rollout_devices: {n} rollout devices out of {len(devices)} leaves "
+                              "none for one side; disaggregated placement needs >= 2 devices")
+        tensor = config.mesh.tensor if config.mesh.tensor > 0 and n % config.mesh.tensor == 0 else 1
+        train_mesh = make_mesh(config.mesh.shape(), devices=devices[n:])
+        engine_mesh = make_mesh({"data": -1, "fsdp": 1, "tensor": tensor}, devices=devices[:n])
+        logger.info("disaggregated placement: %d rollout device(s), %d training device(s)", n, len(devices) - n)
+        return train_mesh, engine_mesh
+    mesh = make_mesh(config.mesh.shape())
+    return mesh, (multihost.local_mesh(config.mesh.tensor) if multihost.is_multihost() else mesh)
+
+
 def _check_multihost(config: Config) -> None:
     """What several hosts do not support yet fails before anything starts."""
     if not multihost.is_multihost():
@@ -207,6 +248,9 @@ def _check_multihost(config: Config) -> None:
         raise ConfigError("hybrid.mode / hybrid.judge: not supported on several hosts yet")
     if config.algorithm.dynamic_sampling:
         raise ConfigError("algorithm.dynamic_sampling: not supported on several hosts yet")
+    if config.async_rl.enabled:
+        raise ConfigError("async_rl.enabled: not supported on several hosts yet (every host would need to "
+                          "agree on which batch trains when)")
 
 
 def _load_sft(config: Config) -> list[list[dict[str, str]]]:

@@ -37,7 +37,7 @@ from agentrl_jax.config import Config, ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-DOCS_WITH_KEYS = ["architecture.md", "algorithms.md", "environments.md", "running.md", "troubleshooting.md"]
+DOCS_WITH_KEYS = ["architecture.md", "algorithms.md", "async.md", "environments.md", "running.md", "troubleshooting.md"]
 SHELL_LANGS = {"bash", "sh", "shell"}
 NOT_IN_CI = {
     "tpu": "needs a Cloud TPU VM or pod slice",

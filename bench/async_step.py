@@ -1,0 +1,175 @@
+"""Synchronous colocated vs asynchronous disaggregated RL steps, with slow tools.
+
+The whole product path (`train(config, make_env=...)`: HF checkpoint load, engine, driver,
+sandbox pool, rewards, old-logprob forward, PPO update, weight push) at a Qwen3 shape
+with random weights, in an environment whose every turn ends in a tool call with a
+heavy-tailed latency (log-normal, median `--tool-median` s, sigma `--tool-sigma`, capped at
+`--tool-cap` s: the spread of real code-interpreter calls). Each episode is `--turns` turns
+of `--new-tokens` sampled tokens (random weights never stop early).
+
+Two runs, each in its own process (JAX preallocates the cards):
+- sync: `async_rl.enabled=false`, one mesh over every device (rollout, then update);
+- async: `async_rl.enabled=true`, `placement=disaggregated` (half the devices decode, half
+  train), `max_staleness` 1, old logprobs by `--old-logprobs`.
+
+    python bench/async_step.py --size 1.7b --steps 5          # 2 GPUs
+    python bench/async_step.py --size tiny --steps 3 --cpu 4  # CPU smoke run (4 fake devices)
+
+Prints the device, per-step wall times after the warm-up steps, trajectories/s, idle times
+and the async/sync ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.rl_step import SHAPES  # noqa: E402
+
+
+def latency_env(turns: int, median: float, sigma: float, cap: float, seed: int):
+    """make_env for train(): every turn is a tool call with a log-normal latency."""
+    from agentrl_jax.envs.base import Environment, StepResult
+
+    rng = random.Random(seed)
+
+    class LatencyToolEnv(Environment):
+        def __init__(self):
+            self.turn = 0
+
+        async def reset(self, task):
+            self.turn = 0
+            return [{"role": "user", "content": task["question"]}]
+
+        async def step(self, action_text: str) -> StepResult:
+            self.turn += 1
+            await asyncio.sleep(min(rng.lognormvariate(0.0, sigma) * median, cap))
+            if self.turn >= turns:
+                return StepResult("", float(len(action_text) % 2), True, {"finish_reason": "answer"})
+            return StepResult("<interpreter>42</interpreter>", 0.0, False)
+
+    return lambda config, pool, verifier, tokenizer: LatencyToolEnv
+
+
+def run_one(args) -> None:
+    import jax
+
+    from agentrl_jax.config import load_config
+    from agentrl_jax.envs import demonstration, make_tasks
+    from agentrl_jax.models.tiny import save_tiny_hf_checkpoint, train_tiny_tokenizer
+    from agentrl_jax.train.run import train
+
+    work = args.work_dir
+    tok_dir, model_dir = os.path.join(work, "tokenizer"), os.path.join(work, "model")
+    if not os.path.exists(os.path.join(tok_dir, "tokenizer_config.json")):
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        corpus = [m["content"] for t in make_tasks(200, 3, seed=0) for m in demonstration(t, "tool", rng)]
+        train_tiny_tokenizer(tok_dir, corpus + [t["question"] for t in make_tasks(200, 3, seed=0)], 384,
+                             individual_digits=True)
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        save_tiny_hf_checkpoint(model_dir, "qwen3", tie_word_embeddings=True, **SHAPES[args.size])
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = "bfloat16" if on_gpu else "float32"
+    episodes = args.prompts * args.group
+    overrides = [
+        f"output_dir={os.path.join(work, args.mode)}", f"model.path={model_dir}", f"model.tokenizer_path={tok_dir}",
+        f"model.compute_dtype={dtype}", f"rollout.cache_dtype={dtype}", "model.remat=full",
+        f"rollout.max_concurrent={episodes}", f"rollout.max_new_tokens_per_turn={args.new_tokens}",
+        f"rollout.max_sequence_length={max(256, 2 * args.turns * args.new_tokens)}",
+        "rollout.max_prompt_length=128", "rollout.steps_per_dispatch=32",
+        f"data.prompts_per_step={args.prompts}", f"algorithm.group_size={args.group}",
+        f"algorithm.micro_batch_size={args.group}", "algorithm.entropy_coef=0.001",
+        "sft.steps=0", f"total_steps={args.steps}", "eval.num_tasks=2", "eval.samples_per_task=1",
+        "checkpoint.resume=false", f"environment.max_turns={args.turns}", "logging.sample_trajectories=0",
+    ]
+    if args.mode == "async":
+        overrides += ["async_rl.enabled=true", "async_rl.placement=disaggregated",
+                      f"async_rl.max_staleness={args.max_staleness}", f"async_rl.old_logprobs={args.old_logprobs}"]
+        if args.old_logprobs != "snapshot":
+            overrides.append("algorithm.correction=tis")
+    train(load_config("demo", overrides),
+          make_env=latency_env(args.turns, args.tool_median, args.tool_sigma, args.tool_cap, seed=0))
+    rows = [json.loads(line) for line in open(os.path.join(work, args.mode, "metrics", "metrics.jsonl"))]
+    steps = [r for r in rows if "time/step" in r]
+    print("RESULT " + json.dumps({"device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+                                  "steps": steps}))
+
+
+def summarize(mode: str, steps: list[dict], warmup: int) -> dict:
+    import numpy as np
+
+    steady = steps[warmup:] or steps[-1:]
+    mean = lambda key: float(np.mean([s.get(key, 0.0) for s in steady]))  # noqa: E731
+    return {
+        "mode": mode, "step_s": mean("time/step"), "rollout_s": mean("time/rollout"), "update_s": mean("time/update"),
+        "trainer_idle_s": mean("time/trainer_idle") if mode == "async" else mean("time/rollout"),
+        "rollout_idle_s": mean("time/rollout_idle") if mode == "async" else mean("time/update") + mean("time/sync"),
+        "traj_per_s": mean("throughput/trajectories_per_s"), "staleness": mean("async/token_staleness_mean"),
+        "mixed": mean("async/mixed_version_fraction"),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="1.7b", choices=sorted(SHAPES))
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="steps excluded from the means (compiles)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--turns", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--tool-median", type=float, default=1.0)
+    p.add_argument("--tool-sigma", type=float, default=1.0)
+    p.add_argument("--tool-cap", type=float, default=10.0)
+    p.add_argument("--max-staleness", type=int, default=1)
+    p.add_argument("--old-logprobs", default="snapshot", choices=["recompute", "snapshot", "ewma"])
+    p.add_argument("--modes", default="sync,async")
+    p.add_argument("--cpu", type=int, default=0, help="run on this many fake CPU devices instead")
+    p.add_argument("--mode", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--work-dir", default=None)
+    args = p.parse_args()
+    if args.mode:
+        run_one(args)
+        return
+    work = args.work_dir or tempfile.mkdtemp(prefix="async_step_")
+    env = dict(os.environ)
+    if args.cpu:
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={args.cpu}")
+    results, device = [], "?"
+    for mode in args.modes.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--work-dir", work] + [
+            x for k, v in vars(args).items() if k not in ("mode", "work_dir", "modes", "cpu", "warmup")
+            for x in (f"--{k.replace('_', '-')}", str(v))]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode or not line:
+            print(proc.stdout[-3000:], proc.stderr[-5000:])
+            raise SystemExit(f"{mode} run failed")
+        out = json.loads(line[-1][len("RESULT "):])
+        device = out["device"]
+        results.append(summarize(mode, out["steps"], args.warmup))
+    print(f"\ndevice: {device}  shape: {args.size}  {args.prompts}x{args.group} episodes/step, {args.turns} turns x "
+          f"{args.new_tokens} tokens, tool latency lognormal(median {args.tool_median} s, sigma {args.tool_sigma}, "
+          f"cap {args.tool_cap} s); means over steps {args.warmup + 1}..{args.steps}")
+    print("| mode | s/step | rollout s | update s | trainer idle s | rollout idle s | traj/s | staleness | mixed |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['mode']} | {r['step_s']:.2f} | {r['rollout_s']:.2f} | {r['update_s']:.2f} | "
+              f"{r['trainer_idle_s']:.2f} | {r['rollout_idle_s']:.2f} | {r['traj_per_s']:.2f} | "
+              f"{r['staleness']:.2f} | {r['mixed']:.2f} |")
+    if len(results) == 2:
+        print(f"async / sync speed-up (s/step): {results[0]['step_s'] / results[1]['step_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
