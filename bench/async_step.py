@@ -114,7 +114,10 @@ def summarize(mode: str, steps: list[dict], warmup: int) -> dict:
         "mode": mode, "step_s": mean("time/step"), "rollout_s": mean("time/rollout"), "update_s": mean("time/update"),
         "trainer_idle_s": mean("time/trainer_idle") if mode == "async" else mean("time/rollout"),
         "rollout_idle_s": mean("time/rollout_idle") if mode == "async" else mean("time/update") + mean("time/sync"),
-        "traj_per_s": mean("throughput/trajectories_per_s"), "staleness": mean("async/token_staleness_mean"),
+        # trajectories per step / mean step time (a mean of per-step ratios would overweight
+        # the async steps whose batch was already rolled out)
+        "traj_per_s": float(np.mean([s["rollout/trajectories"] for s in steady])) / mean("time/step"),
+        "staleness": mean("async/token_staleness_mean"),
         "mixed": mean("async/mixed_version_fraction"),
     }
 

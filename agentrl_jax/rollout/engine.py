@@ -149,6 +149,7 @@ class Engine:
         self._min_bucket = min(min_prefill_bucket, max_prefill_length)
         self.cache_dtype = cache_dtype if cache_dtype is not None else model.dtype
         self.param_shardings = param_shardings(abstract, self._mesh, self._rules)
+        self._reshard: dict[Any, Any] = {}
         layout = jax.eval_shape(functools.partial(to_decode_params, self.config), abstract)
         self.decode_param_shardings = tree_shardings(
             decode_params_axes(self.config), self._mesh, self._rules, shapes=layout
@@ -208,7 +209,25 @@ class Engine:
 
         if isinstance(params, DecodeParams):
             return jax.device_put(jax.tree.map(cast, params), self.decode_param_shardings)
-        return self._to_decode_params(jax.device_put(jax.tree.map(cast, params), self.param_shardings))
+        return self._to_decode_params(self._place(params, cast, dtype))
+
+    def _place(self, params: nnx.State, cast, dtype) -> nnx.State:
+        """``params`` cast and in the inference sharding.
+
+        Arrays already on the engine's devices are resharded by a jitted identity with
+        ``out_shardings`` (on-device collectives: 0.018 s for Qwen3-1.7B in float32 on 2
+        H200s, where ``jax.device_put`` between the two shardings took 0.89 s;
+        bench/weight_sync.py). Anything else (host arrays, other devices) goes through
+        ``jax.device_put``, a device-to-device copy between devices.
+        """
+        mesh_devices = set(self._mesh.devices.flat)
+        leaves = jax.tree.leaves(params)
+        if leaves and all(isinstance(x, jax.Array) and set(x.sharding.device_set) == mesh_devices for x in leaves):
+            key = jnp.dtype(dtype)
+            if key not in self._reshard:
+                self._reshard[key] = jax.jit(lambda tree: jax.tree.map(cast, tree), out_shardings=self.param_shardings)
+            return self._reshard[key](params)
+        return jax.device_put(jax.tree.map(cast, params), self.param_shardings)
 
     def init_decode_state(self) -> DecodeState:
         """All slots free, materialized directly in the decode-state sharding."""
