@@ -59,7 +59,6 @@ class AsyncPipeline:
         t = self.trainer
         self._changed = asyncio.Condition()
         v0 = t.version
-        await t.sync_weights(bump=False)  # the engine's own copy of the starting params
         t.old_policy.on_version(t.version, t.state.params)
         producer = asyncio.create_task(self._produce(start_step, t.config.total_steps, v0))
         producer.add_done_callback(lambda _: asyncio.ensure_future(self._notify()))

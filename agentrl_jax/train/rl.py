@@ -39,7 +39,7 @@ from agentrl_jax.train.batch import TokenRecord, build_batch
 from agentrl_jax.train.evaluation import summarize
 from agentrl_jax.train.hindsight import Judge, Verdict, apply_prm_reward, judge_metrics
 from agentrl_jax.train.multihost import gather_objects, is_multihost, put_global, to_host
-from agentrl_jax.train.old_policy import OldPolicy, copy_params, staleness_stats
+from agentrl_jax.train.old_policy import OldPolicy, staleness_stats
 from agentrl_jax.train.sft import batch_arrays
 from agentrl_jax.train.step import (
     LossSettings,
@@ -380,18 +380,15 @@ class RLTrainer:
         out.update(version_stats)
         return out
 
-    async def sync_weights(self, *, bump: bool = True) -> None:
-        """Push the params to the engine (device_put into its sharding) as a new version.
+    async def sync_weights(self) -> None:
+        """Push the new params to the engine as a new version.
 
-        With async rollouts the engine keeps sampling with them while the next update runs,
-        and the update donates the trainer's buffers: the engine gets its own copy (a
-        device_put into an identical sharding would alias them).
+        The engine re-lays them out into its own buffers (``Engine.load_params`` never
+        aliases the caller's arrays), so the next update may donate the trainer's state
+        while decoding goes on with these (async rollouts).
         """
-        self.version += int(bump)
-        params = self.engine_params(self.state.params)
-        if self.config.async_rl.enabled:
-            params = copy_params(params)
-        await self.driver.update_params(params, self.version)
+        self.version += 1
+        await self.driver.update_params(self.engine_params(self.state.params), self.version)
 
     # ---------------------------------------------------------------- the loop
 

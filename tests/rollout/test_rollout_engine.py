@@ -227,3 +227,31 @@ def test_sharded_pallas_decoding_equals_single_device(pallas_engine, tiny_model)
     for r, g in zip(ref, got):
         assert r[0] == g[0]
         np.testing.assert_allclose(r[1], g[1], atol=1e-5)
+
+
+def test_load_params_from_the_trainer_layout_and_from_other_devices(engine, params, tiny_model):
+    """Weights in the trainer's FSDP sharding (same devices: the jitted reshard) or on other
+    devices (disaggregated: device_put) decode exactly like the directly loaded ones, and
+    never share buffers with the caller's arrays."""
+    from flax import nnx
+
+    from agentrl_jax.models import param_shardings
+    from agentrl_jax.sharding import DEFAULT_RULES
+
+    devices = jax.devices()
+    engine_mesh = make_mesh({"data": 2, "tensor": 2}, devices=devices[:4])
+    placed = Engine(tiny_model, mesh=engine_mesh, **ENGINE_KW)
+    state = nnx.state(tiny_model, nnx.Param)
+    prompts = [PROMPT]
+    ref = run_requests(engine, params, prompts, [1], GREEDY)
+    for train_devices in (devices[:4], devices[4:]):  # colocated, then disaggregated
+        train_mesh = make_mesh({"fsdp": -1}, devices=train_devices)
+        trainer_params = jax.device_put(state, param_shardings(state, train_mesh, DEFAULT_RULES))
+        got_params = placed.load_params(trainer_params)
+        trained = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(trainer_params) for x in [x.addressable_shards[0].data]}
+        for leaf in jax.tree.leaves(got_params):
+            assert set(leaf.sharding.device_set) == set(engine_mesh.devices.flat)
+            assert leaf.addressable_shards[0].data.unsafe_buffer_pointer() not in trained
+        got = run_requests(placed, got_params, prompts, [1], GREEDY)
+        assert got[0][0] == ref[0][0]
+        np.testing.assert_allclose(got[0][1], ref[0][1], atol=1e-5)
