@@ -121,6 +121,21 @@ def test_staleness_zero_gives_the_synchronous_updates(tmp_path):
             assert pipelined[step][key] == pytest.approx(sync[step][key], rel=1e-6, abs=1e-7), (step, key)
 
 
+def test_disaggregated_placement_trains_like_colocated(tmp_path):
+    """The engine on 2 devices and the trainer on the other 6 (weights pushed across by
+    device_put): at staleness 0 the same trajectories and, up to reduction order on the
+    smaller training mesh, the same updates as the synchronous colocated run."""
+    common = ["total_steps=2", "optimizer.learning_rate=0.02", "mesh.data=1", "mesh.fsdp=-1", "mesh.tensor=1"]
+    sync = _run(tmp_path / "sync", *common)
+    split = _run(tmp_path / "split", *common, "async_rl.enabled=true", "async_rl.max_staleness=0",
+                 "async_rl.placement=disaggregated", "async_rl.rollout_devices=2")
+    for step in sync:
+        assert split[step]["reward/mean"] == sync[step]["reward/mean"]
+        assert split[step]["rollout/sampled_tokens"] == sync[step]["rollout/sampled_tokens"]
+        for key in ("loss", "grad_norm", "param_norm"):
+            assert split[step][key] == pytest.approx(sync[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
 # ---------------------------------------------------------------- units
 
 
