@@ -42,6 +42,12 @@ def copy_params(params: Any) -> Any:
     return jax.tree.map(jnp.copy, params)
 
 
+def _float32_copy(params: Any) -> Any:
+    """A float32 copy in fresh buffers (``astype`` to the same dtype would alias the trainer's
+    params, which the update step donates)."""
+    return jax.tree.map(lambda x: jnp.array(x, jnp.float32, copy=True), params)
+
+
 class OldPolicy:
     """The "old" policy of the PPO ratio, by mode.
 
@@ -76,7 +82,7 @@ class OldPolicy:
         if self.mode != "ewma":
             return {}
         if self.ewma_params is None:
-            self.ewma_params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+            self.ewma_params = _float32_copy(params)
             self.ewma_resets += 1
             return {"old_policy/ewma_reset": 1.0}
         reset = (kept_fraction is not None and self.config.ewma_min_kept > 0
@@ -107,7 +113,7 @@ class OldPolicy:
             return logprob_fn(params, inputs, micro_rows)
         if self.mode == "ewma":
             if self.ewma_params is None:  # first step: the proximal policy starts at the params
-                self.ewma_params = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+                self.ewma_params = _float32_copy(params)
             return logprob_fn(self.ewma_params, inputs, micro_rows)
         return self._snapshot_logprobs(logprob_fn, params, version, inputs, token_versions, loss_mask, micro_rows)
 

@@ -180,7 +180,9 @@ def test_ewma_proximal_policy_mixes_and_resets():
     fn = lambda p, inputs, micro: np.full((1, 1), float(p["w"]), np.float32)  # noqa: E731
     one = lambda v: {"w": jnp.asarray(v, jnp.float32)}  # noqa: E731
     inputs, versions, mask = {"x": np.zeros((1, 1))}, np.zeros((1, 1), np.int32), np.ones((1, 1))
-    assert policy.logprobs(fn, one(1.0), 0, inputs, versions, mask, 1)[0, 0] == 1.0  # starts at the params
+    start = one(1.0)
+    assert policy.logprobs(fn, start, 0, inputs, versions, mask, 1)[0, 0] == 1.0  # starts at the params
+    start["w"].delete()  # what the donating update step does to the trainer's buffers
     policy.after_update(one(5.0), step=0, kept_fraction=0.9)
     assert policy.logprobs(fn, one(5.0), 1, inputs, versions, mask, 1)[0, 0] == pytest.approx(0.75 * 1 + 0.25 * 5)
     m = policy.after_update(one(9.0), step=1, kept_fraction=0.1)  # correction kept too little: reset
