@@ -248,7 +248,7 @@ def test_load_params_from_the_trainer_layout_and_from_other_devices(engine, para
         train_mesh = make_mesh({"fsdp": -1}, devices=train_devices)
         trainer_params = jax.device_put(state, param_shardings(state, train_mesh, DEFAULT_RULES))
         got_params = placed.load_params(trainer_params)
-        trained = {x.unsafe_buffer_pointer() for x in jax.tree.leaves(trainer_params) for x in [x.addressable_shards[0].data]}
+        trained = {leaf.addressable_shards[0].data.unsafe_buffer_pointer() for leaf in jax.tree.leaves(trainer_params)}
         for leaf in jax.tree.leaves(got_params):
             assert set(leaf.sharding.device_set) == set(engine_mesh.devices.flat)
             assert leaf.addressable_shards[0].data.unsafe_buffer_pointer() not in trained
