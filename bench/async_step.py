@@ -32,7 +32,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.rl_step import SHAPES  # noqa: E402
+from bench.rl_step import SHAPES, prepare_assets  # noqa: E402
 
 
 def latency_env(turns: int, median: float, sigma: float, cap: float, seed: int):
@@ -63,21 +63,10 @@ def run_one(args) -> None:
     import jax
 
     from agentrl_jax.config import load_config
-    from agentrl_jax.envs import demonstration, make_tasks
-    from agentrl_jax.models.tiny import save_tiny_hf_checkpoint, train_tiny_tokenizer
     from agentrl_jax.train.run import train
 
     work = args.work_dir
-    tok_dir, model_dir = os.path.join(work, "tokenizer"), os.path.join(work, "model")
-    if not os.path.exists(os.path.join(tok_dir, "tokenizer_config.json")):
-        import numpy as np
-
-        rng = np.random.default_rng(0)
-        corpus = [m["content"] for t in make_tasks(200, 3, seed=0) for m in demonstration(t, "tool", rng)]
-        train_tiny_tokenizer(tok_dir, corpus + [t["question"] for t in make_tasks(200, 3, seed=0)], 384,
-                             individual_digits=True)
-    if not os.path.exists(os.path.join(model_dir, "config.json")):
-        save_tiny_hf_checkpoint(model_dir, "qwen3", tie_word_embeddings=True, **SHAPES[args.size])
+    model_dir, tok_dir = prepare_assets(work, args.size)
     on_gpu = jax.default_backend() == "gpu"
     dtype = "bfloat16" if on_gpu else "float32"
     episodes = args.prompts * args.group

@@ -34,6 +34,25 @@ SHAPES = {
 }
 
 
+def prepare_assets(work: str, size: str) -> tuple[str, str]:
+    """(model dir, tokenizer dir) under ``work``: random Qwen3 weights of ``size`` and the demo's
+    tiny tokenizer (ids beyond its vocabulary decode to nothing); reused when already there."""
+    from agentrl_jax.envs import demonstration, make_tasks
+    from agentrl_jax.models.tiny import save_tiny_hf_checkpoint, train_tiny_tokenizer
+
+    tok_dir, model_dir = os.path.join(work, "tokenizer"), os.path.join(work, "model")
+    if not os.path.exists(os.path.join(tok_dir, "tokenizer_config.json")):
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        tasks = make_tasks(200, 3, seed=0)
+        corpus = [m["content"] for t in tasks for m in demonstration(t, "tool", rng)]
+        train_tiny_tokenizer(tok_dir, corpus + [t["question"] for t in tasks], 384, individual_digits=True)
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        save_tiny_hf_checkpoint(model_dir, "qwen3", tie_word_embeddings=True, **SHAPES[size])
+    return model_dir, tok_dir
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="1.7b", choices=sorted(SHAPES))
@@ -47,21 +66,10 @@ def main() -> None:
     import jax
 
     from agentrl_jax.config import load_config
-    from agentrl_jax.envs import demonstration, make_tasks
-    from agentrl_jax.models.tiny import save_tiny_hf_checkpoint, train_tiny_tokenizer
     from agentrl_jax.train.run import train
 
     work = args.work_dir or tempfile.mkdtemp(prefix="rl_step_")
-    tok_dir, model_dir = os.path.join(work, "tokenizer"), os.path.join(work, "model")
-    if not os.path.exists(os.path.join(tok_dir, "tokenizer_config.json")):
-        import numpy as np
-
-        rng = np.random.default_rng(0)
-        corpus = [m["content"] for t in make_tasks(200, 3, seed=0) for m in demonstration(t, "tool", rng)]
-        train_tiny_tokenizer(tok_dir, corpus + [t["question"] for t in make_tasks(200, 3, seed=0)], 384,
-                             individual_digits=True)
-    if not os.path.exists(os.path.join(model_dir, "config.json")):
-        save_tiny_hf_checkpoint(model_dir, "qwen3", tie_word_embeddings=True, **SHAPES[args.size])
+    model_dir, tok_dir = prepare_assets(work, args.size)
     on_gpu = jax.default_backend() == "gpu"
     overrides = [
         f"output_dir={os.path.join(work, 'run')}", f"model.path={model_dir}", f"model.tokenizer_path={tok_dir}",
