@@ -7,21 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from models_helpers import SMALL_QWEN3
 
-from agentrl_jax.models import Decoder, DecoderConfig, KVCache, apply, split_params
+from agentrl_jax.models import Decoder, KVCache, apply, split_params
 
-CONFIG = DecoderConfig(
-    architecture="qwen3",
-    vocab_size=61,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    attention_bias=True,
-    qk_norm=True,
-)
+CONFIG = SMALL_QWEN3
 
 
 @pytest.fixture(scope="module")
