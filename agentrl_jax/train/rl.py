@@ -335,8 +335,8 @@ class RLTrainer:
         micro_rows = a.micro_batch_size or per_minibatch
         forward_inputs = {k: arrays[k] for k in ("input_ids", "positions", "segment_ids", "targets")}
         arrays["old_logprobs"] = self.old_policy.logprobs(
-            lambda params, inputs, micro: self._logprobs(params, inputs, micro), self.state.params, self.version,
-            forward_inputs, batch.params_versions, batch.loss_mask, micro_rows)
+            self._logprobs, self.state.params, self.version, forward_inputs, batch.params_versions,
+            batch.loss_mask, micro_rows)
         if self.settings.kl_coef > 0:
             arrays["ref_logprobs"] = self._logprobs(self.reference_params, forward_inputs, micro_rows)
         teacher_metrics: dict[str, float] = {}

@@ -206,6 +206,13 @@ def test_staleness_stats():
     (["async_rl.enabled=true", "async_rl.offload_optimizer=true", "async_rl.old_logprobs=snapshot"],
      "synchronous runs only"),
     (["async_rl.enabled=true", "async_rl.max_staleness=0", "hybrid.judge=policy"], "hybrid.judge"),
+    (["async_rl.max_staleness=-1"], "async_rl.max_staleness: must be >= 0"),
+    (["async_rl.rollout_devices=-2"], "async_rl.rollout_devices: must be >= 0"),
+    (["async_rl.ewma_decay=1.0"], r"async_rl.ewma_decay: must be in \[0, 1\)"),
+    (["async_rl.ewma_reset_every=-1"], "async_rl.ewma_reset_every: must be >= 0"),
+    (["async_rl.ewma_min_kept=1.5"], r"async_rl.ewma_min_kept: must be in \[0, 1\]"),
+    (["async_rl.old_logprobs=exact"], "async_rl.old_logprobs: got 'exact'; allowed values are"),
+    (["async_rl.placement=split"], "async_rl.placement: got 'split'"),
 ])
 def test_config_refuses_unsound_combinations(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -220,6 +227,10 @@ def test_disaggregated_meshes_split_the_devices():
     train_mesh, engine_mesh = make_meshes(config)
     assert engine_mesh.devices.size == 2 and train_mesh.devices.size == jax.device_count() - 2
     assert not set(engine_mesh.devices.flat) & set(train_mesh.devices.flat)
+    every = load_config("demo", ["async_rl.enabled=true", "async_rl.placement=disaggregated",
+                                 "async_rl.old_logprobs=snapshot", f"async_rl.rollout_devices={jax.device_count()}"])
+    with pytest.raises(ConfigError, match="async_rl.rollout_devices: .* leaves none for one side"):
+        make_meshes(every)
 
 
 def test_optimizer_state_moves_to_host_memory_and_back():
