@@ -25,6 +25,7 @@ the card.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -61,7 +62,8 @@ def kv_bytes_per_token(size: str, dtype_bytes: int = 2) -> int:
     return 2 * layers * kv * k * dtype_bytes
 
 
-def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int, attention: str) -> list[dict]:
+def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int, attention: str,
+                profile: bool = False) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -89,6 +91,11 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
                             max_prefill_length=prompt, cache_dtype=dtype,
                             decode_attention=None if attention == "default" else attention)
             row["impl"] = f"agentrl_jax ({engine.decode_attention} attention)"
+            if engine.decode_attention == "pallas":
+                from agentrl_jax.models import decode
+
+                row["impl"] += (f" {decode.PALLAS_METHOD} b{decode.PALLAS_BLOCK} w{decode.PALLAS_WARPS} "
+                                f"s{decode.PALLAS_STAGES} p{decode.PALLAS_MIN_PROGRAMS} qkv/{decode.PALLAS_QKV_SPLITS}")
             params = engine.load_params(model)
             tokens = np.random.default_rng(0).integers(0, vocab, prompt).astype(np.int32)
             sampler = SamplingParams(temperature=1.0, seed=0)
@@ -112,6 +119,12 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
                 result.convert_to_numpy()
             elapsed = time.perf_counter() - t0
             row.update(_rates(size, batch, prompt, dispatches * steps, elapsed, dtype_bytes=jnp.dtype(dtype).itemsize))
+            if profile:  # two dispatches at the run's mean context (prompt + gen / 2), kernel by kernel
+                state = _fill(engine, params, tokens, sampler, batch)
+                for _ in range(dispatches // 2 - 1):
+                    state, _ = engine.generate(params, state, num_steps=steps)
+                step = functools.partial(engine.generate, params, num_steps=steps)
+                row["profile"] = _profile(step, state, 2, steps)
         except Exception as e:  # noqa: BLE001  (an OOM at one batch must not hide the others)
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
@@ -127,6 +140,46 @@ def _fill(engine, params, tokens, sampler, batch):
     for slot in range(batch):
         state = engine.insert(prefix, state, slot)
     return jax.block_until_ready(state)
+
+
+def _set_kernel(text: str) -> None:
+    from agentrl_jax.models import decode
+
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=")
+        name = {"warps": "WARPS", "stages": "STAGES", "block_k": "BLOCK"}.get(key, key.upper())
+        setattr(decode, f"PALLAS_{name}", value if key == "method" else int(value))
+
+
+def _profile(run, state, dispatches: int, steps: int, top: int = 40) -> list[tuple[str, float, int]]:
+    """``(kernel name, device us per decode step, launches per step)`` of the busiest kernels, GPU 0."""
+    import glob
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(dispatches):
+                state, result = run(state)
+                result.convert_to_numpy()
+        [path] = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(path)
+    totals: dict[str, list[float]] = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU:0"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for event in line.events:
+                entry = totals.setdefault(event.name, [0.0, 0])
+                entry[0] += event.duration_ns / 1e3
+                entry[1] += 1
+    n = dispatches * steps
+    rows = sorted(((name[:90], us / n, count / n) for name, (us, count) in totals.items()), key=lambda r: -r[1])
+    busy = sum(r[1] for r in rows)
+    return [("TOTAL (device-busy us per step, kernels per step)", busy, sum(r[2] for r in rows))] + rows[:top]
 
 
 def _hf_worker(size: str, batches: list[int], prompt: int, gen: int, cache: str) -> list[dict]:
@@ -193,7 +246,8 @@ def _run_worker(kind: str, size: str, args) -> list[dict]:
     batches = args.hf_batches if kind == "hf" else args.batches
     cmd = [sys.executable, __file__, "--worker", kind, "--sizes", size, "--batches", batches,
            "--prompt", str(args.prompt), "--gen", str(args.gen), "--steps-per-dispatch", str(args.steps_per_dispatch),
-           "--hf-cache", args.hf_cache, "--decode-attention", args.decode_attention]
+           "--hf-cache", args.hf_cache, "--decode-attention", args.decode_attention, "--kernel", args.kernel] + (
+               ["--profile"] if args.profile else [])
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
@@ -231,6 +285,10 @@ def _table(rows: list[dict], args) -> str:
             f"| {r['size']} | {r['batch']} | {r['impl']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.2f} | "
             f"{r['achieved_GBps']:.0f} | {mbu} | {ratio} |"
         )
+    for r in rows:
+        if r.get("profile"):
+            lines += ["", f"profile {r['size']} batch {r['batch']}: us per decode step | launches per step | kernel"]
+            lines += [f"  {us:8.1f} | {count:5.1f} | {name}" for name, us, count in r["profile"]]
     warm = [r for r in rows if "warmup_s" in r]
     if warm:
         lines.append("")
@@ -254,6 +312,9 @@ def main(argv=None) -> None:
     parser.add_argument("--decode-attention", choices=("default", "xla", "pallas"), default="default",
                         help="the engine's decode attention (Engine(decode_attention=...); default: its own choice)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--kernel", default="", help="override the Pallas kernel's settings, e.g. "
+                        "method=dot,block_k=32,warps=4,stages=3,min_programs=1024 (models/decode.py PALLAS_*)")
+    parser.add_argument("--profile", action="store_true", help="print the busiest kernels per step (GPU)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: a < 1 min smoke run")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--worker", choices=("jax", "hf"), help=argparse.SUPPRESS)
@@ -266,8 +327,10 @@ def main(argv=None) -> None:
         parser.error(f"--gen {args.gen} must be a multiple of --steps-per-dispatch {args.steps_per_dispatch}")
     if args.worker:
         size, batches = args.sizes, _ints(args.batches)
+        _set_kernel(args.kernel)
         if args.worker == "jax":
-            rows = _jax_worker(size, batches, args.prompt, args.gen, args.steps_per_dispatch, args.decode_attention)
+            rows = _jax_worker(size, batches, args.prompt, args.gen, args.steps_per_dispatch, args.decode_attention,
+                               args.profile)
         else:
             rows = _hf_worker(size, batches, args.prompt, args.gen, args.hf_cache)
         for row in rows:

@@ -11,16 +11,21 @@ module is the rollout engine's forward instead:
   so the L layers unroll in Python and each matmul reads its own buffer). Q, K and V are
   one matrix ``[D, KV, G + 2, K]`` (per kv head: its G query heads, its key, its value),
   gate and up one ``[D, 2, F]``; both keep whole heads / MLP columns on one tensor shard.
-- `LayerCache`: L separate k and v buffers ``[B, KV, S, K]``. Donated through the
-  engine's jitted calls, each one is updated in place by a per-row scatter.
+- `LayerCache`: L separate k and v buffers ``[B, KV, S, K]``, donated through the
+  engine's jitted calls and updated in place.
 - `forward`: T tokens per row written at ``[write_index[b], write_index[b] + T)``, query t
   attending to entries ``j <= write_index[b] + t`` among the first ``attend_len`` entries
   (a static window: the caller picks a bucket above every live length). With
-  ``attention="xla"`` the window is an einsum over ``[B, KV, W, K]`` (kv-head major: a
-  batched matmul over ``B * KV``, no repeat of kv heads); on GPU XLA copies the window
-  out of the buffer first, which costs about as much as the attention itself. With
-  ``attention="pallas"`` (one token per row) JAX's Pallas GPU decode-attention kernel
-  reads each row's own filled entries straight from the buffer and needs no window.
+  ``attention="xla"`` QK-norm and RoPE run as one XLA pass over the ``[B, T, KV, G + 2, K]``
+  projection, a per-row scatter writes the cache and the window is an einsum over
+  ``[B, KV, W, K]`` (kv-head major: a batched matmul over ``B * KV``, no repeat of kv
+  heads); on GPU XLA copies the window out of the buffer first, which costs about as much
+  as the attention itself. With ``attention="pallas"`` (one token per row, the engine's
+  decode step on GPU) the QKV projection is computed as `PALLAS_QKV_SPLITS` float32
+  partial products and one kernel per layer (`decode_attention.decode_attention`) sums
+  them, adds the bias, applies QK-norm and RoPE, writes the new key/value into the cache
+  and attends over each row's own filled entries: no window, no scatter, no separate
+  normalization or split-K reduction kernels.
 
 Numerics follow `Decoder` (float32 RMSNorm statistics, float32 attention logits and
 softmax, the same RoPE), so decoding reproduces the trainer's forward.
@@ -43,6 +48,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, PartitionSpec
 
 from agentrl_jax.models.config import DecoderConfig
+from agentrl_jax.models.decode_attention import decode_attention
 from agentrl_jax.models.layers import apply_rope, rms_norm, rope_frequencies
 
 ATTENTION_IMPLS = ("xla", "pallas")
@@ -226,29 +232,45 @@ def forward(
     if not 0 < attend_len <= cache.max_len:
         raise ValueError(f"forward: attend_len={attend_len} must be in [1, {cache.max_len}]")
     write_pos = write_index[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-    visible = jnp.arange(attend_len)[None, None, :] <= write_pos[:, :, None]  # [B, T, W]
+    inv_freq = rope_frequencies(config)
+    KV, K = config.num_kv_heads, config.head_dim
+    R = config.num_heads // KV + 2
     if attention == "pallas":
-        attend = _pallas_decode_attention
-        if mesh is not None and mesh.size > 1:
+        # the QKV split-K sum, bias, QK-norm, RoPE, the cache write and attention all happen in the kernel
+        attend = functools.partial(pallas_attend_and_write, inv_freq=inv_freq, eps=config.rms_norm_eps, dtype=dtype)
+        if mesh is not None and mesh.size > 1:  # slots and kv heads are independent: the kernel runs per shard
             rows, heads = cache_spec[0], cache_spec[1]
+            per_row = PartitionSpec(rows)
             attend = jax.shard_map(
-                attend, mesh=mesh, check_vma=False, out_specs=PartitionSpec(rows, heads),
-                in_specs=(PartitionSpec(rows, heads), cache_spec, cache_spec, PartitionSpec(rows)),
+                attend, mesh=mesh, check_vma=False,
+                in_specs=(per_row, per_row, PartitionSpec(None, rows, heads), PartitionSpec(heads), PartitionSpec(),
+                          cache_spec, cache_spec),
+                out_specs=(PartitionSpec(rows, None, heads), cache_spec, cache_spec),
             )
-        lengths = write_pos[:, 0] + 1
 
-        def attention_fn(q, k, v):
-            return attend(q[:, 0], k.astype(dtype), v.astype(dtype), lengths)[:, None]
+        def attend_fn(x, w, k_cache, v_cache):
+            D = x.shape[-1]
+            splits = PALLAS_QKV_SPLITS if D % PALLAS_QKV_SPLITS == 0 else 1
+            # [P, B, KV, G + 2, K] partial products over P slices of D, float32
+            partials = jnp.einsum(
+                "bpd,pdn->pbn", x.reshape(B, splits, D // splits), w["wqkv"].reshape(splits, D // splits, -1),
+                preferred_element_type=jnp.float32,
+            ).reshape(splits, B, KV, R, K)
+            bias = w["bqkv"] if config.attention_bias else None
+            norms = (w["q_norm"], w["k_norm"]) if config.qk_norm else ()
+            return attend(write_pos[:, 0], positions[:, 0], partials, bias, norms, k_cache, v_cache)
     else:
+        visible = jnp.arange(attend_len)[None, None, :] <= write_pos[:, :, None]  # [B, T, W]
 
-        def attention_fn(q, k, v):
-            window = (k[:, :, :attend_len].astype(dtype), v[:, :, :attend_len].astype(dtype))
-            return grouped_attention(q, *window, visible)
+        def attend_fn(x, w, k_cache, v_cache):
+            D = x.shape[-1]
+            qkv = (x.reshape(B * T, D) @ w["wqkv"].reshape(D, -1)).reshape(B, T, KV, R, K)
+            if config.attention_bias:
+                qkv = qkv + w["bqkv"]
+            qkv = _rotate_and_norm(qkv, w, positions, config=config, inv_freq=inv_freq)
+            return xla_attend_and_write(write_pos, visible, qkv, k_cache, v_cache, attend_len=attend_len, dtype=dtype)
 
-    layer = functools.partial(
-        _layer, config=config, dtype=dtype, positions=positions, write_pos=write_pos, attention=attention_fn,
-        inv_freq=rope_frequencies(config),
-    )
+    layer = functools.partial(_layer, config=config, dtype=dtype, attend_and_write=attend_fn)
     hidden = jnp.take(params.embed, tokens, axis=0).astype(dtype)
     new_k, new_v = [], []
     for w, k_cache, v_cache in zip(params.layers, cache.k, cache.v, strict=True):
@@ -259,7 +281,7 @@ def forward(
     return hidden, LayerCache(k=tuple(new_k), v=tuple(new_v))
 
 
-def _layer(h, w, k_cache, v_cache, *, config, dtype, positions, write_pos, attention, inv_freq):
+def _layer(h, w, k_cache, v_cache, *, config, dtype, attend_and_write):
     """One pre-norm block (attention then SwiGLU) that also writes its keys/values.
 
     Every matmul is a plain 2-D ``[B * T, in] @ [in, out]`` over a reshape of the weight (a
@@ -268,33 +290,35 @@ def _layer(h, w, k_cache, v_cache, *, config, dtype, positions, write_pos, atten
     """
     eps = config.rms_norm_eps
     B, T, D = h.shape
-    KV, K = config.num_kv_heads, config.head_dim
-    G = config.num_heads // KV
     w = {name: x.astype(dtype) for name, x in w.items()}
 
     def matmul(x, weight, out_shape):
         return (x.reshape(B * T, -1) @ weight).reshape(B, T, *out_shape)
 
     x = rms_norm(h, w["attn_norm"], eps)
-    qkv = matmul(x, w["wqkv"].reshape(D, -1), (KV, G + 2, K))
-    if config.attention_bias:
-        qkv = qkv + w["bqkv"]
-    q = qkv[:, :, :, :G].reshape(B, T, KV * G, K)
-    k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
-    if config.qk_norm:
-        q = rms_norm(q, w["q_norm"], eps)
-        k = rms_norm(k, w["k_norm"], eps)
-    q = apply_rope(q, positions, inv_freq).reshape(B, T, KV, G, K)
-    k = apply_rope(k, positions, inv_freq)
-    rows = jnp.arange(B)[:, None]
-    k_cache = k_cache.at[rows, :, write_pos].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[rows, :, write_pos].set(v.astype(v_cache.dtype), mode="drop")
-    out = attention(q, k_cache, v_cache).astype(dtype)  # [B, T, KV, G, K]
+    out, k_cache, v_cache = attend_and_write(x, w, k_cache, v_cache)  # QKV projection + attention: [B, T, KV, G, K]
     h = h + matmul(out.reshape(B, T, -1), w["wo"].reshape(-1, D), (D,))
     x = rms_norm(h, w["mlp_norm"], eps)
     gate_up = matmul(x, w["w_gate_up"].reshape(D, -1), (2, -1))
     h = h + matmul(jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], w["w_down"], (D,))
     return h, k_cache, v_cache
+
+
+def _rotate_and_norm(qkv, w, positions, *, config, inv_freq):
+    """QK-norm and RoPE of the query and key rows of ``qkv [B, T, KV, G + 2, K]``, value row untouched.
+
+    All G + 2 rows go through one elementwise pass (a per-row norm weight, the value row
+    selected back), so XLA emits one fusion rather than one per slice of q, k and v.
+    """
+    B, T, KV, R, K = qkv.shape
+    G = R - 2
+    is_value = (jnp.arange(R) == G + 1)[:, None]  # [G + 2, 1]
+    if config.qk_norm:
+        ones = jnp.ones((1, K), qkv.dtype)
+        weight = jnp.concatenate([jnp.broadcast_to(w["q_norm"], (G, K)), w["k_norm"][None], ones])
+        qkv = jnp.where(is_value, qkv, rms_norm(qkv, weight, config.rms_norm_eps))
+    rotated = apply_rope(qkv.reshape(B, T, KV * R, K), positions, inv_freq).reshape(qkv.shape)
+    return jnp.where(is_value, qkv, rotated)
 
 
 def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
@@ -319,46 +343,68 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arr
     return jnp.einsum("bngts,bnsk->btngk", probs, v)
 
 
-PALLAS_BLOCK = 64  # cache entries per kernel iteration (a sweep on H200 favoured 64)
-
-
-def _pallas_decode_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, min_programs: int = 512
-) -> jax.Array:
-    """One query per row over its first ``lengths[b]`` cache entries (JAX's Pallas GPU kernel).
-
-    ``[B, KV, S, K]`` folds to ``[B * KV, S, K]`` without a copy, so every (row, kv head)
-    is a multi-query problem of G heads. The kernel walks its entries in blocks and stops
-    at the row's length. Many rows: one program per (row, kv head) reads it all (no
-    cross-chunk combine); few rows: S is split into chunks so that enough programs run
-    at once. Off GPU it runs in Pallas's interpreter (tests).
+def xla_attend_and_write(write_pos, visible, qkv, k_cache, v_cache, *, attend_len, dtype):
+    """Scatter the new keys/values into the cache, then `grouped_attention` over its first ``attend_len`` entries.
 
     Args:
-      q: ``[B, KV, G, K]``; k, v: ``[B, KV, S, K]``; lengths: ``[B]`` int32 visible entries.
-      min_programs: split S into the fewest chunks that give at least this many (row, kv
-        head, chunk) programs (512 keeps an H100/H200 busy several times over).
+      write_pos: ``[B, T]`` cache index of each new token (past the end: dropped).
+      visible: ``[B, T, W]``.
+      qkv: ``[B, T, KV, G + 2, K]``: G query rows, the key row, the value row per kv head.
+      k_cache, v_cache: ``[B, KV, S, K]``.
 
     Returns:
-      ``[B, KV, G, K]``.
+      ``(out [B, T, KV, G, K], k_cache, v_cache)``.
     """
-    from jax.experimental.pallas.ops.gpu import decode_attention
+    G = qkv.shape[3] - 2
+    q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
+    rows = jnp.arange(k_cache.shape[0])[:, None]
+    k_cache = k_cache.at[rows, :, write_pos].set(k.astype(k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[rows, :, write_pos].set(v.astype(v_cache.dtype), mode="drop")
+    window = (k_cache[:, :, :attend_len].astype(dtype), v_cache[:, :, :attend_len].astype(dtype))
+    return grouped_attention(q, *window, visible), k_cache, v_cache
 
-    B, KV, G, K = q.shape
-    S = k.shape[2]
+
+PALLAS_BLOCK = 32  # cache entries per kernel iteration
+PALLAS_METHOD = "dot"
+PALLAS_WARPS = 4
+PALLAS_STAGES = 3
+PALLAS_QKV_SPLITS = 4  # the QKV projection as 4 partial products over slices of D, summed in the kernel
+PALLAS_MIN_PROGRAMS = 512  # fewer (row, kv head) programs than this: split rows into chunks
+
+
+def pallas_attend_and_write(
+    positions, rope_positions, partials, bias, norms, k_cache, v_cache, *, inv_freq, eps, dtype,
+    min_programs: int | None = None,
+):
+    """One token per row through `decode_attention.decode_attention`: the QKV split-K sum, bias,
+    QK-norm, RoPE, the cache write and attention in one kernel.
+
+    Args:
+      positions: ``[B]`` the new token's cache index.
+      rope_positions: ``[B]`` its RoPE position.
+      partials: ``[P, B, KV, G + 2, K]`` float32 partial sums of the QKV projection.
+      bias: ``[KV, G + 2, K]`` QKV bias, or None.
+      norms: ``(q_norm, k_norm)`` weights, or ``()`` without QK-norm.
+      k_cache, v_cache: ``[B, KV, S, K]``.
+      inv_freq: ``[K / 2]`` RoPE inverse frequencies; eps: the QK-norm epsilon; dtype: the
+        compute dtype.
+      min_programs: split each row's entries into the fewest chunks (a divisor of the
+        cache's blocks) that give at least this many (row, kv head, chunk) programs.
+
+    Returns:
+      ``(out [B, 1, KV, G, K], k_cache, v_cache)``.
+    """
+    _, B, KV, _, K = partials.shape
+    S = k_cache.shape[2]
     if S % PALLAS_BLOCK:
         raise ValueError(f"pallas decode attention: the cache length {S} must be a multiple of {PALLAS_BLOCK}")
     blocks = S // PALLAS_BLOCK
-    splits = [n for n in range(1, blocks + 1) if blocks % n == 0]
-    k_splits = next((n for n in splits if B * KV * n >= min_programs), blocks)
-    out = decode_attention.mqa(
-        q.reshape(B * KV, G, K),
-        k.reshape(B * KV, S, K),
-        v.reshape(B * KV, S, K),
-        kv_seq_len=jnp.repeat(lengths, KV),
-        block_k=PALLAS_BLOCK,
-        k_splits=k_splits,
-        num_warps=4,
-        num_stages=2,
-        interpret=jax.default_backend() != "gpu",
+    min_programs = PALLAS_MIN_PROGRAMS if min_programs is None else min_programs
+    chunks = next((n for n in range(1, blocks + 1) if blocks % n == 0 and B * KV * n >= min_programs), blocks)
+    q_norm, k_norm = (x.astype(dtype) for x in norms) if norms else (None, None)
+    out, k_cache, v_cache = decode_attention(
+        partials, positions, k_cache, v_cache, bias=bias, rope_positions=rope_positions,
+        inv_freq=jnp.asarray(inv_freq, jnp.float32), q_norm=q_norm, k_norm=k_norm, eps=eps, dtype=dtype,
+        block_k=PALLAS_BLOCK, chunks=chunks, method=PALLAS_METHOD, num_warps=PALLAS_WARPS, num_stages=PALLAS_STAGES,
     )
-    return out.reshape(B, KV, G, K)
+    return out[:, None], k_cache, v_cache

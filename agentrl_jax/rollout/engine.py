@@ -20,7 +20,8 @@ The model runs through `agentrl_jax.models.decode.forward`, not the trainer's la
 fused QKV and gate/up), the cache is one `[S, KV, M, K]` buffer per layer updated in place,
 and a decode step's attention reads only the filled entries: a window of the first W
 entries (W bucketed by `attend_bucket`, a few compiles) with the "xla" attention, or
-each slot's own length with the Pallas GPU kernel ("pallas", the default on GPU).
+each slot's own length with our Pallas GPU kernel ("pallas", the default on GPU), which
+also finishes the QKV projection, applies QK-norm and RoPE and writes the cache.
 
 All state is sharded on the mesh with the inference rule table (kv heads over `tensor`,
 slots over the data axes, weights with tensor parallelism only) and is donated through
@@ -98,9 +99,9 @@ class Engine:
       attend_granule: decode attention reads a window of the first W cache entries, W
         rounded up from the longest live slot (+ the dispatch's steps) in steps of at
         least this many entries (`attend_bucket`); each W compiles once.
-      decode_attention: "xla" (einsums over the window) or "pallas" (JAX's Pallas GPU
-        decode-attention kernel, run per shard, which reads each slot's filled entries
-        only; elsewhere than on GPU it runs interpreted, for tests). Default: "pallas" on
+      decode_attention: "xla" (einsums over the window) or "pallas" (the Pallas GPU
+        kernel of `models.decode_attention`, run per shard, which reads each slot's
+        filled entries only; elsewhere than on GPU it runs interpreted, for tests). Default: "pallas" on
         GPU meshes with a 16-bit compute dtype, else "xla" (the kernel's float32 dots
         would run in TF32, loosening the engine/trainer logprob match).
     """

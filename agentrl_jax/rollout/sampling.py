@@ -152,22 +152,28 @@ def sample(
     greedy = sampling.temperature <= 0
     tau = jnp.where(greedy, 1.0, sampling.temperature).astype(jnp.float32)
     scaled = logits / tau[:, None]
-    log_probs = jax.nn.log_softmax(scaled, axis=-1)
+    # log softmax(scaled) at the chosen tokens only: [B, V] log-probs are never written out
+    top = jax.lax.stop_gradient(jnp.max(scaled, axis=-1))
+    log_normalizer = jnp.log(jnp.sum(jnp.exp(scaled - top[:, None]), axis=-1))
+
+    def log_prob_of(tokens):
+        return (jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - top) - log_normalizer
 
     truncating = (~greedy) & ((sampling.top_k > 0) | (sampling.top_p < 1.0))
-    noise = _gumbel_noise(keys, logits.shape[-1])
 
+    # Each branch draws the noise itself (the same keys, so the same noise): in the plain
+    # branch XLA fuses it into the argmax instead of writing [B, V] floats out and back.
     def plain(_):
-        tokens = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
-        return tokens, jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+        noise = jnp.where(greedy[:, None], 0.0, _gumbel_noise(keys, logits.shape[-1]))
+        tokens = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)  # greedy rows: argmax z (tau = 1)
+        return tokens, log_prob_of(tokens)
 
     def truncated(_):
-        return _truncated_sample(noise, scaled, sampling.top_k, sampling.top_p)
+        tokens, lp = _truncated_sample(_gumbel_noise(keys, logits.shape[-1]), scaled, sampling.top_k, sampling.top_p)
+        return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), tokens), lp
 
-    sampled, sampled_lp = jax.lax.cond(jnp.any(truncating), truncated, plain, None)
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    tokens = jnp.where(greedy, argmax, sampled)
-    log_prob = jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0]
+    tokens, sampled_lp = jax.lax.cond(jnp.any(truncating), truncated, plain, None)
+    log_prob = log_prob_of(tokens)
     truncated_log_prob = jnp.where(greedy, 0.0, jnp.where(truncating, sampled_lp, log_prob))
     return tokens, log_prob, truncated_log_prob
 

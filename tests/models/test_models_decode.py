@@ -10,10 +10,9 @@ import pytest
 from flax import nnx
 from models_helpers import SMALL_QWEN3
 
-from agentrl_jax.models import Decoder, apply, split_params
+from agentrl_jax.models import Decoder, apply, decode_attention, split_params
 from agentrl_jax.models.decode import (
     LayerCache,
-    _pallas_decode_attention,
     forward,
     grouped_attention,
     to_decode_params,
@@ -123,18 +122,117 @@ def test_grouped_attention_hand_values():
     np.testing.assert_allclose(np.asarray(out)[0, 0, 0, 0], [0.0, 0.25 * 1 + 0.75 * 5, 0.0, 0.0], rtol=1e-6)
 
 
-@pytest.mark.parametrize("rows,min_programs", [(1, 512), (6, 1)])  # 4 chunks of the cache; 1 chunk
-def test_decode_attention_kernels_match_a_numpy_reference(rows, min_programs):
-    rng = np.random.default_rng(rows)
-    KV, G, S, K = 2, 2, 256, 16
-    q = rng.normal(size=(rows, KV, G, K)).astype(np.float32)
-    k, v = (rng.normal(size=(rows, KV, S, K)).astype(np.float32) for _ in range(2))
-    lengths = rng.integers(1, S + 1, rows).astype(np.int32)
-    lengths[0] = 65  # one entry past a 64-entry block
-    ref = _reference_attention(q, k, v, lengths)
+def test_grouped_attention_matches_a_numpy_reference():
+    rng = np.random.default_rng(0)
+    B, KV, G, S, K = 3, 2, 2, 256, 16
+    q = rng.normal(size=(B, KV, G, K)).astype(np.float32)
+    k, v = (rng.normal(size=(B, KV, S, K)).astype(np.float32) for _ in range(2))
+    lengths = np.array([65, 1, 256], np.int32)
     visible = np.arange(S)[None, None, :] < lengths[:, None, None]
     xla = grouped_attention(jnp.asarray(q)[:, None], jnp.asarray(k), jnp.asarray(v), jnp.asarray(visible))
-    np.testing.assert_allclose(np.asarray(xla)[:, 0], ref, atol=1e-5)
-    kernel = jax.jit(functools.partial(_pallas_decode_attention, min_programs=min_programs))
-    pallas = kernel(*map(jnp.asarray, (q, k, v, lengths)))
-    np.testing.assert_allclose(np.asarray(pallas), ref, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(xla)[:, 0], _reference_attention(q, k, v, lengths), atol=1e-5)
+
+
+@pytest.mark.parametrize("method", decode_attention.METHODS)
+@pytest.mark.parametrize("G,chunks", [(2, 1), (2, 4), (3, 1), (1, 2)])
+def test_decode_attention_kernel_writes_then_attends(method, G, chunks):
+    """The fused kernel == scatter the new entry, then attend over [0, position] (float64 NumPy)."""
+    rng = np.random.default_rng(G * 10 + chunks)
+    B, KV, S, K = 4, 2, 256, 16
+    q = rng.normal(size=(B, KV, G, K)).astype(np.float32)
+    k_cache, v_cache = (rng.normal(size=(B, KV, S, K)).astype(np.float32) for _ in range(2))
+    k_new, v_new = (rng.normal(size=(B, KV, K)).astype(np.float32) for _ in range(2))
+    # first entry; one past a 64-entry block; the last entry; past the end (write dropped)
+    positions = np.array([0, 64, S - 1, S + 5], np.int32)
+    want_k, want_v = k_cache.copy(), v_cache.copy()
+    for b, pos in enumerate(positions[:3]):
+        want_k[b, :, pos], want_v[b, :, pos] = k_new[b], v_new[b]
+    # row b attends over its first min(position, S) cache entries and the new one
+    keys = np.concatenate([want_k, k_new[:, :, None]], axis=2)
+    values = np.concatenate([want_v, v_new[:, :, None]], axis=2)
+    ref = [_reference_attention(q[b:b + 1], keys[b:b + 1], values[b:b + 1], [pos + 1]) for b, pos in
+           enumerate(positions[:3])]
+    ref.append(_reference_attention(q[3:], keys[3:], values[3:], [S + 1]))
+    qkv = np.concatenate([q, k_new[:, :, None], v_new[:, :, None]], axis=2)
+    out, new_k, new_v = decode_attention.decode_attention(
+        *map(jnp.asarray, (qkv, positions, k_cache, v_cache)), method=method, chunks=chunks
+    )
+    np.testing.assert_allclose(np.asarray(out), np.concatenate(ref), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(new_k), want_k)
+    np.testing.assert_array_equal(np.asarray(new_v), want_v)
+
+
+def test_decode_attention_kernel_bad_shapes():
+    qkv = jnp.zeros((2, 2, 4, 16))
+    cache = jnp.zeros((2, 2, 128, 16))
+    positions = jnp.zeros(2, jnp.int32)
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        decode_attention.decode_attention(qkv, positions, cache[:, :, :100], cache[:, :, :100])
+    with pytest.raises(ValueError, match="method"):
+        decode_attention.decode_attention(qkv, positions, cache, cache, method="mma")
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_attention.decode_attention(qkv[:, :1], positions, cache, cache)
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_attention.decode_attention(qkv[:, :, :2], positions, cache, cache)
+
+
+@pytest.mark.parametrize("method", decode_attention.METHODS)
+@pytest.mark.parametrize("dtype,split", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.float32, True),
+                                         (jnp.bfloat16, True)])
+def test_decode_attention_kernel_applies_projection_norm_and_rope_like_the_xla_path(method, dtype, split):
+    """Raw QKV (or its split-K partials + a bias) with in-kernel QK-norm and RoPE == the same
+    steps in XLA (`_rotate_and_norm`), then the kernel on the finished rows."""
+    from agentrl_jax.models.decode import _rotate_and_norm
+    from agentrl_jax.models.layers import rope_frequencies
+
+    config = dataclasses.replace(CONFIG, qk_norm=True)
+    rng = np.random.default_rng(7)
+    B, KV, G, S, K = 3, config.num_kv_heads, config.num_heads // config.num_kv_heads, 128, config.head_dim
+    cache = jnp.asarray(rng.normal(size=(B, KV, S, K)), dtype)
+    norms = {name: jnp.asarray(rng.uniform(0.5, 1.5, K), dtype) for name in ("q_norm", "k_norm")}
+    positions = jnp.asarray([0, 70, 127], jnp.int32)
+    rope_positions = jnp.asarray([5, 1000, 127], jnp.int32)  # RoPE positions need not be cache indices
+    inv_freq = rope_frequencies(config)
+    if split:
+        partials = jnp.asarray(rng.normal(size=(4, B, KV, G + 2, K)) / 2, jnp.float32)
+        bias = jnp.asarray(rng.normal(size=(KV, G + 2, K)), dtype)
+        qkv = jnp.sum(partials, axis=0).astype(dtype) + bias
+        extra = dict(bias=bias, dtype=dtype)
+    else:
+        partials = qkv = jnp.asarray(rng.normal(size=(B, KV, G + 2, K)), dtype)
+        extra = {}
+    ready = _rotate_and_norm(qkv[:, None], norms, rope_positions[:, None], config=config, inv_freq=inv_freq)[:, 0]
+    want = decode_attention.decode_attention(ready, positions, cache.copy(), cache.copy(), method=method)
+    got = decode_attention.decode_attention(
+        partials, positions, cache.copy(), cache.copy(), rope_positions=rope_positions, inv_freq=jnp.asarray(inv_freq),
+        eps=config.rms_norm_eps, method=method, **norms, **extra,
+    )
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for w, g in zip(want, got):
+        assert g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="both q_norm and k_norm"):
+        decode_attention.decode_attention(qkv, positions, cache, cache, q_norm=norms["q_norm"])
+    with pytest.raises(ValueError, match="model dtype"):
+        decode_attention.decode_attention(partials[None] if not split else partials, positions, cache, cache)
+
+
+def test_pallas_decode_step_matches_the_xla_path(model):
+    """One decode step through the kernel (split-K QKV sum, bias, QK-norm, RoPE, cache write
+    and attention in Pallas, interpreted here) == the XLA path, hidden states and caches."""
+    cfg = model.config
+    assert cfg.attention_bias and cfg.qk_norm and cfg.hidden_size % 4 == 0  # every kernel input in use
+    params = to_decode_params(cfg, nnx.state(model, nnx.Param))
+    rng = np.random.default_rng(1)
+    B, S = 3, 64
+    cache = LayerCache.init(cfg, B, S, jnp.float32).map(lambda x: jnp.asarray(rng.normal(size=x.shape), x.dtype))
+    index = np.array([0, 17, S - 1], np.int32)
+    tokens = rng.integers(0, cfg.vocab_size, (B, 1))
+    outs = {}
+    for attention in ("xla", "pallas"):
+        step = jax.jit(functools.partial(forward, config=cfg, attend_len=S, dtype=jnp.float32, attention=attention))
+        outs[attention] = step(params, tokens, index[:, None] + 3, cache.map(jnp.copy), index)
+    (h_xla, c_xla), (h_pallas, c_pallas) = outs["xla"], outs["pallas"]
+    np.testing.assert_allclose(np.asarray(h_pallas), np.asarray(h_xla), atol=1e-5, rtol=1e-5)
+    for a, b in zip(c_pallas.k + c_pallas.v, c_xla.k + c_xla.v):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)  # split-K order: ~1 ulp

@@ -1,0 +1,330 @@
+"""Decode attention that also finishes the QKV projection and writes the cache: one Pallas GPU kernel per layer.
+
+One decode step per row. Per (row, kv head) the kernel takes the QKV projection's G + 2
+rows (G queries, the new key, the new value), optionally as float32 split-K partial sums
+plus a bias, and
+
+- finishes them: sums the partials and adds the bias (rounded to the model dtype like the
+  matmul's output), then QK-norm and RoPE (`rms_norm`, `apply_rope`) on the query and
+  key rows, from gathered loads (rotate-half is a column permutation of the same row);
+- writes the new key and value into cache entry ``positions[b]`` of the aliased, donated
+  ``[B, KV, S, K]`` buffers (dropped past the end, as ``.at[].set(mode="drop")``);
+- attends the G queries over entries ``[0, positions[b])`` read straight from the buffers
+  (contiguous ``[S, K]`` per kv head) in blocks of ``block_k``, plus the new entry, which
+  seeds the online softmax from registers. Loads are masked to entries before
+  ``positions[b]``, so the write never races a read.
+
+So the engine's step has no split-K reduction, no QK-norm/RoPE pass, no scatter into the
+cache and no combine after the kernel: 6 fewer kernels per layer than XLA + JAX's
+``pallas.ops.gpu.decode_attention`` (docs/benchmarks.md). One program per (row, kv head)
+when there are many rows; with few rows each row's entries are split into chunks (more
+programs keep the SMs busy) whose float32 partial results a few XLA ops combine.
+
+Two ways to compute a block's logits and outputs: ``"dot"`` (``tl.dot`` on the tensor
+cores with the G heads padded to a 16-row tile; the faster one on H200) and ``"vector"``
+(elementwise multiply and reduce on the CUDA cores, one query head at a time, probabilities
+kept in float32). Logits, softmax and accumulation are float32.
+
+Off GPU the kernel runs in Pallas's interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+METHODS = ("vector", "dot")
+_DOT_ROWS = 16  # the smallest M of a tensor-core tile
+
+
+def _kernel(*refs, G, block_k, chunk, method, normalize, partials, bias, rope, norm, eps, dtype):
+    """One (row, kv head, chunk) program.
+
+    Refs, in order: qkv [G + 2, K] (G query rows, the new key, the new value; with
+    ``partials`` P float32 partial sums [P, G + 2, K]), pos [], then with ``bias`` bias
+    [G + 2, K], with ``rope`` rope_pos [] and freq [K], with ``norm`` q_norm [K] and
+    k_norm [K], then k/v [S, K] (read), k/v [S, K] (the same buffers, written) and the
+    outputs.
+    """
+    refs = list(refs)
+    qkv_ref, pos_ref = refs.pop(0), refs.pop(0)
+    bias_ref = refs.pop(0) if bias else None
+    rope_pos_ref, freq_ref = (refs.pop(0), refs.pop(0)) if rope else (None, None)
+    q_norm_ref, k_norm_ref = (refs.pop(0), refs.pop(0)) if norm else (None, None)
+    k_ref, v_ref, k_out, v_out, *outs = refs
+    S, K = k_ref.shape
+    c = pl.program_id(2)
+    pos = pos_ref[...]
+    start = c * chunk
+    end = jnp.minimum(start + chunk, pos)  # cache entries [start, end) are read; pos is the new one
+    scale = 1.0 / math.sqrt(K)
+    first = c == 0
+    cols = jnp.arange(K)
+    rotate = (cols + K // 2) % K  # rotate_half(x) = sign * x[rotate]
+
+    def rounded(x):  # float32 holding a value of the model dtype
+        return x.astype(dtype).astype(jnp.float32)
+
+    if rope:
+        angle = rope_pos_ref[...].astype(jnp.float32) * freq_ref[...]
+        cos = rounded(jnp.cos(angle))[None, :]
+        sin = rounded(jnp.sin(angle))
+        sin = jnp.where(cols < K // 2, -sin, sin)[None, :]
+
+    def projection(rows, valid, columns):
+        """Rows ``[n, K]`` (columns permuted by ``columns``) of the QKV projection, float32."""
+        if not partials:
+            x = plgpu.load(qkv_ref.at[rows[:, None], columns[None, :]], mask=valid[:, None], other=0.0)
+            x = x.astype(jnp.float32)
+        else:  # finish the split-K matmul: sum the partials, round as the matmul's output
+            x = sum(plgpu.load(qkv_ref.at[p, rows[:, None], columns[None, :]], mask=valid[:, None], other=0.0)
+                    for p in range(partials))
+            x = rounded(x)
+        if bias:
+            x = rounded(x + plgpu.load(bias_ref.at[rows[:, None], columns[None, :]], mask=valid[:, None],
+                                       other=0.0).astype(jnp.float32))
+        return x
+
+    def prepare(rows, valid, process, weight_ref=None):
+        """Rows ``[n, K]`` of the QKV projection as float32; with ``process``, QK-norm
+        (``weight_ref``) then RoPE, rounded to the model dtype where the XLA path rounds."""
+        x = projection(rows, valid, cols)
+        if not process or not (rope or norm):
+            return x
+        x_rot = projection(rows, valid, rotate)
+        if norm:
+            r = lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / K + eps)
+            w = weight_ref[...].astype(jnp.float32)[None, :]
+            w_rot = weight_ref[rotate].astype(jnp.float32)[None, :]
+            x, x_rot = rounded(w * rounded(x * r)), rounded(w_rot * rounded(x_rot * r))
+        if rope:
+            x = rounded(x * cos + x_rot * sin)
+        return x
+
+    one = jnp.zeros((1,), jnp.int32)
+    k_new = prepare(one + G, one == 0, True, k_norm_ref)  # [1, K]
+    v_new = prepare(one + G + 1, one == 0, False)
+
+    @pl.when(first & (pos < S))
+    def _write():
+        row = pl.ds(pos, 1)
+        k_out[row, :] = k_new.astype(k_out.dtype)
+        v_out[row, :] = v_new.astype(v_out.dtype)
+
+    offsets = jnp.arange(block_k)
+    num_blocks = jnp.maximum(pl.cdiv(end - start, block_k), 0)
+
+    def load(ref, i):
+        index = start + i * block_k + offsets
+        block = plgpu.load(ref.at[pl.ds(start + i * block_k, block_k), :], mask=(index < end)[:, None], other=0.0)
+        return block, index < end
+
+    neg = jnp.float32(-1e30)  # finite: exp(neg - m) underflows to 0 without inf - inf
+    seed = jnp.maximum(1 - c, 0).astype(jnp.float32)  # 1 in chunk 0, else 0 (no bool -> float: Triton)
+    if method == "vector":
+        qs = [prepare(one + g, one == 0, True, q_norm_ref) * scale for g in range(G)]  # [1, K] each
+        # seed with the new entry: m = its logit, denom = 1, o = its value (chunk 0 only)
+        init = [(v_new * seed, jnp.where(first, jnp.sum(q * k_new), neg), seed) for q in qs]
+
+        def body(i, carry):
+            k, valid = load(k_ref, i)
+            v, _ = load(v_ref, i)
+            k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+            out = []
+            for q, (o, m, denom) in zip(qs, carry, strict=True):
+                s = jnp.where(valid, jnp.sum(k * q, axis=1), neg)  # [block_k]
+                m_next = jnp.maximum(m, jnp.max(s))
+                p = jnp.exp(s - m_next)
+                correction = jnp.exp(m - m_next)
+                o = o * correction + jnp.sum(p[:, None] * v, axis=0)[None, :]
+                out.append((o, m_next, denom * correction + jnp.sum(p)))
+            return tuple(out)
+
+        final = lax.fori_loop(0, num_blocks, body, tuple(init))
+        o = [o for o, _, _ in final]
+        m = [m for _, m, _ in final]
+        denom = [denom for _, _, denom in final]
+        for g in range(G):
+            _store(outs, pl.ds(g, 1), o[g], m[g], denom[g], normalize, mask=None)
+    else:
+        rows = jnp.arange(_DOT_ROWS)
+        q = prepare(rows, rows < G, True, q_norm_ref).astype(dtype)  # [16, K], rows >= G zero
+        s_new = jnp.sum(q.astype(jnp.float32) * k_new, axis=1) * scale  # [16]
+        m0 = jnp.where(first, s_new, neg)
+        denom0 = jnp.zeros_like(s_new) + seed
+        o0 = jnp.broadcast_to(v_new, (_DOT_ROWS, K)) * seed
+
+        def body(i, carry):
+            o, m, denom = carry
+            k, valid = load(k_ref, i)
+            s = plgpu.dot(q, k.astype(dtype).T).astype(jnp.float32) * scale  # [16, block_k]
+            s = jnp.where(valid[None, :], s, neg)
+            m_next = jnp.maximum(m, jnp.max(s, axis=1))
+            p = jnp.exp(s - m_next[:, None])
+            correction = jnp.exp(m - m_next)
+            v, _ = load(v_ref, i)
+            o = o * correction[:, None] + plgpu.dot(p.astype(dtype), v.astype(dtype)).astype(jnp.float32)
+            return o, m_next, denom * correction + jnp.sum(p, axis=1)
+
+        o, m, denom = lax.fori_loop(0, num_blocks, body, (o0, m0, denom0))
+        _store(outs, pl.ds(0, _DOT_ROWS), o, m, denom, normalize, mask=rows < G)
+
+
+def _store(outs, rows, o, m, denom, normalize, mask):
+    """Write a program's rows: normalized output, or the float32 partials (o, m, denom) of its chunk."""
+    o_ref = outs[0]
+    o_mask = None if mask is None else mask[:, None]
+    if normalize:
+        denom = denom[:, None] if mask is not None else denom
+        plgpu.store(o_ref.at[rows, :], (o / denom).astype(o_ref.dtype), mask=o_mask)
+        return
+    m_ref, denom_ref = outs[1:]
+    plgpu.store(o_ref.at[rows, :], o, mask=o_mask)
+    if mask is None:  # one row: scalars
+        m, denom = jnp.zeros((1,), jnp.float32) + m, jnp.zeros((1,), jnp.float32) + denom
+    plgpu.store(m_ref.at[rows], m, mask=mask)
+    plgpu.store(denom_ref.at[rows], denom, mask=mask)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("eps", "dtype", "block_k", "chunks", "method", "num_warps", "num_stages", "interpret"),
+    donate_argnums=(2, 3),
+)
+def decode_attention(
+    qkv: jax.Array,
+    positions: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    rope_positions: jax.Array | None = None,
+    inv_freq: jax.Array | None = None,
+    q_norm: jax.Array | None = None,
+    k_norm: jax.Array | None = None,
+    eps: float = 1e-6,
+    dtype: Any = None,
+    block_k: int = 64,
+    chunks: int = 1,
+    method: str = "dot",
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Write one new key/value per row into the cache and attend over the row's entries.
+
+    Args:
+      qkv: ``[B, KV, G + 2, K]``: per kv head its G queries, then the new key, then the new
+        value (the QKV projection's output); or ``[P, B, KV, G + 2, K]`` float32 partial
+        sums of a split-K projection, which the kernel adds up (and rounds to ``dtype``).
+      positions: ``[B]`` int32; the new entry goes to index ``positions[b]`` (dropped if
+        ``>= S``) and row b attends over entries ``[0, positions[b]]``.
+      k_cache, v_cache: ``[B, KV, S, K]``, donated; S a multiple of ``block_k * chunks``.
+      bias: ``[KV, G + 2, K]`` added to the projection (attention bias), or None.
+      rope_positions: ``[B]`` RoPE positions (default: ``positions``); used with inv_freq.
+      inv_freq: ``[K / 2]`` float32 RoPE inverse frequencies: queries and key are rotated
+        in the kernel (``apply_rope``'s half-split layout). None: qkv is already rotated.
+      q_norm, k_norm: ``[K]`` QK-norm weights (RMSNorm of each query / key head before
+        RoPE, as `rms_norm`), both or neither.
+      eps: the QK-norm epsilon.
+      dtype: the model's compute dtype (default: qkv's; required with partials).
+      block_k: cache entries per loop iteration.
+      chunks: programs per (row, kv head), each over ``S / chunks`` entries; more than one
+        adds a float32 combine in XLA (for few rows).
+      method: "dot" or "vector" (see the module docstring).
+      num_warps, num_stages: Triton launch parameters.
+      interpret: run in Pallas's interpreter (default: off GPU).
+
+    Returns:
+      ``(out [B, KV, G, K] in dtype, k_cache, v_cache)``.
+    """
+    partials = qkv.shape[0] if qkv.ndim == 5 else 0
+    if partials and dtype is None:
+        raise ValueError("decode_attention: pass the model dtype with split-K partials")
+    dtype = jnp.dtype(qkv.dtype if dtype is None else dtype)
+    if method not in METHODS:
+        raise ValueError(f"decode_attention: method must be one of {METHODS}, got {method!r}")
+    B, KV, R, K = qkv.shape[-4:]
+    G = R - 2
+    S = k_cache.shape[2]
+    if G < 1 or k_cache.shape != (B, KV, S, K) or v_cache.shape != k_cache.shape or positions.shape != (B,):
+        raise ValueError(
+            f"decode_attention: qkv {qkv.shape} ([B, KV, G + 2, K]), positions {positions.shape}, caches "
+            f"{k_cache.shape}, {v_cache.shape} ([B, KV, S, K]) do not fit together"
+        )
+    if bias is not None and bias.shape != (KV, R, K):
+        raise ValueError(f"decode_attention: bias {bias.shape} must be [KV, G + 2, K] = {(KV, R, K)}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("decode_attention: pass both q_norm and k_norm, or neither")
+    if S % (block_k * chunks):
+        raise ValueError(f"decode_attention: cache length {S} must be a multiple of block_k * chunks")
+    if method == "dot" and G > _DOT_ROWS:
+        raise ValueError(f"decode_attention: method 'dot' takes at most {_DOT_ROWS} query heads per kv head")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    normalize = chunks == 1
+    chunk = S // chunks
+    rows = _DOT_ROWS if method == "dot" else G  # the output block's query rows
+
+    def head(*tail):  # a block of one (row, kv head); tail: the trailing block dims
+        return pl.BlockSpec((None, None, *tail), lambda b, h, c: (b, h) + (0,) * len(tail))
+
+    def part(*tail):  # a chunk's own output block
+        return pl.BlockSpec((None, None, None, *tail), lambda b, h, c: (c, b, h) + (0,) * len(tail))
+
+    cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
+    if normalize:
+        out_specs = [head(S, K), head(S, K), head(rows, K)]
+        out_shape = [cache_shape, cache_shape, jax.ShapeDtypeStruct((B, KV, G, K), dtype)]
+    else:
+        out_specs = [head(S, K), head(S, K), part(rows, K), part(rows), part(rows)]
+        out_shape = [cache_shape, cache_shape] + [
+            jax.ShapeDtypeStruct((chunks, B, KV, G, *tail), jnp.float32) for tail in ((K,), (), ())
+        ]
+    rope, norm = inv_freq is not None, q_norm is not None
+    kernel = functools.partial(_kernel, G=G, block_k=block_k, chunk=chunk, method=method, normalize=normalize,
+                               partials=partials, bias=bias is not None, rope=rope, norm=norm, eps=eps, dtype=dtype)
+    per_row = pl.BlockSpec((None,), lambda b, h, c: (b,))
+    whole = pl.BlockSpec((K,), lambda b, h, c: (0,))
+    if partials:
+        qkv_spec = pl.BlockSpec((partials, None, None, R, K), lambda b, h, c: (0, b, h, 0, 0))
+    else:
+        qkv_spec = head(R, K)
+    inputs, in_specs = [qkv, positions.astype(jnp.int32)], [qkv_spec, per_row]
+    if bias is not None:
+        inputs.append(bias)
+        in_specs.append(pl.BlockSpec((None, R, K), lambda b, h, c: (h, 0, 0)))
+    if rope:
+        rope_positions = positions if rope_positions is None else rope_positions
+        freq = jnp.concatenate([inv_freq, inv_freq]).astype(jnp.float32)
+        inputs += [rope_positions.astype(jnp.int32), freq]
+        in_specs += [per_row, whole]
+    if norm:
+        inputs += [q_norm, k_norm]
+        in_specs += [whole, whole]
+    cache_index = len(inputs)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(B, KV, chunks),
+        in_specs=in_specs + [head(S, K), head(S, K)],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={cache_index: 0, cache_index + 1: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="decode_attention",
+    )(*inputs, k_cache, v_cache)
+    if normalize:
+        k_cache, v_cache, out = outs
+        return out, k_cache, v_cache
+    k_cache, v_cache, o, m, denom = outs
+    m_all = jnp.max(m, axis=0)
+    weight = jnp.exp(m - m_all)  # [chunks, B, KV, G]; empty chunks have denom = 0
+    out = jnp.sum(o * weight[..., None], axis=0) / jnp.sum(denom * weight, axis=0)[..., None]
+    return out.astype(dtype), k_cache, v_cache

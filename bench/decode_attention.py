@@ -1,0 +1,181 @@
+"""One layer's decode attention + cache write: our fused kernel vs the engine's previous path.
+
+Usage (GPU):
+    python bench/decode_attention.py                      # Qwen3-1.7B layer shapes, batches 1,16,64,256
+    python bench/decode_attention.py --sweep --batches 64 # every kernel setting at batch 64
+Quick check (CPU, interpreted, tiny shapes):
+    python bench/decode_attention.py --tiny
+
+Per decode step and layer the engine writes one key and value per row into its
+``[B, KV, S, K]`` buffers and attends the row's G query heads per kv head over its
+filled entries. Baseline (measured in the same run): two XLA scatters into the buffers,
+then JAX's own Pallas kernel (`jax.experimental.pallas.ops.gpu.decode_attention.mqa`,
+64-entry blocks, chunked when fewer than 512 (row, kv head) programs; what the engine
+ran before). Candidate: `agentrl_jax.models.decode_attention.decode_attention`, which
+does both in one kernel. Each timing runs the op `--reps` times inside one jitted loop
+(the buffers donated and carried, as the engine's 28 layers do), median of `--trials`.
+GB/s counts the K and V bytes a step must read: ``B * KV * context * K * 2 * 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from agentrl_jax.models import decode_attention as fused  # noqa: E402
+from bench.decode import hbm_bandwidth  # noqa: E402
+
+
+def _chunks(rows: int, blocks: int, min_programs: int) -> int:
+    return next((n for n in range(1, blocks + 1) if blocks % n == 0 and rows * n >= min_programs), blocks)
+
+
+def baseline_step(qkv, positions, k_cache, v_cache, *, block_k=64, min_programs=512):
+    """The engine's path before the fused kernel: slice q/k/v, scatter, then JAX's Pallas `mqa`."""
+    from jax.experimental.pallas.ops.gpu import decode_attention as jax_kernel
+
+    B, KV, R, K = qkv.shape
+    G, S = R - 2, k_cache.shape[2]
+    q, k_new, v_new = qkv[:, :, :G], qkv[:, :, G], qkv[:, :, G + 1]
+    rows = jnp.arange(B)
+    k_cache = k_cache.at[rows, :, positions].set(k_new, mode="drop")
+    v_cache = v_cache.at[rows, :, positions].set(v_new, mode="drop")
+    out = jax_kernel.mqa(
+        q.reshape(B * KV, G, K), k_cache.reshape(B * KV, S, K), v_cache.reshape(B * KV, S, K),
+        kv_seq_len=jnp.repeat(positions + 1, KV), block_k=block_k,
+        k_splits=_chunks(B * KV, S // block_k, min_programs), num_warps=4, num_stages=2,
+        interpret=jax.default_backend() != "gpu",
+    )
+    return out.reshape(B, KV, G, K), k_cache, v_cache
+
+
+def fused_step(qkv, positions, k_cache, v_cache, *, block_k, min_programs, method, warps, stages):
+    B, KV = qkv.shape[:2]
+    chunks = _chunks(B * KV, k_cache.shape[2] // block_k, min_programs)
+    return fused.decode_attention(qkv, positions, k_cache, v_cache, block_k=block_k, chunks=chunks,
+                                  method=method, num_warps=warps, num_stages=stages)
+
+
+def time_op(step, inputs, reps: int, trials: int) -> tuple[float, np.ndarray]:
+    """Seconds per call of ``step`` (median over trials of a jitted ``reps``-call loop) and its output."""
+
+    @functools.partial(jax.jit, donate_argnums=(2, 3))
+    def loop(qkv, positions, k_cache, v_cache):
+        def body(_, carry):
+            acc, k_cache, v_cache = carry
+            out, k_cache, v_cache = step(qkv, positions, k_cache, v_cache)
+            return acc + out.astype(jnp.float32), k_cache, v_cache
+
+        acc = jnp.zeros((*qkv.shape[:2], qkv.shape[2] - 2, qkv.shape[3]), jnp.float32)
+        return jax.lax.fori_loop(0, reps, body, (acc, k_cache, v_cache))
+
+    qkv, positions, k_cache, v_cache = inputs
+    acc, k_cache, v_cache = jax.block_until_ready(loop(qkv, positions, k_cache, v_cache))  # compile
+    out = np.asarray(acc) / reps
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        acc, k_cache, v_cache = jax.block_until_ready(loop(qkv, positions, k_cache, v_cache))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / reps, out
+
+
+def _reference(qkv, positions, k_cache, v_cache) -> np.ndarray:
+    """float32 XLA: scatter, then `grouped_attention` over the whole buffer with a length mask."""
+    from agentrl_jax.models.decode import xla_attend_and_write
+
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    S = k_cache.shape[2]
+    write_pos = positions[:, None]
+    visible = jnp.arange(S)[None, None, :] <= write_pos[:, :, None]
+    out, _, _ = jax.jit(functools.partial(xla_attend_and_write, attend_len=S, dtype=jnp.float32))(
+        write_pos, visible, f32(qkv)[:, None], f32(k_cache), f32(v_cache))
+    return np.asarray(out[:, 0])
+
+
+def make_inputs(batch, kv, g, s, k, context, dtype, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    qkv = jax.random.normal(keys[0], (batch, kv, g + 2, k), dtype)
+    k_cache, v_cache = (jax.random.normal(key, (batch, kv, s, k), dtype) for key in keys[1:])
+    positions = jnp.full((batch,), context - 1, jnp.int32)
+    return qkv, positions, k_cache, v_cache
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", default="1,16,64,256")
+    parser.add_argument("--context", type=int, default=1024, help="filled entries per row incl. the new one")
+    parser.add_argument("--cache", type=int, default=1792, help="S, entries per row's buffer")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--group", type=int, default=2, help="G, query heads per kv head")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--reps", type=int, default=28)
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--sweep", action="store_true", help="every method/block/warps/stages/chunking setting")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.batches, args.context, args.cache, args.kv_heads, args.head_dim, args.reps, args.trials = (
+            "2", 100, 256, 2, 16, 2, 1)
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    device = jax.devices()[0].device_kind
+    bandwidth = hbm_bandwidth(device)
+    print(f"device: {device}; HBM {bandwidth / 1e12 if bandwidth else '?'} TB/s; jax {jax.__version__}; "
+          f"KV={args.kv_heads} G={args.group} K={args.head_dim} S={args.cache} context={args.context} {dtype.__name__}")
+    from agentrl_jax.models import decode as decode_module
+
+    default = dict(method=decode_module.PALLAS_METHOD, block_k=decode_module.PALLAS_BLOCK,
+                   warps=decode_module.PALLAS_WARPS, stages=decode_module.PALLAS_STAGES, min_programs=512)
+    if args.sweep:
+        settings = [dict(method=m, block_k=b, warps=w, stages=st, min_programs=mp) for m, b, w, st, mp in
+                    itertools.product(fused.METHODS, (16, 32, 64, 128), (1, 2, 4, 8), (1, 2, 3), (512, 1024))
+                    if not (m == "dot" and (w < 4 or b < 32)) and not (m == "vector" and st > 1 and mp > 512)]
+    else:
+        settings = [default]
+    rows = []
+    print("| batch | impl | setting | us/call | GB/s | % HBM | vs baseline | max abs diff to f32 XLA |")
+    print("|---|---|---|---|---|---|---|---|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        inputs = make_inputs(batch, args.kv_heads, args.group, args.cache, args.head_dim, args.context, dtype)
+        kv_bytes = batch * args.kv_heads * args.context * args.head_dim * 2 * jnp.dtype(dtype).itemsize
+        copy = functools.partial(jax.tree.map, functools.partial(jnp.array, copy=True), inputs)  # the loop donates
+        ref = _reference(*inputs)
+        base_s, base_out = time_op(baseline_step, copy(), args.reps, args.trials)
+        results = [("jax mqa + 2 scatters (before)", "block 64", base_s, base_out)]
+        for setting in settings:
+            label = ",".join(f"{k}={v}" for k, v in setting.items())
+            try:
+                step = functools.partial(fused_step, **setting)
+                seconds, out = time_op(step, copy(), args.reps, args.trials)
+            except Exception as e:  # noqa: BLE001  (a setting that does not compile must not end the sweep)
+                print(f"| {batch} | fused | {label} | error: {type(e).__name__}: {str(e)[:120]} | | | | |")
+                continue
+            results.append(("agentrl_jax fused", label, seconds, out))
+        for impl, label, seconds, out in sorted(results, key=lambda r: r[2]):
+            gbps = kv_bytes / seconds / 1e9
+            row = dict(batch=batch, impl=impl, setting=label, us=1e6 * seconds, GBps=gbps, device=device,
+                       ratio=base_s / seconds, diff=float(np.max(np.abs(out - ref))))
+            rows.append(row)
+            pct = f"{100 * gbps * 1e9 / bandwidth:.0f}%" if bandwidth else "?"
+            print(f"| {batch} | {impl} | {label} | {row['us']:.1f} | {gbps:.0f} | {pct} | {row['ratio']:.2f}x | "
+                  f"{row['diff']:.1e} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
