@@ -2,6 +2,8 @@
 
 Usage (GPU):
     python bench/decode.py --sizes 0.6b,1.7b,4b --batches 1,16,64,256 --prompt 512 --gen 1024
+Kernel by kernel (GPU; two dispatches at the run's mean context) and other kernel settings:
+    python bench/decode.py --sizes 1.7b --batches 64 --no-hf --profile --kernel block_k=64,stages=2
 Quick check (CPU, < 1 min):
     python bench/decode.py --tiny
 
