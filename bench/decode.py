@@ -102,6 +102,7 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
             tokens = np.random.default_rng(0).integers(0, vocab, prompt).astype(np.int32)
             sampler = SamplingParams(temperature=1.0, seed=0)
 
+            state = result = None  # the last batch's decode state
             state = _fill(engine, params, tokens, sampler, batch)
             t0 = time.perf_counter()
             for _ in range(gen // steps):  # compiles every attention window of the run
@@ -109,6 +110,7 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
                 result.convert_to_numpy()
             row["warmup_s"] = time.perf_counter() - t0
             row["compiled_windows"] = len(engine._generate_fns)
+            state = result = None  # free the last decode state before building the next (4B x 256: 2 x 68 GB)
             state = _fill(engine, params, tokens, sampler, batch)
             t0 = time.perf_counter()
             prefix, _ = engine.prefill(params=params, padded_tokens=tokens, true_length=prompt, sampler=sampler)
@@ -122,6 +124,7 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
             elapsed = time.perf_counter() - t0
             row.update(_rates(size, batch, prompt, dispatches * steps, elapsed, dtype_bytes=jnp.dtype(dtype).itemsize))
             if profile:  # two dispatches at the run's mean context (prompt + gen / 2), kernel by kernel
+                state = result = None  # free the last decode state before building the next (4B x 256: 2 x 68 GB)
                 state = _fill(engine, params, tokens, sampler, batch)
                 for _ in range(dispatches // 2 - 1):
                     state, _ = engine.generate(params, state, num_steps=steps)
