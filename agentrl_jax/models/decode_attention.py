@@ -268,6 +268,8 @@ def decode_attention(
         raise ValueError(f"decode_attention: method 'dot' takes at most {_DOT_ROWS} query heads per kv head")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
+    if not interpret and (K & (K - 1) or K < 16):
+        raise ValueError(f"decode_attention: the Triton kernel needs a power-of-two head dim >= 16, got {K}")
     normalize = chunks == 1
     chunk = S // chunks
     rows = _DOT_ROWS if method == "dot" else G  # the output block's query rows

@@ -102,8 +102,9 @@ class Engine:
       decode_attention: "xla" (einsums over the window) or "pallas" (the Pallas GPU
         kernel of `models.decode_attention`, run per shard, which reads each slot's
         filled entries only; elsewhere than on GPU it runs interpreted, for tests). Default: "pallas" on
-        GPU meshes with a 16-bit compute dtype, else "xla" (the kernel's float32 dots
-        would run in TF32, loosening the engine/trainer logprob match).
+        GPU meshes with a 16-bit compute dtype and a power-of-two head dim, else "xla"
+        (the kernel's float32 dots would run in TF32, loosening the engine/trainer
+        logprob match).
     """
 
     def __init__(
@@ -132,7 +133,9 @@ class Engine:
         self._mesh = mesh if mesh is not None else make_mesh({"data": -1})
         if decode_attention is None:
             on_gpu = all(d.platform == "gpu" for d in self._mesh.devices.flat)
-            decode_attention = "pallas" if on_gpu and jnp.dtype(model.dtype).itemsize == 2 else "xla"
+            head_dim = model.config.head_dim
+            kernel_fits = head_dim >= 16 and head_dim & (head_dim - 1) == 0  # Triton blocks: powers of two
+            decode_attention = "pallas" if on_gpu and jnp.dtype(model.dtype).itemsize == 2 and kernel_fits else "xla"
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"Engine: decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
         self.config = model.config

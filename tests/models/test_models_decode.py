@@ -174,6 +174,8 @@ def test_decode_attention_kernel_bad_shapes():
         decode_attention.decode_attention(qkv[:, :1], positions, cache, cache)
     with pytest.raises(ValueError, match="do not fit"):
         decode_attention.decode_attention(qkv[:, :, :2], positions, cache, cache)
+    with pytest.raises(ValueError, match="power-of-two head dim"):  # Triton only; the interpreter takes any
+        decode_attention.decode_attention(qkv[..., :12], positions, cache[..., :12], cache[..., :12], interpret=False)
 
 
 @pytest.mark.parametrize("method", decode_attention.METHODS)
