@@ -35,11 +35,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from agentrl_jax.models import decode_attention as fused  # noqa: E402
+from agentrl_jax.models.decode import kernel_chunks  # noqa: E402
 from bench.decode import hbm_bandwidth  # noqa: E402
-
-
-def _chunks(rows: int, blocks: int, min_programs: int) -> int:
-    return next((n for n in range(1, blocks + 1) if blocks % n == 0 and rows * n >= min_programs), blocks)
 
 
 def baseline_step(qkv, positions, k_cache, v_cache, *, block_k=64, min_programs=512):
@@ -55,7 +52,7 @@ def baseline_step(qkv, positions, k_cache, v_cache, *, block_k=64, min_programs=
     out = jax_kernel.mqa(
         q.reshape(B * KV, G, K), k_cache.reshape(B * KV, S, K), v_cache.reshape(B * KV, S, K),
         kv_seq_len=jnp.repeat(positions + 1, KV), block_k=block_k,
-        k_splits=_chunks(B * KV, S // block_k, min_programs), num_warps=4, num_stages=2,
+        k_splits=kernel_chunks(B * KV, S // block_k, min_programs), num_warps=4, num_stages=2,
         interpret=jax.default_backend() != "gpu",
     )
     return out.reshape(B, KV, G, K), k_cache, v_cache
@@ -63,7 +60,7 @@ def baseline_step(qkv, positions, k_cache, v_cache, *, block_k=64, min_programs=
 
 def fused_step(qkv, positions, k_cache, v_cache, *, block_k, min_programs, method, warps, stages):
     B, KV = qkv.shape[:2]
-    chunks = _chunks(B * KV, k_cache.shape[2] // block_k, min_programs)
+    chunks = kernel_chunks(B * KV, k_cache.shape[2] // block_k, min_programs)
     return fused.decode_attention(qkv, positions, k_cache, v_cache, block_k=block_k, chunks=chunks,
                                   method=method, num_warps=warps, num_stages=stages)
 

@@ -372,6 +372,12 @@ PALLAS_QKV_SPLITS = 4  # the QKV projection as 4 partial products over slices of
 PALLAS_MIN_PROGRAMS = 512  # fewer (row, kv head) programs than this: split rows into chunks
 
 
+def kernel_chunks(programs: int, blocks: int, min_programs: int) -> int:
+    """Chunks per (row, kv head): the fewest that divide the ``blocks`` cache blocks and give at
+    least ``min_programs`` programs in all (every block its own chunk if none does)."""
+    return next((n for n in range(1, blocks + 1) if blocks % n == 0 and programs * n >= min_programs), blocks)
+
+
 def pallas_attend_and_write(
     positions, rope_positions, partials, bias, norms, k_cache, v_cache, *, inv_freq, eps, dtype,
     min_programs: int | None = None,
@@ -398,9 +404,8 @@ def pallas_attend_and_write(
     S = k_cache.shape[2]
     if S % PALLAS_BLOCK:
         raise ValueError(f"pallas decode attention: the cache length {S} must be a multiple of {PALLAS_BLOCK}")
-    blocks = S // PALLAS_BLOCK
     min_programs = PALLAS_MIN_PROGRAMS if min_programs is None else min_programs
-    chunks = next((n for n in range(1, blocks + 1) if blocks % n == 0 and B * KV * n >= min_programs), blocks)
+    chunks = kernel_chunks(B * KV, S // PALLAS_BLOCK, min_programs)
     q_norm, k_norm = (x.astype(dtype) for x in norms) if norms else (None, None)
     out, k_cache, v_cache = decode_attention(
         partials, positions, k_cache, v_cache, bias=bias, rope_positions=rope_positions,

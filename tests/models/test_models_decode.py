@@ -238,3 +238,12 @@ def test_pallas_decode_step_matches_the_xla_path(model):
     np.testing.assert_allclose(np.asarray(h_pallas), np.asarray(h_xla), atol=1e-5, rtol=1e-5)
     for a, b in zip(c_pallas.k + c_pallas.v, c_xla.k + c_xla.v):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)  # split-K order: ~1 ulp
+
+
+def test_kernel_chunks_hand_values():
+    from agentrl_jax.models.decode import kernel_chunks
+
+    assert kernel_chunks(512, 56, 512) == 1  # batch 64 x 8 kv heads: one program each
+    assert kernel_chunks(128, 56, 512) == 4  # 4 divides 56 and 128 * 4 = 512
+    assert kernel_chunks(48, 56, 512) == 14  # 8 would reach 384 only; 14 is the next divisor
+    assert kernel_chunks(8, 56, 512) == 56  # none reaches it: every block its own chunk
