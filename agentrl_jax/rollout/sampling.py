@@ -166,7 +166,7 @@ def sample(
     def plain(_):
         noise = jnp.where(greedy[:, None], 0.0, _gumbel_noise(keys, logits.shape[-1]))
         tokens = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)  # greedy rows: argmax z (tau = 1)
-        return tokens, log_prob_of(tokens)
+        return tokens, jnp.zeros_like(top)  # no row truncates: truncated_log_prob is log_prob below
 
     def truncated(_):
         tokens, lp = _truncated_sample(_gumbel_noise(keys, logits.shape[-1]), scaled, sampling.top_k, sampling.top_p)
