@@ -151,9 +151,12 @@ def _set_kernel(text: str) -> None:
     from agentrl_jax.models import decode
 
     for item in filter(None, text.split(",")):
-        key, value = item.split("=")
-        name = {"warps": "WARPS", "stages": "STAGES", "block_k": "BLOCK"}.get(key, key.upper())
-        setattr(decode, f"PALLAS_{name}", value if key == "method" else int(value))
+        key, _, value = item.partition("=")
+        name = "PALLAS_" + {"warps": "WARPS", "stages": "STAGES", "block_k": "BLOCK"}.get(key, key.upper())
+        if not value or not hasattr(decode, name):
+            raise SystemExit(f"--kernel: {item!r} is not key=value with a key of method, block_k, warps, stages, "
+                             "min_programs, qkv_splits")
+        setattr(decode, name, value if key == "method" else int(value))
 
 
 def _profile(run, state, dispatches: int, steps: int, top: int = 40) -> list[tuple[str, float, int]]:
@@ -330,9 +333,9 @@ def main(argv=None) -> None:
     args.hf_batches = args.hf_batches or args.batches
     if args.gen % args.steps_per_dispatch:
         parser.error(f"--gen {args.gen} must be a multiple of --steps-per-dispatch {args.steps_per_dispatch}")
+    _set_kernel(args.kernel)  # checks the value here; each worker sets it again in its own process
     if args.worker:
         size, batches = args.sizes, _ints(args.batches)
-        _set_kernel(args.kernel)
         if args.worker == "jax":
             rows = _jax_worker(size, batches, args.prompt, args.gen, args.steps_per_dispatch, args.decode_attention,
                                args.profile)

@@ -22,6 +22,7 @@ its requirements (``pip install google-jetstream seqio`` or from GitHub) to use 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -46,12 +47,8 @@ def jetstream_engine(engine: Engine, *, sampling: SamplingParams | None = None, 
     return cls(engine, sampling=sampling or SamplingParams(), tokenizer_path=tokenizer_path)
 
 
-_CLASSES: dict[int, type] = {}
-
-
+@functools.cache
 def _adapter_class(engine_api) -> type:
-    if id(engine_api) in _CLASSES:
-        return _CLASSES[id(engine_api)]
     returns_first_token = "sampler" in inspect.signature(engine_api.Engine.prefill).parameters
 
     class JetStreamEngine(engine_api.Engine):
@@ -144,5 +141,4 @@ def _adapter_class(engine_api) -> type:
         def prefill_chunk_size(self) -> int:
             return self.engine.max_prefill_length
 
-    _CLASSES[id(engine_api)] = JetStreamEngine
     return JetStreamEngine

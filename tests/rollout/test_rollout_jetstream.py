@@ -52,4 +52,8 @@ def test_adapter_is_a_jetstream_engine_and_decodes_like_the_engine(engine, param
     assert decode(adapter, {}) == decode(engine, {"sampler": greedy})
     with pytest.raises(NotImplementedError, match="sampler"):
         adapter.prefill(params=params, padded_tokens=prompt, true_length=prompt.size, sampler=lambda x: x)
+    with pytest.raises(NotImplementedError, match="sampler"):
+        adapter.generate(params, adapter.init_decode_state(), sampler=lambda x: x)
+    with pytest.raises(ValueError, match="tokenizer_path"):
+        jetstream_engine(engine).get_tokenizer()
     assert adapter.get_tokenizer().path == "/tmp/tok"
