@@ -174,6 +174,11 @@ def test_decode_attention_kernel_bad_shapes():
         decode_attention.decode_attention(qkv[:, :1], positions, cache, cache)
     with pytest.raises(ValueError, match="do not fit"):
         decode_attention.decode_attention(qkv[:, :, :2], positions, cache, cache)
+    wide = jnp.zeros((2, 2, 19, 16))  # G = 17 query heads per kv head
+    with pytest.raises(ValueError, match="at most 16 query heads"):
+        decode_attention.decode_attention(wide, positions, cache, cache, method="dot")
+    with pytest.raises(ValueError, match="bias"):
+        decode_attention.decode_attention(qkv, positions, cache, cache, bias=jnp.zeros((2, 3, 16)))
     with pytest.raises(ValueError, match="power-of-two head dim"):  # Triton only; the interpreter takes any
         decode_attention.decode_attention(qkv[..., :12], positions, cache[..., :12], cache[..., :12], interpret=False)
 
