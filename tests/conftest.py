@@ -11,6 +11,10 @@ _FAKE_DEVICES = "--xla_force_host_platform_device_count=8"
 if _FAKE_DEVICES not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAKE_DEVICES).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ["JAX_PLATFORMS"] != "cpu":
+    # The float32 parity tests (tolerances ~1e-5) need full-precision matmuls; GPUs default
+    # to TF32 for float32 dots. On CPU float32 dots are already exact.
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # Tests compare against float64 NumPy references in places; they opt in per test with
 # `jax.experimental.enable_x64` rather than globally.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

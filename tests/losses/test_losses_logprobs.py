@@ -8,6 +8,8 @@ from jax import enable_x64
 
 from agentrl_jax.losses import token_logprobs
 
+pytestmark = pytest.mark.gpu  # also run on a CUDA GPU: see the `gpu` marker in pyproject.toml
+
 
 def _numpy_reference(hidden, embedding_vd, targets, temperature):
     logits = np.einsum("btd,vd->btv", hidden, embedding_vd) / temperature

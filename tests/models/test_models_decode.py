@@ -18,6 +18,8 @@ from agentrl_jax.models.decode import (
     to_decode_params,
 )
 
+pytestmark = pytest.mark.gpu  # also run on a CUDA GPU: see the `gpu` marker in pyproject.toml
+
 CONFIG = SMALL_QWEN3
 
 

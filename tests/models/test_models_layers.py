@@ -22,6 +22,8 @@ from agentrl_jax.models.layers import (
     rope_inverse_frequencies,
 )
 
+pytestmark = pytest.mark.gpu  # also run on a CUDA GPU: see the `gpu` marker in pyproject.toml
+
 
 def test_rms_norm_matches_numpy():
     rng = np.random.default_rng(0)

@@ -1,5 +1,7 @@
 """Tiny decoder and helpers shared by the rollout tests."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,9 +28,10 @@ ENGINE_KW = dict(
 )
 
 
-def make_model(seed: int = 0) -> Decoder:
-    """A float32 tiny Qwen3 whose weights are scaled up so the logits are far from uniform."""
-    model = Decoder(TINY, rngs=nnx.Rngs(seed))
+def make_model(seed: int = 0, **overrides) -> Decoder:
+    """A float32 tiny Qwen3 (``TINY`` with ``overrides``) whose weights are scaled up so the
+    logits are far from uniform."""
+    model = Decoder(dataclasses.replace(TINY, **overrides), rngs=nnx.Rngs(seed))
     graphdef, state = nnx.split(model)
 
     state = jax.tree_util.tree_map_with_path(lambda path, x: x if "norm" in jax.tree_util.keystr(path) else x * 15.0, state)

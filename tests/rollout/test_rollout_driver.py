@@ -9,6 +9,8 @@ from rollout_helpers import make_model, teacher_forced
 from agentrl_jax.rollout.driver import Driver
 from agentrl_jax.rollout.sampling import SamplingParams
 
+pytestmark = pytest.mark.gpu  # also run on a CUDA GPU: see the `gpu` marker in pyproject.toml
+
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [3, 17, 42, 8, 99, 5, 60]
 

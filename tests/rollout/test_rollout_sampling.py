@@ -8,6 +8,8 @@ import pytest
 from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, request_key, sample, step_keys
 
+pytestmark = pytest.mark.gpu  # also run on a CUDA GPU: see the `gpu` marker in pyproject.toml
+
 _sample = jax.jit(sample)
 
 
