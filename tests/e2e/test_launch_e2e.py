@@ -41,6 +41,12 @@ def _launch(out_dir, *extra, check=True):
     return proc
 
 
+def assert_counts_of_samples(pass_at_1: float, num_samples: int) -> None:
+    """Unbiased pass@1 is (correct samples) / (tasks x samples): a multiple of 1 / num_samples."""
+    correct = pass_at_1 * num_samples
+    assert 0 <= pass_at_1 <= 1 and abs(correct - round(correct)) < 1e-6, (pass_at_1, num_samples)
+
+
 def _metrics(out_dir):
     rows = [json.loads(line) for line in (Path(out_dir) / "metrics" / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows if "loss" in r}
@@ -58,7 +64,8 @@ def test_demo_command_trains_two_steps_on_a_2x2x2_mesh(two_step_run):
     assert "held-out evaluation" in proc.stdout
     results = json.loads((out / "results.json").read_text())
     for stage in ("start", "end"):
-        assert 0.0 <= results[stage]["pass@1"] <= 1.0
+        assert results[stage]["num_tasks"] == 4
+        assert_counts_of_samples(results[stage]["pass@1"], 4 * 2)
     steps = _metrics(out)
     assert sorted(steps) == [1, 2]
     for m in steps.values():

@@ -124,7 +124,7 @@ def test_remat_policies_give_same_values_and_gradients(no_remat, remat):
     (v0, g0), (v1, g1) = no_remat, _value_and_grad(remat)
     np.testing.assert_allclose(v0, v1, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # GPU recompute order: ~2e-6 on an H200
 
 
 def test_every_param_has_one_logical_axis_per_dim():

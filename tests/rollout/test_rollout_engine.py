@@ -75,7 +75,8 @@ def test_greedy_independent_of_batch_and_slot_order(engine, params):
     alone = run_requests(engine, params, [PROMPT], [0], GREEDY)[0]
     crowded = run_requests(engine, params, [other_b, PROMPT, other_a], [0, 3, 2], GREEDY)[1]
     assert alone[0] == crowded[0]
-    np.testing.assert_allclose(alone[1], crowded[1], atol=1e-6)
+    # GPU GEMMs reduce in a batch-dependent order (~4e-6 seen on an H200); CPU agrees to 1e-7
+    np.testing.assert_allclose(alone[1], crowded[1], atol=1e-5)
 
 
 def test_seeded_sampling_independent_of_slot(engine, params):
