@@ -4,6 +4,11 @@ A raw row is a dict read from a JSONL line or a Parquet row. `parse_task_row` an
 `parse_sft_row` either return a record or raise `BadRowError` naming the field and the
 reason; the readers count those errors per reason and skip the row (see `readers.py`).
 
+Field names are matched case-insensitively at every level (`Problem`/`Answer` columns,
+`reward_model.Ground_Truth`, `messages[].Role`): datasets on the Hub spell them both
+ways. Two keys of one object that differ only in case are an `ambiguous_field` error
+naming both, never a silent pick.
+
 Task row:  {"prompt": str, "answer": str | int | float, "id"?: str | int, "metadata"?: dict}
 SFT row:   {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...],
             "id"?: str | int, "metadata"?: dict}
@@ -80,13 +85,38 @@ class SFTRecord:
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
+def find_key(row: Mapping[str, Any], field: str, path: str | None = None) -> Any:
+    """The key of `row` that equals `field` ignoring case, or None.
+
+    Args:
+      row: a decoded object.
+      field: the lower-case field name.
+      path: the field's path for error messages (default `field`).
+
+    Raises:
+      BadRowError: ("ambiguous_field") when two keys match, e.g. "Answer" and "answer".
+    """
+    matches = [key for key in row if isinstance(key, str) and key.lower() == field]
+    if len(matches) > 1:
+        raise BadRowError("ambiguous_field", path or field,
+                          f"keys {', '.join(map(repr, sorted(matches)))} differ only in case; rename or drop one")
+    return matches[0] if matches else None
+
+
+def get_field(row: Mapping[str, Any], field: str, path: str | None = None) -> Any:
+    """`row[field]` matched ignoring case (see `find_key`), or None when absent."""
+    key = find_key(row, field, path)
+    return None if key is None else row[key]
+
+
 def require_field(row: Mapping[str, Any], field: str, path: str | None = None) -> Any:
-    """Returns `row[field]`, or raises `BadRowError("missing_field", ...)`."""
+    """Returns `row[field]` (matched ignoring case), or raises `BadRowError("missing_field", ...)`."""
     if not isinstance(row, Mapping):
         raise BadRowError("wrong_type", path or "<row>", f"expected an object, got {type(row).__name__}")
-    if field not in row or row[field] is None:
+    value = get_field(row, field, path)
+    if value is None:
         raise BadRowError("missing_field", path or field, f"the row has no {field!r}")
-    return row[field]
+    return value
 
 
 def require_text(value: Any, field: str, *, allow_empty: bool = False) -> str:
@@ -115,7 +145,7 @@ def answer_text(value: Any, field: str = "answer") -> str:
 
 def record_id(row: Mapping[str, Any], default_id: str, field: str = "id") -> str:
     """The row's id as a string, or `default_id` when it has none."""
-    value = row.get(field)
+    value = get_field(row, field)
     if value is None:
         return default_id
     if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral)):
@@ -125,7 +155,7 @@ def record_id(row: Mapping[str, Any], default_id: str, field: str = "id") -> str
 
 def record_metadata(row: Mapping[str, Any], field: str = "metadata") -> dict[str, Any]:
     """The row's metadata dict (empty when absent)."""
-    value = row.get(field)
+    value = get_field(row, field)
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -173,7 +203,7 @@ def parse_messages(messages: Any, field: str = "messages") -> tuple[ChatMessage,
         role = require_field(message, "role", f"{path}.role")
         if role not in ROLES:
             raise BadRowError("bad_role", f"{path}.role", f"{role!r} is not one of {ROLES}")
-        extra = sorted(k for k in message if k not in ("role", "content") and message[k] is not None)
+        extra = sorted(str(k) for k in message if str(k).lower() not in ("role", "content") and message[k] is not None)
         if extra:
             raise BadRowError("unsupported_field", f"{path}.{extra[0]}", "only role/content are read here")
         content = require_text(
