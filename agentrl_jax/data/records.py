@@ -17,6 +17,7 @@ SFT row:   {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content":
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -85,8 +86,18 @@ class SFTRecord:
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def find_key(row: Mapping[str, Any], field: str, path: str | None = None) -> Any:
-    """The key of `row` that equals `field` ignoring case, or None.
+@functools.lru_cache(maxsize=4096)
+def _keys_by_lower_name(keys: tuple[Any, ...]) -> dict[str, tuple[str, ...]]:
+    """Lower-cased name -> the keys spelling it. Cached: the rows of one file share their keys."""
+    index: dict[str, tuple[str, ...]] = {}
+    for key in keys:
+        if isinstance(key, str):
+            index[key.lower()] = index.get(key.lower(), ()) + (key,)
+    return index
+
+
+def get_field(row: Mapping[str, Any], field: str, path: str | None = None) -> Any:
+    """`row[field]` with the key matched ignoring case, or None when absent.
 
     Args:
       row: a decoded object.
@@ -96,17 +107,13 @@ def find_key(row: Mapping[str, Any], field: str, path: str | None = None) -> Any
     Raises:
       BadRowError: ("ambiguous_field") when two keys match, e.g. "Answer" and "answer".
     """
-    matches = [key for key in row if isinstance(key, str) and key.lower() == field]
+    matches = _keys_by_lower_name(tuple(row)).get(field)
+    if matches is None:
+        return None
     if len(matches) > 1:
         raise BadRowError("ambiguous_field", path or field,
                           f"keys {', '.join(map(repr, sorted(matches)))} differ only in case; rename or drop one")
-    return matches[0] if matches else None
-
-
-def get_field(row: Mapping[str, Any], field: str, path: str | None = None) -> Any:
-    """`row[field]` matched ignoring case (see `find_key`), or None when absent."""
-    key = find_key(row, field, path)
-    return None if key is None else row[key]
+    return row[matches[0]]
 
 
 def require_field(row: Mapping[str, Any], field: str, path: str | None = None) -> Any:
