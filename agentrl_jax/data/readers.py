@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from agentrl_jax.data.dedup import DUPLICATE, Deduplicator
-from agentrl_jax.data.records import BadRowError
+from agentrl_jax.data.records import BadRowError, check_keys
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class DataStats:
         "eval_overlap".
       examples: "file:line: error" for the first `max_examples` bad rows.
       max_examples: how many bad rows (and, separately, conflicting answers) are logged verbatim.
+      drops_logged: conflicting answers logged so far.
     """
 
     rows_read: int = 0
@@ -143,20 +144,6 @@ def metric_reason(reason: str) -> str:
     return "/".join(part.replace("_.", ".") for part in parts if part) or "unknown"
 
 
-def check_columns(names: Sequence[Any], where: str) -> None:
-    """Raises `BadRowError("ambiguous_field")` when two column names differ only in case."""
-    by_lower: dict[str, list[str]] = collections.defaultdict(list)
-    for name in names:
-        if isinstance(name, str):
-            by_lower[name.lower()].append(name)
-    clashes = sorted(sorted(group) for group in by_lower.values() if len(group) > 1)
-    if clashes:
-        listed = "; ".join(" and ".join(map(repr, group)) for group in clashes)
-        raise BadRowError("ambiguous_field", clashes[0][0].lower(),
-                          f"{where} {listed} differ only in case (names are matched ignoring case); "
-                          "rename or drop one")
-
-
 def resolve_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
     """Expands files, directories (their .jsonl/.json/.parquet files) and globs, sorted.
 
@@ -212,7 +199,7 @@ def iter_raw_rows(path: str) -> Iterator[tuple[str, Any, str | None]]:
 
         parquet = pq.ParquetFile(path)
         try:
-            check_columns(parquet.schema_arrow.names, "columns")
+            check_keys(parquet.schema_arrow.names, "columns")
         except BadRowError as e:
             raise DataError(f"{path}: {e.detail}") from e
         row_no = 0
@@ -260,7 +247,7 @@ def read_file_records(path: str, parse_row: RowParser, max_examples: int = 5,
             continue
         try:
             if not parquet:
-                check_columns(list(row), "keys")
+                check_keys(row, "keys")
             record = parse_row(row, f"{base}:{location.rsplit(':', 1)[1]}")
         except BadRowError as e:
             stats.record_bad(location, e.reason, str(e), _raw_text(row))

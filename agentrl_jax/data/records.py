@@ -96,6 +96,21 @@ def _keys_by_lower_name(keys: tuple[Any, ...]) -> dict[str, tuple[str, ...]]:
     return index
 
 
+def check_keys(keys: Any, where: str) -> None:
+    """Raises `BadRowError("ambiguous_field")` when two of `keys` differ only in case.
+
+    Args:
+      keys: column names, or an object whose keys are checked.
+      where: what the names are, for the message ("columns", "keys").
+    """
+    clashes = sorted(group for group in _keys_by_lower_name(tuple(keys)).values() if len(group) > 1)
+    if clashes:
+        listed = "; ".join(" and ".join(map(repr, sorted(group))) for group in clashes)
+        raise BadRowError("ambiguous_field", clashes[0][0].lower(),
+                          f"{where} {listed} differ only in case (names are matched ignoring case); "
+                          "rename or drop one")
+
+
 def get_field(row: Mapping[str, Any], field: str, path: str | None = None) -> Any:
     """`row[field]` with the key matched ignoring case, or None when absent.
 
