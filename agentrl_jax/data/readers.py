@@ -54,6 +54,8 @@ class DataStats:
       bad_by_reason: bad rows per reason, e.g. {"missing_field:prompt": 3}.
       dropped_by_reason: valid rows dropped per reason: "duplicate", "conflicting_answer",
         "eval_overlap".
+      flagged_by_reason: kept rows that a check flagged but was told to keep, per reason
+        ("eval_overlap" with `data.drop_eval_overlap=false`).
       examples: "file:line: error" for the first `max_examples` bad rows.
       max_examples: how many bad rows (and, separately, conflicting answers) are logged verbatim.
       drops_logged: conflicting answers logged so far.
@@ -63,6 +65,7 @@ class DataStats:
     rows_kept: int = 0
     bad_by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     dropped_by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    flagged_by_reason: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     examples: list[str] = dataclasses.field(default_factory=list)
     max_examples: int = 5
     drops_logged: int = 0
@@ -112,6 +115,7 @@ class DataStats:
         self.rows_kept += other.rows_kept
         self.bad_by_reason.update(other.bad_by_reason)
         self.dropped_by_reason.update(other.dropped_by_reason)
+        self.flagged_by_reason.update(other.flagged_by_reason)
         room = self.max_examples - len(self.examples)
         self.examples.extend(other.examples[: max(room, 0)])
 
@@ -119,17 +123,21 @@ class DataStats:
         """One line: kept/read and the skip reasons, e.g. "kept 2/7 rows; skipped 5 (duplicate=3, ...)"."""
         skipped = self.skipped_by_reason
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(skipped.items()))
-        return f"kept {self.rows_kept}/{self.rows_read} rows; skipped {sum(skipped.values())}" + (
+        text = f"kept {self.rows_kept}/{self.rows_read} rows; skipped {sum(skipped.values())}" + (
             f" ({reasons})" if reasons else "")
+        flagged = ", ".join(f"{k}={v}" for k, v in sorted(self.flagged_by_reason.items()))
+        return text + (f"; kept but flagged: {flagged}" if flagged else "")
 
     def as_metrics(self, prefix: str = "data/") -> dict[str, int]:
         """Counts as a flat metrics dict: `{prefix}rows_read`, `rows_kept`, `rows_skipped` and
-        `{prefix}skipped/<reason>` per reason (see `metric_reason` for the names)."""
+        `{prefix}skipped/<reason>` per reason (see `metric_reason` for the names), and
+        `{prefix}flagged/<reason>` for kept rows a check flagged."""
         metrics = {f"{prefix}rows_read": self.rows_read, f"{prefix}rows_kept": self.rows_kept,
                    f"{prefix}rows_skipped": self.rows_bad + self.rows_dropped}
         for reason, count in sorted(self.skipped_by_reason.items()):
             key = f"{prefix}skipped/{metric_reason(reason)}"
             metrics[key] = metrics.get(key, 0) + count
+        metrics.update({f"{prefix}flagged/{metric_reason(k)}": v for k, v in sorted(self.flagged_by_reason.items())})
         return metrics
 
 

@@ -95,7 +95,9 @@ def load_task_data(config: Config) -> TaskData:
                        overlap[0]["question"][:200], "; dropped from train (data.drop_eval_overlap)"
                        if data.drop_eval_overlap else "; kept because data.drop_eval_overlap=false: "
                        "the held-out score is contaminated")
-    if data.drop_eval_overlap:
+    if not data.drop_eval_overlap:
+        stats["train"].flagged_by_reason[EVAL_OVERLAP] += len(overlap)
+    else:
         stats["train"].drop_kept(EVAL_OVERLAP, len(overlap))
         train = clean
         if not train:

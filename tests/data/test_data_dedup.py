@@ -141,6 +141,8 @@ def test_eval_overlap_can_be_kept_and_deduplication_turned_off(tmp_path, caplog)
             _task_config(tmp_path, "data.drop_eval_overlap=false", "data.deduplicate=false"))
     assert len(train) == 19 and len(held_out) == 3
     assert stats["train"].rows_dropped == 0 and stats["eval"].rows_bad == 1
+    assert setup.data_metrics(stats)["data/train/flagged/eval_overlap"] == 1
+    assert stats["train"].summary() == "kept 19/19 rows; skipped 0; kept but flagged: eval_overlap=1"
     assert "1 training tasks have the prompt of an eval task" in caplog.text and "contaminated" in caplog.text
     eval_only = tmp_path / "only"
     eval_only.mkdir()
