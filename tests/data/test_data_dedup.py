@@ -1,5 +1,6 @@
 """Repeated rows, case-insensitive column names, and the skip counts in the run's metrics."""
 
+import io
 import json
 import logging
 
@@ -121,10 +122,14 @@ def test_task_counts_reach_metrics_jsonl_and_tensorboard(tmp_path):
     train, held_out, stats = setup.load_task_data(_task_config(tmp_path))
     assert [t["question"] for t in train] == [f"Q{i}" for i in range(6)]
     assert [t["question"] for t in held_out] == ["AIME  problem 1", "AIME problem 2"]
-    with MetricsWriter(tmp_path / "metrics", total_steps=10) as writer:
+    console = io.StringIO()
+    with MetricsWriter(tmp_path / "metrics", total_steps=10, console=console) as writer:
         writer.write(0, setup.data_metrics(stats), timed=False)
+        writer.write(1, {"loss": 1.0})
+        # a record written before the steps run prints no progress line and is not a step for the ETA
+        assert console.getvalue() == "step 1/10 (10%) | - s/step | eta ? | loss 1\n"
     rows = [json.loads(line) for line in (tmp_path / "metrics" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 1 and rows[0]["step"] == 0
+    assert len(rows) == 2 and rows[0]["step"] == 0
     expected = {"data/train/rows_read": 19, "data/train/rows_kept": 6, "data/train/rows_skipped": 13,
                 "data/train/skipped/duplicate": 12, "data/train/skipped/eval_overlap": 1,
                 "data/eval/rows_read": 4, "data/eval/rows_kept": 2, "data/eval/rows_skipped": 2,
