@@ -298,6 +298,12 @@ class DataConfig(_Section):
     eval_path: str = _f("", "Held-out task records for evaluation.")
     format: Literal["tasks", "dapo", "aime"] = _f("tasks", "Schema of the task files.")
     sft_path: str = _f("", "SFT conversations (JSONL/Parquet) for the cold start.")
+    deduplicate: bool = _f(True, "Drop repeated rows of train, eval and SFT files (first kept; same "
+                                 "whitespace-normalized prompt: 'duplicate' with the same answer, "
+                                 "'conflicting_answer' with another), counted in data/<split>/skipped/*.")
+    drop_eval_overlap: bool = _f(True, "Drop training tasks whose prompt is also an eval prompt (counted as "
+                                       "data/train/skipped/eval_overlap); False keeps them with a warning "
+                                       "(counted as data/train/flagged/eval_overlap).")
     prompts_per_step: int = _f(8, "Prompts drawn per RL step (each sampled group_size times).")
     shuffle_seed: int = _f(0, "Seed of the per-epoch shuffle.")
 

@@ -8,9 +8,12 @@ Task formats (`load_task_records(paths, format=...)`):
                The DAPO instruction wrapper ("Solve the following math problem step by step ... after
                \"Answer:\".") is stripped by default, because the environment states its own answer
                format (\\boxed{}); pass `strip_instruction=False` to keep it. The published parquet repeats
-               each problem many times: load it with `deduplicate=True`.
+               each problem about a hundred times; the loaders deduplicate by default (`dedup.py`).
   "aime"       AIME-style eval files: {"problem" | "question" | "prompt": str, "answer" | "label": str|int,
                "id" | "ID"?, other fields -> metadata}.
+
+Field names match ignoring case in every format (`Problem`/`Answer`, `reward_model.Ground_Truth`);
+two keys that differ only in case are an error naming both (see `records.py`).
 
 SFT formats (`load_sft_records(paths, format=...)`):
   "chat"       {"messages": [{"role", "content"}, ...]} with roles system/user/assistant/tool.
@@ -41,6 +44,7 @@ from agentrl_jax.data.records import (
     SFTRecord,
     TaskRecord,
     answer_text,
+    get_field,
     parse_messages,
     parse_sft_row,
     parse_task_row,
@@ -72,24 +76,24 @@ def parse_dapo_math_row(row: Mapping[str, Any], default_id: str, *, strip_instru
     """DAPO-Math-17k row -> `TaskRecord` (see the module docstring for the shape)."""
     prompt = require_field(row, "prompt")
     if isinstance(prompt, list):
-        users = [m for m in prompt if isinstance(m, Mapping) and m.get("role") == "user"]
+        users = [m for m in prompt if isinstance(m, Mapping) and get_field(m, "role", "prompt[].role") == "user"]
         if not users:
             raise BadRowError("missing_field", "prompt[].content", "the prompt list has no user message")
-        prompt = require_text(users[-1].get("content"), "prompt[-1].content")
+        prompt = require_text(get_field(users[-1], "content", "prompt[-1].content"), "prompt[-1].content")
     prompt = require_text(prompt, "prompt")
     if strip_instruction:
         prompt = require_text(strip_dapo_instruction(prompt), "prompt")
-    if "reward_model" in row and row["reward_model"] is not None:
-        reward_model = row["reward_model"]
+    reward_model = get_field(row, "reward_model")
+    if reward_model is not None:
         if not isinstance(reward_model, Mapping):
             raise BadRowError("wrong_type", "reward_model", f"expected an object, got {type(reward_model).__name__}")
         answer = answer_text(require_field(reward_model, "ground_truth", "reward_model.ground_truth"),
                              "reward_model.ground_truth")
     else:
         answer = answer_text(require_field(row, "label"), "label")
-    extra_info = row.get("extra_info") if isinstance(row.get("extra_info"), Mapping) else {}
-    index = extra_info.get("index")
-    metadata = {k: row[k] for k in ("data_source", "ability") if row.get(k) is not None}
+    extra_info = get_field(row, "extra_info")
+    index = get_field(extra_info, "index", "extra_info.index") if isinstance(extra_info, Mapping) else None
+    metadata = {k: v for k in ("data_source", "ability") if (v := get_field(row, k)) is not None}
     metadata.update(record_metadata(row))
     return TaskRecord(prompt=prompt, answer=answer,
                       id=str(index) if index is not None else record_id(row, default_id), metadata=metadata)
@@ -100,20 +104,22 @@ _AIME_ANSWER_KEYS = ("answer", "label")
 
 
 def parse_aime_row(row: Mapping[str, Any], default_id: str) -> TaskRecord:
-    """AIME-style eval row -> `TaskRecord`; unused fields (year, url, solution, ...) go to metadata."""
-    prompt_key = next((k for k in _AIME_PROMPT_KEYS if row.get(k) is not None), None)
+    """AIME-style eval row -> `TaskRecord`; unused fields (year, url, solution, ...) go to metadata.
+
+    Field names match ignoring case, so `{"ID", "Problem", "Answer"}` files load as well.
+    """
+    prompt_key = next((k for k in _AIME_PROMPT_KEYS if get_field(row, k) is not None), None)
     if prompt_key is None:
         raise BadRowError("missing_field", "problem", f"the row has none of {_AIME_PROMPT_KEYS}")
-    answer_key = next((k for k in _AIME_ANSWER_KEYS if row.get(k) is not None), None)
+    answer_key = next((k for k in _AIME_ANSWER_KEYS if get_field(row, k) is not None), None)
     if answer_key is None:
         raise BadRowError("missing_field", "answer", f"the row has none of {_AIME_ANSWER_KEYS}")
-    prompt = require_text(row[prompt_key], prompt_key)
-    answer = answer_text(row[answer_key], answer_key)
-    id_key = "id" if row.get("id") is not None else "ID"
-    used = {prompt_key, answer_key, id_key, "metadata"}
-    metadata = {k: v for k, v in row.items() if k not in used and v is not None}
+    prompt = require_text(get_field(row, prompt_key), prompt_key)
+    answer = answer_text(get_field(row, answer_key), answer_key)
+    used = {prompt_key, answer_key, "id", "metadata"}
+    metadata = {k: v for k, v in row.items() if str(k).lower() not in used and v is not None}
     metadata.update(record_metadata(row))
-    return TaskRecord(prompt=prompt, answer=answer, id=record_id(row, default_id, id_key), metadata=metadata)
+    return TaskRecord(prompt=prompt, answer=answer, id=record_id(row, default_id), metadata=metadata)
 
 
 def split_interpreter_blocks(response: str, field: str) -> list[ChatMessage]:
@@ -156,13 +162,14 @@ def retool_question(prompt: str) -> str:
 
 
 def _tool_call_code(message: Mapping[str, Any], path: str) -> str:
-    calls = message["tool_calls"]
+    calls = get_field(message, "tool_calls", f"{path}.tool_calls")
     if not isinstance(calls, list) or len(calls) != 1:
         raise BadRowError("malformed", f"{path}.tool_calls", "expected exactly one code_interpreter call")
-    function = calls[0].get("function") if isinstance(calls[0], Mapping) else None
+    call_path = f"{path}.tool_calls[0]"
+    function = get_field(calls[0], "function", f"{call_path}.function") if isinstance(calls[0], Mapping) else None
     if not isinstance(function, Mapping):
-        raise BadRowError("missing_field", f"{path}.tool_calls[0].function", "no function object")
-    arguments = function.get("arguments")
+        raise BadRowError("missing_field", f"{call_path}.function", "no function object")
+    arguments = get_field(function, "arguments", f"{call_path}.function.arguments")
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
@@ -170,7 +177,8 @@ def _tool_call_code(message: Mapping[str, Any], path: str) -> str:
             raise BadRowError("malformed", f"{path}.tool_calls[0].function.arguments", str(e)) from e
     if not isinstance(arguments, Mapping):
         raise BadRowError("wrong_type", f"{path}.tool_calls[0].function.arguments", "expected an object")
-    return require_text(arguments.get("code"), f"{path}.tool_calls[0].function.arguments.code")
+    code_path = f"{call_path}.function.arguments.code"
+    return require_text(get_field(arguments, "code", code_path), code_path)
 
 
 def render_tool_call_messages(messages: Sequence[Any], field: str = "messages") -> list[dict[str, str]]:
@@ -185,8 +193,9 @@ def render_tool_call_messages(messages: Sequence[Any], field: str = "messages") 
         path = f"{field}[{i}]"
         if not isinstance(message, Mapping):
             raise BadRowError("wrong_type", path, f"expected an object, got {type(message).__name__}")
-        role, content = message.get("role"), message.get("content") or ""
-        if role == "assistant" and message.get("tool_calls"):
+        role = get_field(message, "role", f"{path}.role")
+        content = get_field(message, "content", f"{path}.content") or ""
+        if role == "assistant" and get_field(message, "tool_calls", f"{path}.tool_calls"):
             code = _tool_call_code(message, path)
             text = require_text(content, f"{path}.content", allow_empty=True)
             content = f"{text}\n<code>\n```python\n{code}\n```\n</code>\n".lstrip("\n")
@@ -234,7 +243,7 @@ def _row_parser(formats: Mapping[str, Callable[..., Any]], name: str, options: M
 
 
 def load_task_records(paths: str | os.PathLike | Sequence[str | os.PathLike], format: str = "task",
-                      max_examples: int = 5, deduplicate: bool = False,
+                      max_examples: int = 5, deduplicate: bool = True,
                       **options: Any) -> tuple[list[TaskRecord], DataStats]:
     """Loads task records from local files (.jsonl / .json / .parquet, dirs, globs).
 
@@ -242,8 +251,9 @@ def load_task_records(paths: str | os.PathLike | Sequence[str | os.PathLike], fo
       paths: file(s), directories or glob patterns.
       format: one of `TASK_FORMATS` ("task", "dapo_math", "aime").
       max_examples: bad rows logged verbatim per file.
-      deduplicate: drop (and count) records with the same prompt and answer as an earlier
-        one. Use it for BytedTsinghua-SIA/DAPO-Math-17k, whose parquet repeats each problem.
+      deduplicate: drop (and count) records whose whitespace-normalized prompt equals an
+        earlier one's: "duplicate" with the same answer, "conflicting_answer" with another
+        (the first is kept). BytedTsinghua-SIA/DAPO-Math-17k's parquet repeats each problem.
       **options: format options, e.g. `strip_instruction=False` for "dapo_math".
 
     Returns:
@@ -257,8 +267,11 @@ def load_task_records(paths: str | os.PathLike | Sequence[str | os.PathLike], fo
 
 
 def load_sft_records(paths: str | os.PathLike | Sequence[str | os.PathLike], format: str = "chat",
-                     max_examples: int = 5, deduplicate: bool = False,
+                     max_examples: int = 5, deduplicate: bool = True,
                      **options: Any) -> tuple[list[SFTRecord], DataStats]:
-    """Loads SFT conversations; like `load_task_records` with `SFT_FORMATS` ("chat", "retool_sft")."""
+    """Loads SFT conversations; like `load_task_records` with `SFT_FORMATS` ("chat", "retool_sft").
+
+    With `deduplicate`, a conversation identical (every role and text) to an earlier one
+    is dropped and counted as "duplicate"."""
     return read_records(paths, _row_parser(SFT_FORMATS, format, options), max_examples=max_examples,
                         deduplicate=deduplicate)

@@ -4,6 +4,11 @@ A raw row is a dict read from a JSONL line or a Parquet row. `parse_task_row` an
 `parse_sft_row` either return a record or raise `BadRowError` naming the field and the
 reason; the readers count those errors per reason and skip the row (see `readers.py`).
 
+Field names are matched case-insensitively at every level (`Problem`/`Answer` columns,
+`reward_model.Ground_Truth`, `messages[].Role`): datasets on the Hub spell them both
+ways. Two keys of one object that differ only in case are an `ambiguous_field` error
+naming both, never a silent pick.
+
 Task row:  {"prompt": str, "answer": str | int | float, "id"?: str | int, "metadata"?: dict}
 SFT row:   {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...],
             "id"?: str | int, "metadata"?: dict}
@@ -12,6 +17,7 @@ SFT row:   {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content":
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -80,13 +86,59 @@ class SFTRecord:
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
+@functools.lru_cache(maxsize=4096)
+def _keys_by_lower_name(keys: tuple[Any, ...]) -> dict[str, tuple[str, ...]]:
+    """Lower-cased name -> the keys spelling it. Cached: the rows of one file share their keys."""
+    index: dict[str, tuple[str, ...]] = {}
+    for key in keys:
+        if isinstance(key, str):
+            index[key.lower()] = index.get(key.lower(), ()) + (key,)
+    return index
+
+
+def check_keys(keys: Any, where: str) -> None:
+    """Raises `BadRowError("ambiguous_field")` when two of `keys` differ only in case.
+
+    Args:
+      keys: column names, or an object whose keys are checked.
+      where: what the names are, for the message ("columns", "keys").
+    """
+    clashes = sorted(group for group in _keys_by_lower_name(tuple(keys)).values() if len(group) > 1)
+    if clashes:
+        listed = "; ".join(" and ".join(map(repr, sorted(group))) for group in clashes)
+        raise BadRowError("ambiguous_field", clashes[0][0].lower(),
+                          f"{where} {listed} differ only in case (names are matched ignoring case); "
+                          "rename or drop one")
+
+
+def get_field(row: Mapping[str, Any], field: str, path: str | None = None) -> Any:
+    """`row[field]` with the key matched ignoring case, or None when absent.
+
+    Args:
+      row: a decoded object.
+      field: the lower-case field name.
+      path: the field's path for error messages (default `field`).
+
+    Raises:
+      BadRowError: ("ambiguous_field") when two keys match, e.g. "Answer" and "answer".
+    """
+    matches = _keys_by_lower_name(tuple(row)).get(field)
+    if matches is None:
+        return None
+    if len(matches) > 1:
+        raise BadRowError("ambiguous_field", path or field,
+                          f"keys {', '.join(map(repr, sorted(matches)))} differ only in case; rename or drop one")
+    return row[matches[0]]
+
+
 def require_field(row: Mapping[str, Any], field: str, path: str | None = None) -> Any:
-    """Returns `row[field]`, or raises `BadRowError("missing_field", ...)`."""
+    """Returns `row[field]` (matched ignoring case), or raises `BadRowError("missing_field", ...)`."""
     if not isinstance(row, Mapping):
         raise BadRowError("wrong_type", path or "<row>", f"expected an object, got {type(row).__name__}")
-    if field not in row or row[field] is None:
+    value = get_field(row, field, path)
+    if value is None:
         raise BadRowError("missing_field", path or field, f"the row has no {field!r}")
-    return row[field]
+    return value
 
 
 def require_text(value: Any, field: str, *, allow_empty: bool = False) -> str:
@@ -115,7 +167,7 @@ def answer_text(value: Any, field: str = "answer") -> str:
 
 def record_id(row: Mapping[str, Any], default_id: str, field: str = "id") -> str:
     """The row's id as a string, or `default_id` when it has none."""
-    value = row.get(field)
+    value = get_field(row, field)
     if value is None:
         return default_id
     if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral)):
@@ -125,7 +177,7 @@ def record_id(row: Mapping[str, Any], default_id: str, field: str = "id") -> str
 
 def record_metadata(row: Mapping[str, Any], field: str = "metadata") -> dict[str, Any]:
     """The row's metadata dict (empty when absent)."""
-    value = row.get(field)
+    value = get_field(row, field)
     if value is None:
         return {}
     if not isinstance(value, Mapping):
@@ -173,7 +225,7 @@ def parse_messages(messages: Any, field: str = "messages") -> tuple[ChatMessage,
         role = require_field(message, "role", f"{path}.role")
         if role not in ROLES:
             raise BadRowError("bad_role", f"{path}.role", f"{role!r} is not one of {ROLES}")
-        extra = sorted(k for k in message if k not in ("role", "content") and message[k] is not None)
+        extra = sorted(str(k) for k in message if str(k).lower() not in ("role", "content") and message[k] is not None)
         if extra:
             raise BadRowError("unsupported_field", f"{path}.{extra[0]}", "only role/content are read here")
         content = require_text(

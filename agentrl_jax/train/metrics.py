@@ -127,13 +127,16 @@ class MetricsWriter:
         if self.nonfinite_count <= _MAX_NONFINITE_WARNINGS:
             logger.warning("non-finite %s in metric %r (written as null / NaN and counted)", what, key)
 
-    def write(self, step: int, scalars: Mapping[str, Any]) -> None:
+    def write(self, step: int, scalars: Mapping[str, Any], *, timed: bool = True) -> None:
         """Writes one step's scalar metrics everywhere and maybe prints the progress line.
 
         Args:
           step: the global step.
           scalars: name -> number (Python, NumPy or JAX scalar). Names use "/" groups,
             e.g. "reward/mean", "time/rollout".
+          timed: False for a one-off record written before the steps run (the data counts at
+            step 0): it prints no progress line and stays out of the s/step estimate, which a
+            write before a long SFT stage or at step 0 of a resumed run would distort.
         """
         if not self.enabled:
             return
@@ -148,6 +151,8 @@ class MetricsWriter:
                 record[key] = value
         self._jsonl.write(json.dumps(record, allow_nan=False) + "\n")
         self._jsonl.flush()
+        if not timed:
+            return
         self._step_times.append((time.perf_counter(), int(step)))
         if self.console_every and int(step) % self.console_every == 0:
             print(self.progress_line(int(step), values), file=self.console, flush=True)

@@ -84,12 +84,12 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
     t_start = time.perf_counter()
     out = Path(config.output_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
-    train_tasks, eval_tasks = setup.load_tasks(config)
+    train_tasks, eval_tasks, data_stats = setup.load_task_data(config)
     sft_conversations = None
     if config.sft.steps and config.environment.name == "arithmetic" and not config.data.sft_path:
         sft_conversations = setup.arithmetic_demonstrations(config, train_tasks)
     elif config.sft.steps:
-        sft_conversations = _load_sft(config)
+        sft_conversations, data_stats["sft"] = setup.load_sft_conversations(config)
     corpus = [m["content"] for conv in (sft_conversations or []) for m in conv] or [
         t["question"] for t in train_tasks
     ]
@@ -126,6 +126,7 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
         cache_dtype=_DTYPES[r.cache_dtype],
     )
     writer = MetricsWriter(out / "metrics", total_steps=config.total_steps)
+    writer.write(0, setup.data_metrics(data_stats), timed=False)  # rows kept / skipped per split and reason
     checkpointer = Checkpointer(out / "checkpoints", max_to_keep=config.checkpoint.max_to_keep,
                                 async_save=config.checkpoint.async_save)
     if threading.current_thread() is threading.main_thread():
@@ -251,18 +252,6 @@ def _check_multihost(config: Config) -> None:
     if config.async_rl.enabled:
         raise ConfigError("async_rl.enabled: not supported on several hosts yet (every host would need to "
                           "agree on which batch trains when)")
-
-
-def _load_sft(config: Config) -> list[list[dict[str, str]]]:
-    from agentrl_jax.data import load_sft_records
-
-    if not config.data.sft_path:
-        from agentrl_jax.config import ConfigError
-
-        raise ConfigError("data.sft_path is required when sft.steps > 0 for this environment")
-    records, stats = load_sft_records(config.data.sft_path, format="retool_sft")
-    logger.info("SFT records: %s", stats.summary())
-    return [[{"role": msg.role, "content": msg.content} for msg in r.messages] for r in records]
 
 
 def _sft(config, graphdef, params, tokenizer, conversations, writer, mesh):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -31,22 +31,50 @@ from agentrl_jax.envs.retool import initial_messages
 from agentrl_jax.rewards.shaping import RewardWeights
 from agentrl_jax.rewards.verifier import MathVerifier
 
+if TYPE_CHECKING:  # the data package imports grain: loaded when data is, not with this module
+    from agentrl_jax.data import DataStats
+
 logger = logging.getLogger(__name__)
 
 
-def load_tasks(config: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(train, held-out) task dicts with at least ``question`` and ``answer``.
+class TaskData(NamedTuple):
+    """The run's tasks and what loading them counted.
 
-    From ``data.train_path`` / ``data.eval_path`` when set; for the arithmetic environment
-    the missing ones are generated (disjoint by construction).
+    Attributes:
+      train: training task dicts (``question``, ``answer``, ``id`` and the record's metadata).
+      held_out: evaluation task dicts.
+      stats: a ``DataStats`` per split, "train" and "eval" (generated tasks: all kept).
     """
-    env = config.environment
+
+    train: list[dict[str, Any]]
+    held_out: list[dict[str, Any]]
+    stats: dict[str, DataStats]
+
+
+def load_task_data(config: Config) -> TaskData:
+    """(train, held-out) task dicts with at least ``question`` and ``answer``, and their counts.
+
+    From ``data.train_path`` / ``data.eval_path`` when set, deduplicated with
+    ``data.deduplicate``; for the arithmetic environment the missing ones are generated
+    (disjoint by construction). A training task whose prompt is also a held-out prompt is
+    dropped with ``data.drop_eval_overlap`` (else kept with a warning), and counted.
+
+    Raises:
+      ConfigError: a missing path, or no training task left after the overlap check.
+      DataError: a path that matches nothing, or a file with no valid row.
+    """
+    from agentrl_jax.data import DataStats
+    from agentrl_jax.data.dedup import EVAL_OVERLAP, split_overlap
+
+    env, data = config.environment, config.data
     train: list[dict[str, Any]] | None = None
     held_out: list[dict[str, Any]] | None = None
-    if config.data.train_path:
-        train = _read_tasks(config.data.train_path, config.data.format)
-    if config.data.eval_path:
-        held_out = _read_tasks(config.data.eval_path, "aime" if config.data.format == "dapo" else config.data.format)
+    stats: dict[str, DataStats] = {}
+    if data.train_path:
+        train, stats["train"] = _read_tasks(data.train_path, data.format, data.deduplicate)
+    if data.eval_path:
+        held_out, stats["eval"] = _read_tasks(data.eval_path, "aime" if data.format == "dapo" else data.format,
+                                              data.deduplicate)
     if env.name == "arithmetic":
         widths = range(env.min_digits, env.max_digits + 1)
         if train is None:
@@ -59,15 +87,59 @@ def load_tasks(config: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any
         raise ConfigError(f"data.train_path is required for environment.name={env.name!r}")
     if held_out is None:
         raise ConfigError(f"data.eval_path is required for environment.name={env.name!r}")
+    for split, tasks in (("train", train), ("eval", held_out)):
+        stats.setdefault(split, DataStats(rows_read=len(tasks), rows_kept=len(tasks)))
+    clean, overlap = split_overlap(train, held_out, lambda task: task["question"])
+    if overlap:
+        logger.warning("%d training tasks have the prompt of an eval task (e.g. %r)%s", len(overlap),
+                       overlap[0]["question"][:200], "; dropped from train (data.drop_eval_overlap)"
+                       if data.drop_eval_overlap else "; kept because data.drop_eval_overlap=false: "
+                       "the held-out score is contaminated")
+    if not data.drop_eval_overlap:
+        stats["train"].flagged_by_reason[EVAL_OVERLAP] += len(overlap)
+    else:
+        stats["train"].drop_kept(EVAL_OVERLAP, len(overlap))
+        train = clean
+        if not train:
+            raise ConfigError(f"data.train_path: every training task also appears in data.eval_path "
+                              f"({data.eval_path!r}); set data.drop_eval_overlap=false to train on them anyway")
+    return TaskData(train, held_out, stats)
+
+
+def load_tasks(config: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(train, held-out) task dicts; see `load_task_data`, which also returns the counts."""
+    train, held_out, _ = load_task_data(config)
     return train, held_out
 
 
-def _read_tasks(path: str, fmt: str) -> list[dict[str, Any]]:
+def _read_tasks(path: str, fmt: str, deduplicate: bool) -> tuple[list[dict[str, Any]], DataStats]:
     from agentrl_jax.data import load_task_records
 
-    records, stats = load_task_records(path, format={"tasks": "task", "dapo": "dapo_math"}.get(fmt, fmt))
+    records, stats = load_task_records(path, format={"tasks": "task", "dapo": "dapo_math"}.get(fmt, fmt),
+                                       deduplicate=deduplicate)
     logger.info("tasks from %s: %s", path, stats.summary())
-    return [{"question": r.prompt, "answer": r.answer, "id": r.id, **dict(r.metadata or {})} for r in records]
+    return [{"question": r.prompt, "answer": r.answer, "id": r.id, **dict(r.metadata or {})} for r in records], stats
+
+
+def load_sft_conversations(config: Config) -> tuple[list[list[dict[str, str]]], DataStats]:
+    """The cold-start conversations of ``data.sft_path`` (ReTool-SFT format) and their counts."""
+    from agentrl_jax.data import load_sft_records
+
+    if not config.data.sft_path:
+        raise ConfigError("data.sft_path is required when sft.steps > 0 for this environment")
+    records, stats = load_sft_records(config.data.sft_path, format="retool_sft",
+                                      deduplicate=config.data.deduplicate)
+    logger.info("SFT records: %s", stats.summary())
+    return [[{"role": msg.role, "content": msg.content} for msg in r.messages] for r in records], stats
+
+
+def data_metrics(stats: Mapping[str, DataStats]) -> dict[str, int]:
+    """Row counts per split for the metrics writer: ``data/<split>/rows_read``, ``rows_kept``,
+    ``rows_skipped`` and ``data/<split>/skipped/<reason>`` (e.g. ``data/train/skipped/duplicate``)."""
+    metrics: dict[str, int] = {}
+    for split, split_stats in stats.items():
+        metrics.update(split_stats.as_metrics(prefix=f"data/{split}/"))
+    return metrics
 
 
 def reward_weights(config: Config) -> RewardWeights:

@@ -120,9 +120,10 @@ def test_deduplicate_counts_repeats_across_files(tmp_path):
     rows = [dapo_row(index="a"), dapo_row(index="b"), dapo_row(prompt="Compute 3+4.", truth="7", index="c")]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "0.parquet")
     pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "1.parquet")  # a file of repeats only: not an error
-    records, stats = load_task_records(tmp_path, format="dapo_math", deduplicate=True)
+    records, stats = load_task_records(tmp_path, format="dapo_math")  # deduplication is the default
     assert [r.id for r in records] == ["a", "c"]
-    assert (stats.rows_read, stats.rows_kept, stats.duplicates, stats.rows_bad) == (4, 2, 2, 0)
-    assert "dropped 2 duplicates" in stats.summary()
-    all_records, _ = load_task_records(tmp_path, format="dapo_math")
+    assert (stats.rows_read, stats.rows_kept, stats.rows_dropped, stats.rows_bad) == (4, 2, 2, 0)
+    assert stats.dropped_by_reason == {"duplicate": 2}
+    assert "skipped 2 (duplicate=2)" in stats.summary()
+    all_records, _ = load_task_records(tmp_path, format="dapo_math", deduplicate=False)
     assert len(all_records) == 4

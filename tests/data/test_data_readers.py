@@ -39,7 +39,8 @@ def test_task_jsonl_counts_and_reports_each_bad_row(tmp_path, caplog):
     assert '{"prompt": "broken", ' in text  # the raw line is shown verbatim
     assert "kept 2/7 rows" in text
     metrics = stats.as_metrics()
-    assert metrics["data/rows_bad"] == 5 and metrics["data/bad/empty:prompt"] == 1
+    assert metrics["data/rows_skipped"] == 5 and metrics["data/skipped/empty/prompt"] == 1
+    assert metrics["data/skipped/wrong_type/row"] == 1 and metrics["data/skipped/unparsable_json"] == 1
 
 
 def test_only_first_examples_logged_verbatim_but_all_counted(tmp_path, caplog):

@@ -77,6 +77,10 @@ def test_demo_command_trains_two_steps_on_a_2x2x2_mesh(two_step_run):
 
     tb = read_tensorboard(out / "metrics")
     assert "reward/mean" in tb and len(tb["reward/mean"]) == 2
+    rows = [json.loads(line) for line in (out / "metrics" / "metrics.jsonl").read_text().splitlines()]
+    data = next(r for r in rows if "data/train/rows_kept" in r)  # the task counts, written at step 0
+    assert data["step"] == 0 and data["data/train/rows_kept"] >= 64 and data["data/train/rows_skipped"] == 0
+    assert data["data/eval/rows_kept"] >= 4 and tb["data/train/rows_kept"] == [(0, data["data/train/rows_kept"])]
     assert (out / "init" / "model" / "config.json").exists()
     assert (out / "checkpoints").is_dir()
 
