@@ -25,6 +25,7 @@ under a hard timeout. Answers are parsed by math-verify's LaTeX grammar only, ne
 
 from __future__ import annotations
 
+import cmath
 import re
 from fractions import Fraction
 
@@ -159,7 +160,9 @@ def _numbers_equal(gold, pred, gold_is_float: bool, tolerance: float) -> bool:
     gold, pred = gold.doit(), pred.doit()
     if not gold_is_float and gold.is_Rational and pred.is_Rational:
         return bool(gold == pred)
-    gold_value = complex(sympy.N(gold, _EXACT_DIGITS))
+    gold_value, pred_value = complex(sympy.N(gold, _EXACT_DIGITS)), complex(sympy.N(pred, _EXACT_DIGITS))
+    if not (cmath.isfinite(gold_value) and cmath.isfinite(pred_value)):
+        return bool(gold == pred)  # oo - oo is no difference to measure: -oo is not oo
     difference = abs(complex(sympy.N(gold - pred, _EXACT_DIGITS)))
     bound = tolerance if gold_is_float else _EXACT_RELATIVE
     return difference == 0 or difference <= bound * abs(gold_value)
