@@ -33,17 +33,17 @@ _UNIT_WORDS = (
     "degrees?|cm|mm|km|m|meters?|inches|inch|feet|foot|ft|miles?|units?|square|sq|cubic|dollars?|cents?"
     "|hours?|minutes?|seconds?|days?|years?|kg|g|grams?|pounds?|lbs?|mph|percent")
 _PLAIN_NUMBER = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)([eE]-?\d{1,3})?(/\d+)?$")
-_REPEATING = re.compile(r"(-?)(\d*)\.(\d*)\\overline\s*(?:\{(\d+)\}|(\d))")
+_REPEATING = re.compile(r"(?<![\d.])(\d*)\.(\d*)\\overline\s*(?:\{(\d+)\}|(\d))")  # one try per digit run
+_QUICK_MAX_CHARS = 500  # longer answers skip the in-process path: its regexes are not linear-time
 _BOXED = re.compile(r"^\\(?:boxed|fbox)\s*\{(.*)\}$", re.DOTALL)
 _EXACT_DIGITS = 50  # working precision for exact irrational comparisons
 _EXACT_RELATIVE = 10.0 ** -40  # what 50 digits can certify; no competition near-miss is closer
 
 
 def _repeating_value(match: re.Match) -> Fraction:
-    """`0.1\\overline{6}` -> 1/6: integer part, fixed digits, then the repeating block."""
-    sign, whole, fixed, block = match.group(1), match.group(2) or "0", match.group(3), match.group(4) or match.group(5)
-    value = int(whole) + (Fraction(int(fixed or "0")) + Fraction(int(block), 10 ** len(block) - 1)) / 10 ** len(fixed)
-    return -value if sign else value
+    """`0.1\\overline{6}` -> 1/6: integer part, fixed digits, then the repeating block (a sign stays outside)."""
+    whole, fixed, block = match.group(1) or "0", match.group(2), match.group(3) or match.group(4)
+    return int(whole) + (Fraction(int(fixed or "0")) + Fraction(int(block), 10 ** len(block) - 1)) / 10 ** len(fixed)
 
 
 def _unwrap_boxed(text: str) -> str:
@@ -92,9 +92,12 @@ def quick_equal(prediction: str, reference: str) -> bool | None:
     """Bounded-time decision when possible: True/False, or None (needs `math_equal`).
 
     Plain numbers compare as exact fractions; a percentage also matches its value / 100.
+    Answers over `_QUICK_MAX_CHARS` are left to the worker, where a timeout bounds them.
     A reference written as a decimal that differs exactly is left to `math_equal`,
     whose tolerance rule covers approximate golds.
     """
+    if len(str(prediction)) > _QUICK_MAX_CHARS or len(str(reference)) > _QUICK_MAX_CHARS:
+        return None
     pred, ref = normalize_answer(prediction), normalize_answer(reference)
     if pred == ref:
         return True

@@ -25,6 +25,7 @@ MATCH = [
     # mixed numbers, repeating decimals, factorials, binomials, logs
     ("2\\frac{1}{2}", "\\frac{5}{2}"), ("2\\frac{1}{2}", "2.5"), ("-2\\frac{1}{2}", "-\\frac{5}{2}"), ("0.\\overline{3}", "\\frac{1}{3}"),
     ("\\frac{1}{3}", "0.\\overline{3}"), ("0.1\\overline{6}", "\\frac{1}{6}"), ("0.\\overline{142857}", "\\frac{1}{7}"),
+    ("-1.2\\overline{45}", "-\\frac{137}{110}"), ("\\frac{2}{3}", "1-0.\\overline{3}"),
     ("5!", "120"), ("120", "5!"), ("\\binom{5}{2}", "10"), ("10", "\\dbinom{5}{2}"), ("\\log_2 8", "3"),
     ("3", "\\log_2 8"), ("\\log_{3} 81", "4"),
     # numbers with separators, currency, percent, degrees, units

@@ -59,6 +59,14 @@ def test_huge_values_time_out_and_are_counted(verifier, answer):
     assert verifier.stats["timeouts"] == timeouts + 1
 
 
+def test_long_answers_are_bounded_by_the_timeout(verifier):
+    """The in-process path must not run non-linear regexes on long answers; the worker's timeout bounds them."""
+    for answer in ("1" * 20000 + ".\\overline{3}", "\\boxed{" * 3000 + "1" + "}" * 3000):
+        start = time.monotonic()
+        assert not verifier.verify(answer, "5").correct
+        assert time.monotonic() - start < 2.0 + 1.0 + 5.0  # timeout + slack + a replacement worker's start
+
+
 def test_outcome_and_tool_and_format():
     assert outcome_reward(True) == 1.0 and outcome_reward(False) == -1.0
     assert outcome_reward(False, "binary") == 0.0
