@@ -113,6 +113,12 @@ def quick_equal(prediction: str, reference: str) -> bool | None:
     return None if re.search(r"\.\d|[eE]", ref) else False
 
 
+def _choice(text: str) -> tuple[str, str] | None:
+    """An AMC answer: `\\textbf{(C)}\\ 12` -> ("C", "12"), `(C)` / `C` -> ("C", ""); else None."""
+    match = re.fullmatch(r"\(?([A-E])\)?(?:(?<=\))(?:\\ |\s)*(.*))?", normalize_answer(text), re.DOTALL)
+    return (match.group(1), (match.group(2) or "").strip()) if match else None
+
+
 def _container_kind(text: str) -> str | None:
     """`set` for `\\{1,2\\}`, `sequence` for `(1,2)` / `[1,2)`, None for anything else."""
     if text.startswith("\\{") and text.endswith("\\}"):
@@ -187,6 +193,12 @@ def math_equal(prediction: str, reference: str, tolerance: float = 1e-6) -> bool
     quick = quick_equal(prediction, reference)
     if quick is not None:
         return quick
+    gold_choice = _choice(reference)
+    if gold_choice is not None and gold_choice[1]:  # a letter with its value: either one answers
+        pred_choice = _choice(prediction)
+        if pred_choice is not None:
+            return pred_choice[0] == gold_choice[0]
+        return math_equal(prediction, gold_choice[1], tolerance)
     pred_kind, ref_kind = _container_kind(normalize_answer(prediction)), _container_kind(normalize_answer(reference))
     if pred_kind and ref_kind and pred_kind != ref_kind:  # an ordered pair is not a set
         return False

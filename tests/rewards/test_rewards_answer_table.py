@@ -35,6 +35,7 @@ MATCH = [
     ("6", "6 \\text{ inches}"),
     # AMC letters
     ("\\text{(B)}", "B"), ("\\text{(B)}", "(B)"), ("B", "\\textbf{(B)}"), ("\\text{(E)}", "\\text{(E)}"),
+    ("\\textbf{(C)}\\ 12", "C"), ("\\textbf{(C)}\\ 12", "\\textbf{(C)}"), ("\\textbf{(C) }12", "12"),
     # AIME 000-999 integers
     ("042", "42"), ("42", "042"), ("7", "007"), ("204", "204"), ("2^{20}", "1048576"), ("10^6+1", "1000001"),
     # boxed golds, decimals, expressions, equations
@@ -73,6 +74,7 @@ NO_MATCH = [
     ("5\\text{ cm}", "6"),
     # AMC letters
     ("\\text{(B)}", "C"), ("\\text{(B)}", "\\text{(C)}"), ("B", "(D)"),
+    ("\\textbf{(C)}\\ 12", "D"), ("\\textbf{(C)}\\ 12", "13"), ("\\textbf{(C)}\\ 12", "\\textbf{(D)}\\ 12"),
     # boxed golds, expressions, complex numbers, empty answers
     ("\\boxed{5}", "6"), ("2x+2", "2x+1"), ("x^2", "x^3"), ("2+3i", "3+2i"), ("\\infty", "-\\infty"),
     ("-\\infty", "\\infty"), ("5", ""), ("5", "\\boxed{}"),
