@@ -33,6 +33,7 @@ _UNIT_WORDS = (
     "degrees?|cm|mm|km|m|meters?|inches|inch|feet|foot|ft|miles?|units?|square|sq|cubic|dollars?|cents?"
     "|hours?|minutes?|seconds?|days?|years?|kg|g|grams?|pounds?|lbs?|mph|percent")
 _PLAIN_NUMBER = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)([eE]-?\d{1,3})?(/\d+)?$")
+_LATEX_FRACTION = re.compile(r"^(-?)(\d+)?\\frac(?:\{(-?\d+)\}\{(\d+)\}|(\d)(\d))$")  # -2\frac{1}{2}, \frac34
 _REPEATING = re.compile(r"(?<![\d.])(\d*)\.(\d*)\\overline\s*(?:\{(\d+)\}|(\d))")  # one try per digit run
 _QUICK_MAX_CHARS = 500  # longer answers skip the in-process path: its regexes are not linear-time
 _BOXED = re.compile(r"^\\(?:boxed|fbox)\s*\{(.*)\}$", re.DOTALL)
@@ -80,21 +81,71 @@ def normalize_answer(answer: str) -> str:
 
 
 def _plain_number(text: str) -> Fraction | None:
+    """The exact value of an integer, decimal, `a/b`, `\\frac{a}{b}` or mixed number; else None."""
     text = text.replace(" ", "")
-    if not _PLAIN_NUMBER.match(text) or len(text) > 60:
+    if len(text) > 60:
+        return None
+    if (fraction := _LATEX_FRACTION.match(text)) is not None:
+        sign, whole, numerator, denominator = fraction.group(1), fraction.group(2), *(
+            fraction.group(3, 4) if fraction.group(3) else fraction.group(5, 6))
+        if int(denominator) == 0 or (whole and numerator.startswith("-")):
+            return None
+        value = int(whole or 0) + Fraction(int(numerator), int(denominator))  # 2\frac{1}{2} is 5/2, as in MATH
+        return -value if sign else value
+    if not _PLAIN_NUMBER.match(text):
         return None
     numerator, _, denominator = text.partition("/")
     value = Fraction(numerator)
     return value / int(denominator) if denominator and int(denominator) else (None if denominator else value)
 
 
+def _split_top_level(text: str) -> list[str]:
+    """`1, (2, 3), 4` -> ['1', '(2, 3)', '4']: commas outside brackets and braces."""
+    parts, depth, current = [], 0, []
+    for char in text:
+        depth += (char in "([{") - (char in ")]}")
+        if char == "," and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+        else:
+            current.append(char)
+    return [*parts, "".join(current).strip()]
+
+
+def _plain_elements(text: str) -> tuple[str, list] | None:
+    """A list of plain numbers with its brackets: `[1, \\infty)` -> ("[)", [1, "oo"]).
+
+    Bare lists and `\\{...\\}` are sets (kind "set"); `(..)` / `[..]` keep their
+    brackets, as tuples and intervals compare in order. None when any element is not a
+    plain number (or +-infinity), or for a single number.
+    """
+    kind = "set"
+    if text.startswith("\\{") and text.endswith("\\}"):
+        text = text[2:-2]
+    elif text[:1] in "([" and text[-1:] in ")]":
+        kind, text = text[0] + text[-1], text[1:-1]
+    parts = _split_top_level(text)
+    if len(parts) < 2:
+        return None
+    values = []
+    for part in parts:
+        if part.replace(" ", "") in ("\\infty", "+\\infty", "-\\infty"):
+            values.append("-oo" if part.lstrip().startswith("-") else "oo")
+        elif (value := _plain_number(part)) is not None:
+            values.append(value)
+        else:
+            return None
+    return kind, values
+
+
 def quick_equal(prediction: str, reference: str) -> bool | None:
     """Bounded-time decision when possible: True/False, or None (needs `math_equal`).
 
-    Plain numbers compare as exact fractions; a percentage also matches its value / 100.
-    Answers over `_QUICK_MAX_CHARS` are left to the worker, where a timeout bounds them.
-    A reference written as a decimal that differs exactly is left to `math_equal`,
-    whose tolerance rule covers approximate golds.
+    Plain numbers (integers, decimals, `a/b`, `\\frac{a}{b}`, mixed numbers) compare as
+    exact fractions; a percentage also matches its value / 100. Lists of plain numbers
+    compare as sets (bare or `\\{..\\}`) or in order with equal brackets (tuples,
+    intervals). A reference with a decimal that differs exactly is left to `math_equal`,
+    whose tolerance rule covers approximate golds, as are answers over `_QUICK_MAX_CHARS`.
     """
     if len(str(prediction)) > _QUICK_MAX_CHARS or len(str(reference)) > _QUICK_MAX_CHARS:
         return None
@@ -103,14 +154,21 @@ def quick_equal(prediction: str, reference: str) -> bool | None:
         return True
     if not pred:
         return False
+    undecided_if_unequal = None if re.search(r"\.\d|[eE]", ref) else False
+    pred_list, ref_list = _plain_elements(pred), _plain_elements(ref)
+    if pred_list is not None and ref_list is not None:
+        (pred_kind, pred_values), (ref_kind, ref_values) = pred_list, ref_list
+        if pred_kind == ref_kind == "set":
+            return set(pred_values) == set(ref_values) or undecided_if_unequal
+        if "set" not in (pred_kind, ref_kind):  # `[2, 5]` is not `[2, 5)`, nor `(2, 5)`
+            return (pred_kind == ref_kind and pred_values == ref_values) or undecided_if_unequal
+        return None
     pred_number, ref_number = _plain_number(pred.rstrip("%")), _plain_number(ref.rstrip("%"))
     if pred_number is None or ref_number is None:
         return None
     candidates = {pred_number} | ({pred_number / 100} if pred.endswith("%") else set())
     references = {ref_number} | ({ref_number / 100} if ref.endswith("%") else set())
-    if candidates & references:
-        return True
-    return None if re.search(r"\.\d|[eE]", ref) else False
+    return bool(candidates & references) or undecided_if_unequal
 
 
 def _choice(text: str) -> tuple[str, str] | None:
