@@ -1,7 +1,8 @@
 """Math answer equivalence: a bounded fast path, then math-verify with an exact rule.
 
-`quick_equal` decides plain strings and plain numbers in process, in bounded time
-(exact fractions: `042` == `42`, `0.25` == `1/4`, `1{,}000` == `1000`). Everything else
+`quick_equal` decides plain strings, plain numbers and lists of them in process, in
+bounded time (exact fractions: `042` == `42`, `0.25` == `\\frac14`, `1{,}000` == `1000`,
+`\\{2, 1\\}` == `1, 2`). Everything else
 goes to `math_equal`, which parses both answers with math-verify (HuggingFace's
 verifier, the one TRL, open-r1 and verl use: sets, intervals, `\\pm`, mixed numbers,
 factorials, binomials, log bases, matrices, equations) and then compares them under
@@ -35,7 +36,7 @@ _UNIT_WORDS = (
 _PLAIN_NUMBER = re.compile(r"^-?(\d+(\.\d*)?|\.\d+)([eE]-?\d{1,3})?(/\d+)?$")
 _LATEX_FRACTION = re.compile(r"^(-?)(\d+)?\\frac(?:\{(-?\d+)\}\{(\d+)\}|(\d)(\d))$")  # -2\frac{1}{2}, \frac34
 _REPEATING = re.compile(r"(?<![\d.])(\d*)\.(\d*)\\overline\s*(?:\{(\d+)\}|(\d))")  # one try per digit run
-_QUICK_MAX_CHARS = 500  # longer answers skip the in-process path: its regexes are not linear-time
+_QUICK_MAX_CHARS = 500  # longer answers skip the in-process path: unboxing is quadratic in the nesting depth
 _BOXED = re.compile(r"^\\(?:boxed|fbox)\s*\{(.*)\}$", re.DOTALL)
 _EXACT_DIGITS = 50  # working precision for exact irrational comparisons
 _EXACT_RELATIVE = 10.0 ** -40  # what 50 digits can certify; no competition near-miss is closer
@@ -187,8 +188,10 @@ def _container_kind(text: str) -> str | None:
 
 
 def _prepare_latex(answer: str) -> str:
-    """What math-verify gets: the box and `$` removed, repeating decimals as fractions."""
+    """What math-verify gets: the box and `$` removed, repeating decimals as fractions,
+    `1.5e30` as `1.5 \\times 10^{30}` (in LaTeX `e` is Euler's number)."""
     text = _unwrap_boxed(str(answer)).replace("\\$", "").replace("$", "")
+    text = re.sub(r"^(-?(?:\d+\.?\d*|\.\d+))[eE]([-+]?\d{1,3})$", r"\1 \\times 10^{\2}", text)
 
     def as_latex(match: re.Match) -> str:
         value = _repeating_value(match)
