@@ -43,6 +43,9 @@ MATCH = [
     ("2.5", "2.50"), ("6", "6.0"), ("x = 3", "3"), ("3", "x=3"), ("2x+2", "2(x+1)"), ("x^2-1", "(x-1)(x+1)"),
     ("1.5 \\times 10^{6}", "1500000"), ("1500000", "1.5 \\times 10^6"), ("y = 2x+1", "y=1+2x"), ("\\infty", "\\infty"), ("2+3i", "3i+2"),
     ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"),
+    ("x^2+7x+10", "(x+2)(x+5)"), ("\\sqrt[3]{2}", "2^{1/3}"), ("\\frac{\\sqrt{5}+1}{2}", "\\frac{1+\\sqrt5}{2}"),
+    ("\\left[ -\\frac{1}{2}, \\frac{1}{2} \\right]", "[-0.5, 0.5]"), ("6\\text{ or }-2", "-2, 6"),
+    ("\\$32{,}000", "32000"), ("\\text{odd}", "odd"), ("\\text{Sunday}", "\\textbf{Sunday}"),
     # a gold written as a decimal approximation: the rule's tolerance
     ("0.3333333333", "\\frac{1}{3}"), ("1.5", "\\frac{3}{2}"), ("0.1428571", "0.14285714"),
 ]
@@ -76,6 +79,8 @@ NO_MATCH = [
     ("\\text{(B)}", "C"), ("\\text{(B)}", "\\text{(C)}"), ("B", "(D)"),
     ("\\textbf{(C)}\\ 12", "D"), ("\\textbf{(C)}\\ 12", "13"), ("\\textbf{(C)}\\ 12", "\\textbf{(D)}\\ 12"),
     # boxed golds, expressions, complex numbers, empty answers
+    ("\\text{even}", "\\text{odd}"), ("\\text{Sunday}", "\\text{Monday}"), ("x^2+7x+10", "(x+2)(x+4)"),
+    ("-\\sqrt{3}", "-1.7320508"),
     ("\\boxed{5}", "6"), ("2x+2", "2x+1"), ("x^2", "x^3"), ("2+3i", "3+2i"), ("\\infty", "-\\infty"),
     ("-\\infty", "\\infty"), ("5", ""), ("5", "\\boxed{}"),
 ]
