@@ -1,7 +1,12 @@
 """Worker process of `MathVerifier`: reads {"prediction","reference","tolerance"} lines,
-answers {"equal": bool} or {"error": str}. Started as `python -m`; never imported by the trainer."""
+answers {"equal": bool} or {"error": str}. Started as `python -m`; never imported by the trainer.
+
+math-verify's own signal-based timeouts are off (`math_equiv` passes None): the parent
+kills this process when a comparison overruns, which also covers hangs inside parsing.
+"""
 
 import json
+import logging
 import resource
 import sys
 
@@ -12,7 +17,8 @@ def main():
 
     if memory_bytes:
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    math_equal("1", "1")  # warm sympy's lazy imports before declaring readiness
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its "timeout is disabled" warning is intended
+    math_equal("\\frac{1}{2}", "\\sqrt{1/4}")  # load math-verify's grammar before declaring readiness
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)

@@ -1,9 +1,11 @@
 """Math answer verification under a hard timeout, in worker processes.
 
-A sympy comparison of a model's answer can run for hours (`9^{9^{9^9}}`). The trainer
-must not: `MathVerifier.verify` gives each comparison `timeout_s`, and on expiry kills
-the worker, starts a replacement and returns `VerifyResult(correct=False,
-timed_out=True)`. Cheap cases (string or plain-number equality) never leave the caller.
+A math-verify / sympy comparison of a model's answer can run for hours (`9^{9^{9^9}}`,
+`(10^{10})!`). The trainer must not: `MathVerifier.verify` gives each comparison
+`timeout_s`, and on expiry kills the worker, starts a replacement and returns
+`VerifyResult(correct=False, timed_out=True)`, counted in `stats["timeouts"]`. Cheap
+cases (string or plain-number equality, `math_equiv.quick_equal`) never leave the
+caller. What counts as equal is documented in `math_equiv` and docs/verifier.md.
 """
 
 from __future__ import annotations
@@ -53,7 +55,12 @@ class _Worker:
 
 
 class MathVerifier:
-    """Thread-safe pool of sympy workers; `verify` never takes much longer than `timeout_s`."""
+    """Thread-safe pool of verifier workers; `verify` never takes much longer than `timeout_s`.
+
+    A call that follows a timeout may also wait for the replacement worker to start
+    (about 2 s: sympy and math-verify's LaTeX grammar load), up to `startup_timeout_s`.
+    `tolerance` is the relative tolerance for golds written as decimals (`math_equal`).
+    """
 
     def __init__(self, num_workers: int = 1, timeout_s: float = 5.0, memory_mb: int = 2048,
                  startup_timeout_s: float = 60.0, tolerance: float = 1e-6):
@@ -72,7 +79,7 @@ class MathVerifier:
             self.stats[key] += 1
 
     def verify(self, prediction: str | None, reference: str) -> VerifyResult:
-        """Whether `prediction` equals `reference` (see `math_equiv.math_equal`)."""
+        """Whether `prediction` equals the gold `reference` (see `math_equiv.math_equal`)."""
         start = time.monotonic()
         self._count("calls")
         if prediction is None or not str(prediction).strip():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from agentrl_jax.rewards import extract_boxed, math_equal, normalize_answer
+from agentrl_jax.rewards import extract_boxed, math_equal, normalize_answer, quick_equal
 
 EQUIVALENT = [
     ("42", "42"), ("42.0", "42"), ("042", "42"), ("-7", "-7"), ("1/2", "0.5"), (".5", "0.5"),
@@ -14,7 +14,7 @@ EQUIVALENT = [
     ("1,000", "1000"), ("1,234,567", "1234567"), ("$7$", "7"), ("\\$7", "7"), ("\\left(1, 2\\right)", "(1,2)"),
     ("(1, 2)", "(1,2)"), ("(\\frac{1}{2}, 3)", "(0.5, 3)"), ("[0, 1)", "[0,1)"), ("(-\\infty, 2]", "(-\\infty,2]"),
     ("2x+2", "2(x+1)"), ("x^2-1", "(x-1)(x+1)"), ("3 \\times 4", "12"), ("2^{10}", "1024"), ("e^0", "1"),
-    ("\\displaystyle \\frac{2}{3}", "2/3"), ("0.333333333", "\\frac{1}{3}"), ("1e3", "1000"), ("3.", "3"),
+    ("\\displaystyle \\frac{2}{3}", "2/3"), ("\\frac{1}{3}", "0.333333333"), ("1e3", "1000"), ("3.", "3"),
 ]
 
 NOT_EQUIVALENT = [
@@ -22,6 +22,7 @@ NOT_EQUIVALENT = [
     ("\\pi", "3.14"), ("(1, 2)", "(2, 1)"), ("(1, 2)", "(1, 2, 3)"), ("[0, 1)", "(0, 1)"), ("[0,1]", "[0,1)"),
     ("2x+2", "2x+1"), ("x^2", "x^3"), ("", "1"), ("abc", "1"), ("12", "1,2"), ("1000", "1,001"),
     ("\\frac{2}{3}", "3/2"), ("50\\%", "5"),
+    ("0.333333333", "\\frac{1}{3}"),  # an exact reference wants the exact value, not a decimal approximation
 ]
 
 
@@ -57,3 +58,14 @@ def test_code_in_answer_is_not_evaluated():
 ])
 def test_extract_boxed(text, expected):
     assert extract_boxed(text) == expected
+
+
+@pytest.mark.parametrize("prediction,reference,expected", [
+    ("\\dfrac{6}{8}", "\\frac34", True), ("2\\frac{1}{2}", "2.5", True), ("-\\frac{1}{3}", "\\frac{-1}{3}", True),
+    ("(2,1)", "(1,2)", False), ("3, 2, 1", "\\{1,2,3\\}", True), ("[2,5]", "[2,5)", False),
+    ("(-\\infty, 3]", "(-\\infty,3]", True), ("1048577", "1048576", False),
+    ("\\sqrt{2}", "1.414", None), ("(1,2)", "\\{1,2\\}", None), ("0.3334", "0.333333", None), ("1" * 600, "1", None),
+])
+def test_quick_path_decides_plain_numbers_and_lists_in_process(prediction, reference, expected):
+    """The in-process path (no worker round trip) covers integers, fractions and lists of them; the rest is None."""
+    assert quick_equal(prediction, reference) is expected

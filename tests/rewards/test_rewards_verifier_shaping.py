@@ -33,6 +33,40 @@ def test_pathological_input_hits_timeout_and_worker_is_replaced(verifier):
     assert verifier.verify("2\\sqrt{2}", "\\sqrt{8}").correct  # the replacement works
 
 
+def test_worker_compares_integers_exactly(verifier):
+    """Old main accepted these (relative 1e-6 once sympy was involved): a reward for a wrong answer."""
+    assert not verifier.verify("1048577", "2^{20}").correct
+    assert not verifier.verify("10^6+1", "1000000").correct
+    assert verifier.verify("2^{20}", "1048576").correct
+    assert verifier.stats["errors"] == 0
+
+
+def test_last_box_of_the_response_against_a_boxed_gold(verifier):
+    gold = "\\boxed{\\frac{1}{2}}"
+    assert verifier.verify_response("try \\boxed{1}; no: \\boxed{\\dfrac{2}{4}}", gold).correct
+    assert not verifier.verify_response("\\boxed{\\frac{1}{2}} wait, \\boxed{\\frac{1}{3}}", gold).correct
+    assert verifier.verify_response("\\boxed{\\left\\{ \\frac{1}{2}, 3 \\right\\}}", "\\{3, 0.5\\}").correct
+
+
+@pytest.mark.parametrize("answer", ["(10^{10})!", "9^{9^{9}}"])
+def test_huge_values_time_out_and_are_counted(verifier, answer):
+    assert verifier.verify("\\sqrt{4}", "2").correct  # a ready worker, so only the comparison is timed
+    timeouts = verifier.stats["timeouts"]
+    start = time.monotonic()
+    result = verifier.verify(answer, "5")
+    assert time.monotonic() - start < 2.0 + 1.0
+    assert result.timed_out and not result.correct
+    assert verifier.stats["timeouts"] == timeouts + 1
+
+
+def test_long_answers_are_bounded_by_the_timeout(verifier):
+    """The in-process path must not run non-linear regexes on long answers; the worker's timeout bounds them."""
+    for answer in ("1" * 20000 + ".\\overline{3}", "\\boxed{" * 3000 + "1" + "}" * 3000):
+        start = time.monotonic()
+        assert not verifier.verify(answer, "5").correct
+        assert time.monotonic() - start < 2.0 + 1.0 + 5.0  # timeout + slack + a replacement worker's start
+
+
 def test_outcome_and_tool_and_format():
     assert outcome_reward(True) == 1.0 and outcome_reward(False) == -1.0
     assert outcome_reward(False, "binary") == 0.0
