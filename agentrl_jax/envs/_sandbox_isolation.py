@@ -28,7 +28,11 @@ import os
 import sys
 
 CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
+# statvfs flags of a mount -> the mount(2) flags that keep them on a read-only remount
+_KEPT_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
+               (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME), (os.ST_RELATIME, MS_RELATIME))
 TMP_ROOTS = ("/tmp", "/var/tmp", "/dev/shm")
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -99,6 +103,22 @@ def _closed_ancestor(path):
     return None
 
 
+def _make_read_only(path):
+    """Remounts the bind at `path` read-only, keeping its other flags.
+
+    Inside a user namespace (rootless containers) a remount that drops a flag the outer
+    mount has (noexec, an atime mode) is refused, so they are carried over. Read-only is a
+    second line of defence (the cells' uid cannot write root-owned files anyway), so a
+    refusal is logged, not fatal.
+    """
+    current = os.statvfs(path).f_flag
+    kept = sum(ms for st, ms in _KEPT_FLAGS if current & st)
+    try:
+        mount("none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | kept)
+    except OSError as e:
+        print(f"sandbox: {path} stays writable in the sandbox: {e}", file=sys.stderr)
+
+
 def isolate_network():
     """New network namespace (only loopback, and it is down). None, or why not."""
     return unshare(CLONE_NEWNET, "CLONE_NEWNET")
@@ -127,7 +147,7 @@ def isolate_filesystem(tmpfs_mb, package_dir):
             if not any(_within(cover, path) for cover in covers):  # never bind over a cover
                 os.makedirs(path, mode=0o755, exist_ok=True)
                 mount(f"/proc/self/fd/{handle}", path, None, MS_BIND | MS_REC)
-                mount("none", path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+                _make_read_only(path)
             os.close(handle)
         missing = [path for path in visible if not os.path.isdir(path)]
         if missing:

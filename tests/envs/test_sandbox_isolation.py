@@ -115,7 +115,8 @@ def test_virtualenv_in_a_home_directory(tmp_path):
 
     The fork server runs on the venv's interpreter; a cell imports a package that only the
     venv has (not pre-imported, so it must still be visible after isolation) and numpy from
-    a site directory the venv reaches through a .pth file.
+    a site directory the venv reaches through a .pth file. A second .pth entry is a 0700
+    directory: the pool warns that the cells' uid cannot read it.
     """
     home = Path.home() / f".agentrl_test_{uuid.uuid4().hex[:8]}"
     try:
@@ -128,7 +129,9 @@ def test_virtualenv_in_a_home_directory(tmp_path):
         (site / "agentrl_probe_pkg" / "__init__.py").write_text("VALUE = 'from the venv'\n")
         import numpy
 
-        (site / "host_site.pth").write_text(str(Path(numpy.__file__).parents[1]) + "\n")
+        private = home / "private_site"
+        private.mkdir(mode=0o700)
+        (site / "host_site.pth").write_text(f"{Path(numpy.__file__).parents[1]}\n{private}\n")
         script = textwrap.dedent("""
             import asyncio, json
             from agentrl_jax.envs.sandbox import SandboxConfig, SandboxPool
@@ -147,6 +150,8 @@ def test_virtualenv_in_a_home_directory(tmp_path):
         stdout, stderr, isolated = json.loads(done.stdout.strip().splitlines()[-1])
         assert stdout == f"from the venv 3 {venv}\n", stderr
         assert isolated or os.getuid() != 0
+        if os.getuid() == 0:
+            assert f"the cells' uid cannot read {private}" in done.stderr, done.stderr[-3000:]
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
