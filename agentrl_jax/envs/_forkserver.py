@@ -67,7 +67,7 @@ def _apply_limits(limits, session, own_uid):
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _enter_child(uid, workdir, private_tmp, limits, out_w, err_w, session_fds):
+def _enter_child(uid, workdir, keep_in_tmp, limits, out_w, err_w, session_fds):
     """Runs in the forked child: isolate it, then return (the caller runs the code)."""
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGTERM):
@@ -80,8 +80,8 @@ def _enter_child(uid, workdir, private_tmp, limits, out_w, err_w, session_fds):
     for target, fd in zip((3, 4), session_fds):
         os.dup2(fd, target)
     os.closerange(3 + len(session_fds), 1 << 16)
-    if private_tmp:
-        workdir = isolation.private_tmp(workdir)
+    if keep_in_tmp is not None:
+        workdir = isolation.private_tmp(workdir, keep_in_tmp)
     _apply_limits(limits, bool(session_fds), uid is not None)
     os.chdir(workdir)
     if uid is not None:
@@ -154,7 +154,7 @@ class Child:
 
 
 class ForkServer:
-    def __init__(self, config, proto_out, own_uids, private_tmp):
+    def __init__(self, config, proto_out, own_uids, keep_in_tmp):
         self.config = config
         self.proto_out = proto_out
         self.selector = selectors.DefaultSelector()
@@ -163,7 +163,8 @@ class ForkServer:
         self.next_uid = 0
         self.next_dir = 0
         self.own_uids = own_uids  # a fresh uid per child (the probe succeeded)
-        self.private_tmp = private_tmp  # a mount namespace per child (the server has one)
+        # a mount namespace per child (when the server has one) and the paths to keep in its /tmp
+        self.keep_in_tmp = keep_in_tmp
         self.base_dir = os.path.join("/tmp", f"agentrl_sandbox_{os.getpid()}")
         os.makedirs(self.base_dir, mode=0o711, exist_ok=True)
 
@@ -187,7 +188,7 @@ class ForkServer:
         pid = os.fork()
         if pid == 0:
             try:
-                _enter_child(uid, workdir, self.private_tmp, limits, out_w, err_w,
+                _enter_child(uid, workdir, self.keep_in_tmp, limits, out_w, err_w,
                              (cmd_r, ctrl_w) if session else ())
                 if session:
                     _session_main()
@@ -445,8 +446,9 @@ def main():
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     proto_out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # stray prints of the server must not corrupt the protocol
+    keep_in_tmp = isolation.under_tmp(isolation.visible_paths(PACKAGE_DIR))
     server = ForkServer(config, proto_out, own_uids="uid_separation" not in missing,
-                        private_tmp="mount_namespace" not in missing)
+                        keep_in_tmp=None if "mount_namespace" in missing else keep_in_tmp)
     server.reply({"ready": True, "pid": os.getpid(), "missing": missing, "unreadable": unreadable,
                   "network_isolated": "network_namespace" not in missing,
                   "filesystem_isolated": "mount_namespace" not in missing,

@@ -14,8 +14,9 @@ The filesystem view the server builds, in its own mount namespace:
   The binds come from directory handles opened before anything was covered, so a path
   under a covered directory cannot vanish, whatever order the paths come in;
 - each child (a cell or a session) then enters a mount namespace of its own, in which its
-  private directory is `/tmp`, `/var/tmp` and `/dev/shm`: nothing one cell writes there
-  is visible to another, and the directory is removed when the child ends.
+  private directory is `/tmp`, `/var/tmp` and `/dev/shm` (with the interpreter's paths
+  under /tmp bound back in): nothing one cell writes there is visible to another, and the
+  directory is removed when the child ends.
 
 When the kernel refuses a namespace (no root, no CAP_SYS_ADMIN) the reason is returned
 and reported by the pool as a missing protection. A namespace that was entered but could
@@ -159,19 +160,29 @@ def isolate_filesystem(tmpfs_mb, package_dir):
     return None
 
 
-def private_tmp(workdir):
+def under_tmp(paths):
+    """The paths that a child's private /tmp would hide (an interpreter in a CI clone under /tmp)."""
+    return [path for path in paths if any(_within(path, root) for root in TMP_ROOTS)]
+
+
+def private_tmp(workdir, keep):
     """In a forked child (still root): its own mount namespace, `workdir` on every tmp root.
 
-    Returns the path under which the child now sees `workdir` (`/tmp`).
+    `keep` (the interpreter's paths under a tmp root, already read-only binds) is bound
+    back inside. Returns the path under which the child now sees `workdir` (`/tmp`).
     """
     refused = unshare(CLONE_NEWNS, "CLONE_NEWNS")
     if refused:
         raise OSError(errno.EPERM, refused)
-    handle = os.open(workdir, os.O_PATH | os.O_DIRECTORY)
+    handles = {path: os.open(path, os.O_PATH | os.O_DIRECTORY) for path in [workdir, *keep]}
     for root in TMP_ROOTS:
         if os.path.isdir(root):
-            mount(f"/proc/self/fd/{handle}", root, None, MS_BIND)
-    os.close(handle)
+            mount(f"/proc/self/fd/{handles[workdir]}", root, None, MS_BIND)
+    for path in keep:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        mount(f"/proc/self/fd/{handles[path]}", path, None, MS_BIND | MS_REC)
+    for handle in handles.values():
+        os.close(handle)
     return TMP_ROOTS[0]
 
 

@@ -110,15 +110,17 @@ def test_retool_sessions_get_the_configured_memory_limit(loop_thread):
     assert str(16 * 2**20) in small, small
 
 
-def test_virtualenv_in_a_home_directory(tmp_path):
-    """A venv below a closed directory ($HOME of root), next to a base Python that may be there too.
+@pytest.mark.parametrize("where", ["home", "tmp"])
+def test_virtualenv_in_a_home_directory_or_under_tmp(tmp_path, where):
+    """A venv below a closed directory ($HOME of root, next to a base Python that may be there
+    too), or under /tmp (a CI clone), which the sandbox covers with its private tmpfs.
 
     The fork server runs on the venv's interpreter; a cell imports a package that only the
     venv has (not pre-imported, so it must still be visible after isolation) and numpy from
     a site directory the venv reaches through a .pth file. A second .pth entry is a 0700
     directory: the pool warns that the cells' uid cannot read it.
     """
-    home = Path.home() / f".agentrl_test_{uuid.uuid4().hex[:8]}"
+    home = (Path.home() if where == "home" else tmp_path) / f".agentrl_test_{uuid.uuid4().hex[:8]}"
     try:
         venv = home / "envs" / "venv"
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
