@@ -154,7 +154,7 @@ class Child:
 
 
 class ForkServer:
-    def __init__(self, config, proto_out, own_uids, keep_in_tmp):
+    def __init__(self, config, proto_out, uid_block, keep_in_tmp):
         self.config = config
         self.proto_out = proto_out
         self.selector = selectors.DefaultSelector()
@@ -162,17 +162,26 @@ class ForkServer:
         self.sessions = {}  # session id -> Child
         self.next_uid = 0
         self.next_dir = 0
-        self.own_uids = own_uids  # a fresh uid per child (the probe succeeded)
+        self.uid_block = uid_block  # first uid of this server's block, None without uid separation
+        self.busy_uids = set()  # uids of live children and of sweeps not yet reaped
+        self.sweepers = {}  # sweeper pid -> uid
         # a mount namespace per child (when the server has one) and the paths to keep in its /tmp
         self.keep_in_tmp = keep_in_tmp
         self.base_dir = os.path.join("/tmp", f"agentrl_sandbox_{os.getpid()}")
         os.makedirs(self.base_dir, mode=0o711, exist_ok=True)
 
     def _alloc_uid(self):
-        if not self.own_uids:
+        """A uid of this server's block that no live child (or pending sweep) has; offset 0 was the probe's."""
+        if self.uid_block is None:
             return None
-        self.next_uid = (self.next_uid + 1) % 50_000
-        return int(self.config["uid_base"]) + self.next_uid
+        for _ in range(isolation.UID_BLOCK):
+            self.next_uid = self.next_uid % (isolation.UID_BLOCK - 1) + 1
+            uid = self.uid_block + self.next_uid
+            if uid not in self.busy_uids:
+                self.busy_uids.add(uid)
+                return uid
+        raise RuntimeError(f"all {isolation.UID_BLOCK - 1} uids of this fork server are in use "
+                           "(too many open sessions); close sessions or add servers")
 
     def _spawn(self, limits, session, code=None):
         uid = self._alloc_uid()
@@ -211,6 +220,12 @@ class ForkServer:
 
     # ---- requests ----
     def handle(self, request):
+        try:
+            self._handle(request)
+        except RuntimeError as e:
+            self.reply({"id": request.get("id"), "error": str(e)})
+
+    def _handle(self, request):
         op = request.get("op")
         if op == "run" and request.get("session") is None:
             self._spawn(request["limits"], False, request["code"]).start_cell(request)
@@ -307,6 +322,7 @@ class ForkServer:
                 os.kill(-1, signal.SIGKILL)
             finally:
                 os._exit(0)
+        self.sweepers[pid] = uid  # the uid is free again once its sweep is reaped
 
     def _finish_cell(self, child, exit_status):
         request, child.request = child.request, None
@@ -332,6 +348,7 @@ class ForkServer:
                 return
             child = self.children.pop(pid, None)
             if child is None:  # a uid sweeper or an orphan adopted as subreaper
+                self.busy_uids.discard(self.sweepers.pop(pid, None))
                 continue
             self._kill(child)
             self._sweep_uid(child.uid)
@@ -402,7 +419,7 @@ class ForkServer:
                     self._read(child, key.fd)
 
 
-def _protections(config):
+def _protections(config, uid_block):
     """Isolates this process; returns ({protection: why it is missing}, paths cells cannot read)."""
     missing = {}
     if config["isolate_network"]:
@@ -418,13 +435,10 @@ def _protections(config):
     else:
         missing["mount_namespace"] = "disabled by SandboxConfig.isolate_filesystem=False"
     unreadable = []
-    if config["run_as_unprivileged"]:
-        refused, unreadable = isolation.probe_uid(int(config["uid_base"]),
-                                                  isolation.visible_paths(PACKAGE_DIR))
+    if uid_block is not None:
+        refused, unreadable = isolation.probe_uid(uid_block, isolation.visible_paths(PACKAGE_DIR))
         if refused:
             missing["uid_separation"] = refused
-    else:
-        missing["uid_separation"] = "disabled by SandboxConfig.run_as_unprivileged=False"
     return missing, unreadable
 
 
@@ -437,22 +451,30 @@ def main():
             __import__(module)
         except ImportError as e:
             print(f"sandbox: cannot pre-import {module}: {e}", file=sys.stderr)
+    uid_block, uid_refused = None, "disabled by SandboxConfig.run_as_unprivileged=False"
+    if config["run_as_unprivileged"]:
+        try:
+            uid_block, _lock = isolation.claim_uid_block(int(config["uid_base"]))
+        except OSError as e:
+            uid_refused = f"no uid block: {e}"
     try:
-        missing, unreadable = _protections(config)
+        missing, unreadable = _protections(config, uid_block)
     except isolation.IsolationError as e:
         print(e, file=sys.stderr)
         sys.exit(3)
+    if uid_block is None:
+        missing["uid_separation"] = uid_refused
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     proto_out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # stray prints of the server must not corrupt the protocol
     keep_in_tmp = isolation.under_tmp(isolation.visible_paths(PACKAGE_DIR))
-    server = ForkServer(config, proto_out, own_uids="uid_separation" not in missing,
+    server = ForkServer(config, proto_out, uid_block=None if "uid_separation" in missing else uid_block,
                         keep_in_tmp=None if "mount_namespace" in missing else keep_in_tmp)
     server.reply({"ready": True, "pid": os.getpid(), "missing": missing, "unreadable": unreadable,
                   "network_isolated": "network_namespace" not in missing,
                   "filesystem_isolated": "mount_namespace" not in missing,
-                  "unprivileged": server.own_uids})
+                  "unprivileged": server.uid_block is not None})
     server.serve(0)
 
 

@@ -25,6 +25,7 @@ not be set up raises `IsolationError`: a half-built view must never serve cells.
 
 import ctypes
 import errno
+import fcntl
 import os
 import sys
 
@@ -35,6 +36,8 @@ MS_NOATIME, MS_NODIRATIME, MS_RELATIME = 1024, 2048, 1 << 21
 _KEPT_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
                (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME), (os.ST_RELATIME, MS_RELATIME))
 TMP_ROOTS = ("/tmp", "/var/tmp", "/dev/shm")
+UID_BLOCK, UID_BLOCKS = 4096, 64  # uids per fork server, servers per machine
+_UID_LOCK_DIRS = ("/run/agentrl_sandbox", "/var/lock/agentrl_sandbox", "/tmp/agentrl_sandbox_uids")
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -184,6 +187,34 @@ def private_tmp(workdir, keep):
     for handle in handles.values():
         os.close(handle)
     return TMP_ROOTS[0]
+
+
+def claim_uid_block(uid_base):
+    """(first uid, lock fd) of a block of UID_BLOCK uids no other fork server on the host holds.
+
+    Two servers drawing the same uid would kill each other's cells (every process of a
+    finished cell's uid is killed) and could signal each other's sessions. A block is an
+    flock on a file in a root-only directory, held for the server's life and released by
+    the kernel when it dies. Runs before isolation (a /tmp fallback must be the host's).
+    Raises OSError when no directory is writable or every block is held.
+    """
+    for directory in _UID_LOCK_DIRS:
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            break
+        except OSError:
+            continue
+    else:
+        raise OSError(errno.EACCES, f"no writable directory for uid locks among {_UID_LOCK_DIRS}")
+    for block in range(UID_BLOCKS):
+        fd = os.open(os.path.join(directory, f"uids_{uid_base}_{block}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return uid_base + block * UID_BLOCK, fd
+    raise OSError(errno.EAGAIN, f"all {UID_BLOCKS} uid blocks above {uid_base} are held by other fork servers")
 
 
 def probe_uid(uid, paths):

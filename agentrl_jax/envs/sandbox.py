@@ -198,6 +198,7 @@ class SandboxPool:
             env=dict(_SERVER_ENV), limit=8 * cfg.output_limit_bytes + 2**20, close_fds=True)
         stderr_tail: collections.deque = collections.deque(maxlen=_STDERR_LINES)
         stderr_task = asyncio.create_task(self._forward_stderr(process, stderr_tail))
+        line = b""
         try:
             line = await asyncio.wait_for(process.stdout.readline(), timeout=120)
             info = json.loads(line) if line else None
@@ -269,8 +270,12 @@ class SandboxPool:
             server.process.kill()
         await server.process.wait()
         server.fail_pending("sandbox fork server stopped")
-        tasks = [t for t in (server.reader_task, server.stderr_task) if t is not None]
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if server.reader_task is not None:
+            await asyncio.gather(server.reader_task, return_exceptions=True)
+        if server.stderr_task is not None:  # EOF unless a straggler inherited the pipe
+            done, _ = await asyncio.wait([server.stderr_task], timeout=self.config.grace_s)
+            if not done:
+                server.stderr_task.cancel()
 
     def _limits(self, timeout_s, memory_mb, session):
         cfg = self.config
@@ -319,11 +324,16 @@ class SandboxPool:
             server.process.stdin.write((json.dumps(message) + "\n").encode())
             await server.process.stdin.drain()
             reply = await asyncio.wait_for(future, limits["timeout_s"] + self.config.grace_s)
-            result = ExecResult(
-                stdout=reply["stdout"], stderr=reply["stderr"], exit_status=reply["exit_status"],
-                timed_out=reply["timed_out"], duration_s=time.monotonic() - started,
-                truncated=reply["truncated"], network_isolated=server.info["network_isolated"],
-                session_restarted=reply["session_restarted"])
+            if "error" in reply:  # the server refused the request (e.g. every uid of its block in use)
+                result = ExecResult("", "", None, timed_out=False, duration_s=time.monotonic() - started,
+                                    network_isolated=server.info["network_isolated"],
+                                    error=f"sandbox refused: {reply['error']}")
+            else:
+                result = ExecResult(
+                    stdout=reply["stdout"], stderr=reply["stderr"], exit_status=reply["exit_status"],
+                    timed_out=reply["timed_out"], duration_s=time.monotonic() - started,
+                    truncated=reply["truncated"], network_isolated=server.info["network_isolated"],
+                    session_restarted=reply["session_restarted"])
         except (ConnectionError, BrokenPipeError, asyncio.TimeoutError) as e:
             wedged = isinstance(e, asyncio.TimeoutError)
             server.pending.pop(request_id, None)

@@ -205,3 +205,39 @@ def test_missing_protections_are_reported_counted_and_refused(tmp_path):
         assert f"sandbox: no {name}" in done.stderr
     assert "CAP_SYS_ADMIN" in done.stderr and "CAP_SETUID" in done.stderr
     assert "environment.sandbox.require_isolation" in report["refused"]
+
+
+def test_a_disabled_protection_is_refused_when_isolation_is_required(loop_thread):
+    from agentrl_jax.config import load_config
+    from agentrl_jax.envs.sandbox import SandboxIsolationError
+    from agentrl_jax.train.setup import make_sandbox
+
+    config = load_config("demo", ["environment.sandbox.require_isolation=true"])
+    assert make_sandbox(config).config.require_isolation
+    pool = SandboxPool(SandboxConfig(preimport=(), isolate_network=False, require_isolation=True))
+    with pytest.raises(SandboxIsolationError, match=r"network_namespace: disabled by SandboxConfig.isolate_network"):
+        loop_thread.run(pool.start())
+    assert all(server is None or not server.alive for server in pool._servers)  # nothing left running
+
+
+def test_two_fork_servers_never_share_a_uid(loop_thread, pool):
+    """Each server holds its own uid block: a cell ending on one never kills another's session."""
+    other = SandboxPool(SandboxConfig(preimport=()))
+
+    async def scenario():
+        await other.start()
+        try:
+            first = await pool.run("import os\nstate = 7\nprint(os.getuid())", session="long-episode")
+            elsewhere = [await other.run("import os; print(os.getuid())") for _ in range(3)]
+            later = await pool.run("print(state)", session="long-episode")
+        finally:
+            await pool.close_session("long-episode")
+            await other.close()
+        return first, elsewhere, later
+
+    first, elsewhere, later = loop_thread.run(scenario())
+    if "uid_separation" in pool.protections_missing:
+        pytest.skip(f"no uid separation here: {pool.protections_missing['uid_separation']}")
+    assert first.ok and all(r.ok for r in elsewhere)
+    assert first.stdout not in {r.stdout for r in elsewhere}
+    assert later.ok and later.stdout == "7\n" and not later.session_restarted, later
