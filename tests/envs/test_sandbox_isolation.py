@@ -146,7 +146,7 @@ def test_virtualenv_in_a_home_directory_or_under_tmp(tmp_path, where):
 
             asyncio.run(main())
         """)
-        done = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=240,
+        done = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=240, check=False,
                               env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=str(tmp_path))
         assert done.returncode == 0, done.stderr[-3000:]
         stdout, stderr, isolated = json.loads(done.stdout.strip().splitlines()[-1])
@@ -195,7 +195,7 @@ PRIVILEGE_DROP = textwrap.dedent("""
 @pytest.mark.skipif(os.getuid() != 0, reason="dropping capabilities from the bounding set needs root")
 def test_missing_protections_are_reported_counted_and_refused(tmp_path):
     done = subprocess.run([sys.executable, "-c", PRIVILEGE_DROP], capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=str(tmp_path))
+                          check=False, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["missing"] == ["mount_namespace", "network_namespace", "uid_separation"]
