@@ -317,12 +317,17 @@ class SandboxConfig(_Section):
     url: str = _f("", "SandboxFusion base URL for the remote backend.")
     workers: int = _f(8, "Concurrent executions.")
     timeout_s: float = _f(5.0, "Wall-clock limit per execution.")
-    memory_mb: int = _f(1024, "Address-space limit per execution.")
+    memory_mb: int = _f(1024, "Address-space limit (MB above the warm interpreter) per execution, and per "
+                              "stateful session (all cells of an episode).")
     max_output_bytes: int = _f(16384, "Output cap; longer output is truncated with a marker.")
+    require_isolation: bool = _f(False, "Local backend: refuse to start unless cells get their own uid and "
+                                        "network and mount namespaces (root with CAP_SYS_ADMIN); by default "
+                                        "a missing protection is logged and counted (sandbox/protections_missing).")
 
     def validate(self) -> None:
         _require(self.workers >= 1, self._path("workers"), "must be >= 1")
         _require(self.timeout_s > 0, self._path("timeout_s"), "must be > 0")
+        _require(self.memory_mb >= 1, self._path("memory_mb"), "must be >= 1")
         _require(
             self.backend != "remote" or bool(self.url),
             self._path("url"),

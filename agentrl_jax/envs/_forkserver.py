@@ -1,9 +1,11 @@
 """Fork server of the sandbox pool: a pre-warmed interpreter that forks one child per cell.
 
 The pool (`agentrl_jax/envs/sandbox.py`) starts this file as a script, never imports it,
-so the trainer process does not fork. The server imports numpy/sympy once, isolates
-itself (new network namespace with loopback down, new mount namespace with private tmpfs
-on /tmp, /var/tmp and /dev/shm), then serves newline-delimited JSON over stdin/stdout:
+so the trainer process does not fork. The server imports numpy/sympy once, isolates itself
+(`_sandbox_isolation.py`: a network namespace with loopback down, a mount namespace with
+private tmpfs on /tmp, /var/tmp, /dev/shm and closed home directories, the interpreter's
+paths bound back read-only), reports which protections it got and which it lacks, then
+serves newline-delimited JSON over stdin/stdout:
 
     {"op": "run", "id": 7, "code": "...", "limits": {...}, "session": null | "sid"}
     {"op": "close_session", "id": 8, "session": "sid"}
@@ -12,10 +14,12 @@ and answers one line per request, `{"id": 7, "stdout": ..., "stderr": ..., ...}`
 
 Every child (a one-shot cell or a long-lived session) gets: a new session and process
 group, its own uid (so RLIMIT_NPROC counts only its processes, it cannot signal or read
-other cells, and it cannot write root-owned paths), its own 0700 working directory,
-RLIMIT_CPU/AS/NPROC/FSIZE/NOFILE/CORE, stdin from /dev/null, a minimal environment, and
-a parent-death signal. When it ends, its process group and every process of its uid
-are killed, so a grandchild that called setsid() does not survive it either.
+other cells, and it cannot write root-owned paths), its own 0700 directory, which is its
+working directory, HOME, and (in a mount namespace of its own) its /tmp, /var/tmp and
+/dev/shm, RLIMIT_CPU/AS/NPROC/FSIZE/NOFILE/CORE, stdin from /dev/null, a minimal
+environment, and a parent-death signal. When it ends, its process group and every process
+of its uid are killed, so a grandchild that called setsid() does not survive it either,
+and its directory is removed.
 """
 
 import ctypes
@@ -29,102 +33,14 @@ import sys
 import time
 import traceback
 
-CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
-MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV, MS_BIND, MS_MOVE = 16384, 1 << 18, 2, 4, 4096, 8192
+import _sandbox_isolation as isolation  # the sibling file; sys.path[0] is this directory
+
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 CELL_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
             "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 READ_CHUNK = 1 << 16
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _isolate(config):
-    """Enter new network and mount namespaces; returns (network_isolated, filesystem_isolated)."""
-    network = bool(config["isolate_network"]) and _libc.unshare(CLONE_NEWNET) == 0
-    filesystem = False
-    if config["isolate_filesystem"] and _libc.unshare(CLONE_NEWNS) == 0:
-        # Private propagation first: without it our tmpfs mounts would leak to the host.
-        if _libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0:
-            opts = f"size={int(config['tmpfs_mb'])}m,mode=1777".encode()
-            roots = [path for path in ("/tmp", "/var/tmp", "/dev/shm") if os.path.isdir(path)]
-            kept = _stash_covered_prefixes(roots)
-            filesystem = kept is not None and all(
-                _libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) == 0 for path in roots)
-            filesystem = filesystem and _restore_prefixes(kept) and _expose_prefixes()
-    return network, filesystem
-
-
-def _prefixes():
-    return sorted({os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.base_exec_prefix)})
-
-
-def _stash_covered_prefixes(roots):
-    """Bind aside interpreter prefixes that the private tmpfs mounts would hide.
-
-    A virtualenv under /tmp (CI clones often live there) would vanish under the fresh
-    /tmp; its bind mount is parked outside the covered roots and moved back afterwards.
-    Returns [(staging, prefix)], or None on failure.
-    """
-    kept = []
-    for n, prefix in enumerate(_prefixes()):
-        if not any(prefix == r or prefix.startswith(r + os.sep) for r in roots):
-            continue
-        for parent in ("/run", "/dev", "/"):
-            staging = os.path.join(parent, f".agentrl_keep_{os.getpid()}_{n}")
-            try:
-                os.makedirs(staging, exist_ok=True)
-                break
-            except OSError:
-                continue
-        else:
-            return None
-        if _libc.mount(prefix.encode(), staging.encode(), None, MS_BIND | MS_REC, None) != 0:
-            return None
-        kept.append((staging, prefix))
-    return kept
-
-
-def _restore_prefixes(kept):
-    for staging, prefix in kept:
-        os.makedirs(prefix, mode=0o755, exist_ok=True)
-        if _libc.mount(staging.encode(), prefix.encode(), None, MS_MOVE, None) != 0:
-            return False
-        os.rmdir(staging)
-    return True
-
-
-def _closed_ancestor(path):
-    """The top-most ancestor of `path` that other users cannot traverse, or None."""
-    parts = os.path.abspath(path).split(os.sep)[1:]
-    for depth in range(1, len(parts)):
-        ancestor = os.sep + os.path.join(*parts[:depth])
-        if not os.stat(ancestor).st_mode & 0o001:
-            return ancestor
-    return None
-
-
-def _expose_prefixes():
-    """Make the interpreter's prefixes reachable by the cells' uids, in our mount ns only.
-
-    A Python installed under /root (pyenv) sits behind a 0700 directory. We bind the
-    prefix aside, cover the closed ancestor with an empty tmpfs (which also hides the
-    rest of it, e.g. /root, from cells), and move the prefix back into place.
-    """
-    for n, prefix in enumerate(_prefixes()):
-        ancestor = _closed_ancestor(prefix)
-        if ancestor is None:
-            continue
-        staging = f"/tmp/.agentrl_prefix_{n}"
-        os.makedirs(staging, exist_ok=True)
-        if _libc.mount(prefix.encode(), staging.encode(), None, MS_BIND | MS_REC, None) != 0:
-            return False
-        if _libc.mount(b"tmpfs", ancestor.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=0755,size=1m") != 0:
-            return False
-        os.makedirs(prefix, mode=0o755, exist_ok=True)
-        if _libc.mount(staging.encode(), prefix.encode(), None, MS_MOVE, None) != 0:
-            return False
-        os.rmdir(staging)
-    return True
 
 
 def _vm_bytes():
@@ -132,21 +48,26 @@ def _vm_bytes():
         return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _apply_limits(limits, session):
-    """Resource limits of a child; the address space budget is on top of the warm image."""
+def _apply_limits(limits, session, own_uid):
+    """Resource limits of a child; the address space budget is on top of the warm image.
+
+    RLIMIT_NPROC counts every process of the real uid, so without a uid of its own it
+    would count the trainer's threads: it is only set when the child has its own uid.
+    """
     cpu = max(1, int(limits["cpu_s"] + 0.999))
     cpu_hard = int(limits.get("session_cpu_s", cpu)) if session else cpu + 1
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, max(cpu, cpu_hard)))
     address_space = _vm_bytes() + int(limits["memory_mb"]) * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"], limits["max_processes"]))
+    if own_uid:
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"], limits["max_processes"]))
     fsize = int(limits["max_file_mb"]) * 2**20
     resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
-def _enter_child(uid, workdir, limits, out_w, err_w, session_fds):
+def _enter_child(uid, workdir, keep_in_tmp, limits, out_w, err_w, session_fds):
     """Runs in the forked child: isolate it, then return (the caller runs the code)."""
     signal.set_wakeup_fd(-1)
     for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGTERM):
@@ -159,7 +80,9 @@ def _enter_child(uid, workdir, limits, out_w, err_w, session_fds):
     for target, fd in zip((3, 4), session_fds):
         os.dup2(fd, target)
     os.closerange(3 + len(session_fds), 1 << 16)
-    _apply_limits(limits, bool(session_fds))
+    if keep_in_tmp is not None:
+        workdir = isolation.private_tmp(workdir, keep_in_tmp)
+    _apply_limits(limits, bool(session_fds), uid is not None)
     os.chdir(workdir)
     if uid is not None:
         os.setgroups([])
@@ -231,7 +154,7 @@ class Child:
 
 
 class ForkServer:
-    def __init__(self, config, proto_out):
+    def __init__(self, config, proto_out, uid_block, keep_in_tmp):
         self.config = config
         self.proto_out = proto_out
         self.selector = selectors.DefaultSelector()
@@ -239,15 +162,26 @@ class ForkServer:
         self.sessions = {}  # session id -> Child
         self.next_uid = 0
         self.next_dir = 0
-        self.root = os.getuid() == 0
+        self.uid_block = uid_block  # first uid of this server's block, None without uid separation
+        self.busy_uids = set()  # uids of live children and of sweeps not yet reaped
+        self.sweepers = {}  # sweeper pid -> uid
+        # a mount namespace per child (when the server has one) and the paths to keep in its /tmp
+        self.keep_in_tmp = keep_in_tmp
         self.base_dir = os.path.join("/tmp", f"agentrl_sandbox_{os.getpid()}")
         os.makedirs(self.base_dir, mode=0o711, exist_ok=True)
 
     def _alloc_uid(self):
-        if not (self.root and self.config["run_as_unprivileged"]):
+        """A uid of this server's block that no live child (or pending sweep) has; offset 0 was the probe's."""
+        if self.uid_block is None:
             return None
-        self.next_uid = (self.next_uid + 1) % 50_000
-        return int(self.config["uid_base"]) + self.next_uid
+        for _ in range(isolation.UID_BLOCK):
+            self.next_uid = self.next_uid % (isolation.UID_BLOCK - 1) + 1
+            uid = self.uid_block + self.next_uid
+            if uid not in self.busy_uids:
+                self.busy_uids.add(uid)
+                return uid
+        raise RuntimeError(f"all {isolation.UID_BLOCK - 1} uids of this fork server are in use "
+                           "(too many open sessions); close sessions or add servers")
 
     def _spawn(self, limits, session, code=None):
         uid = self._alloc_uid()
@@ -263,12 +197,17 @@ class ForkServer:
         pid = os.fork()
         if pid == 0:
             try:
-                _enter_child(uid, workdir, limits, out_w, err_w, (cmd_r, ctrl_w) if session else ())
+                _enter_child(uid, workdir, self.keep_in_tmp, limits, out_w, err_w,
+                             (cmd_r, ctrl_w) if session else ())
                 if session:
                     _session_main()
                 os._exit(_exec_cell(code, {"__name__": "__main__", "__builtins__": __builtins__}))
-            except BaseException:
-                os._exit(121)
+            except BaseException:  # on the cell's stderr when it got that far, else the server's
+                try:
+                    traceback.print_exc()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(121)
         for fd in (out_w, err_w, cmd_r, ctrl_w):
             if fd is not None:
                 os.close(fd)
@@ -281,6 +220,12 @@ class ForkServer:
 
     # ---- requests ----
     def handle(self, request):
+        try:
+            self._handle(request)
+        except RuntimeError as e:
+            self.reply({"id": request.get("id"), "error": str(e)})
+
+    def _handle(self, request):
         op = request.get("op")
         if op == "run" and request.get("session") is None:
             self._spawn(request["limits"], False, request["code"]).start_cell(request)
@@ -377,6 +322,7 @@ class ForkServer:
                 os.kill(-1, signal.SIGKILL)
             finally:
                 os._exit(0)
+        self.sweepers[pid] = uid  # the uid is free again once its sweep is reaped
 
     def _finish_cell(self, child, exit_status):
         request, child.request = child.request, None
@@ -402,6 +348,7 @@ class ForkServer:
                 return
             child = self.children.pop(pid, None)
             if child is None:  # a uid sweeper or an orphan adopted as subreaper
+                self.busy_uids.discard(self.sweepers.pop(pid, None))
                 continue
             self._kill(child)
             self._sweep_uid(child.uid)
@@ -472,6 +419,29 @@ class ForkServer:
                     self._read(child, key.fd)
 
 
+def _protections(config, uid_block):
+    """Isolates this process; returns ({protection: why it is missing}, paths cells cannot read)."""
+    missing = {}
+    if config["isolate_network"]:
+        refused = isolation.isolate_network()
+        if refused:
+            missing["network_namespace"] = refused
+    else:
+        missing["network_namespace"] = "disabled by SandboxConfig.isolate_network=False"
+    if config["isolate_filesystem"]:
+        refused = isolation.isolate_filesystem(config["tmpfs_mb"], PACKAGE_DIR)
+        if refused:
+            missing["mount_namespace"] = refused
+    else:
+        missing["mount_namespace"] = "disabled by SandboxConfig.isolate_filesystem=False"
+    unreadable = []
+    if uid_block is not None:
+        refused, unreadable = isolation.probe_uid(uid_block, isolation.visible_paths(PACKAGE_DIR))
+        if refused:
+            missing["uid_separation"] = refused
+    return missing, unreadable
+
+
 def main():
     config = json.loads(sys.argv[1])
     if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
@@ -481,15 +451,30 @@ def main():
             __import__(module)
         except ImportError as e:
             print(f"sandbox: cannot pre-import {module}: {e}", file=sys.stderr)
-    network, filesystem = _isolate(config)
+    uid_block, uid_refused = None, "disabled by SandboxConfig.run_as_unprivileged=False"
+    if config["run_as_unprivileged"]:
+        try:
+            uid_block, _lock = isolation.claim_uid_block(int(config["uid_base"]))
+        except OSError as e:
+            uid_refused = f"no uid block: {e}"
+    try:
+        missing, unreadable = _protections(config, uid_block)
+    except isolation.IsolationError as e:
+        print(e, file=sys.stderr)
+        sys.exit(3)
+    if uid_block is None:
+        missing["uid_separation"] = uid_refused
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     proto_out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # stray prints of the server must not corrupt the protocol
-    server = ForkServer(config, proto_out)
-    server.reply({"ready": True, "pid": os.getpid(), "network_isolated": network,
-                  "filesystem_isolated": filesystem,
-                  "unprivileged": server._alloc_uid() is not None})
+    keep_in_tmp = isolation.under_tmp(isolation.visible_paths(PACKAGE_DIR))
+    server = ForkServer(config, proto_out, uid_block=None if "uid_separation" in missing else uid_block,
+                        keep_in_tmp=None if "mount_namespace" in missing else keep_in_tmp)
+    server.reply({"ready": True, "pid": os.getpid(), "missing": missing, "unreadable": unreadable,
+                  "network_isolated": "network_namespace" not in missing,
+                  "filesystem_isolated": "mount_namespace" not in missing,
+                  "unprivileged": server.uid_block is not None})
     server.serve(0)
 
 

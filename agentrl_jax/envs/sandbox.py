@@ -3,20 +3,25 @@
 `SandboxPool` keeps `num_servers` pre-warmed fork servers (`_forkserver.py`, numpy and
 sympy imported once) and forks one child per execution, so a cell costs milliseconds,
 not an interpreter start. What a child gets, and what it cannot do, is documented in
-`_forkserver.py`; in short, as root without containers:
+`_forkserver.py` and `_sandbox_isolation.py`; in short, as root without containers:
 
-- own uid, process group, 0700 temp dir, CPU/address-space/process/file-size limits,
-  wall-clock deadline with the whole process group and uid killed, output byte cap;
-- no network (new network namespace, loopback down) when `unshare` works;
-- a private tmpfs on /tmp, /var/tmp, /dev/shm (mount namespace), so writes there are
-  confined to the sandbox; root-owned paths are not writable by the cell's uid. World-
-  readable files of the host stay readable; the environment is scrubbed.
+- own uid, process group, CPU/address-space/process/file-size limits, wall-clock
+  deadline with the whole process group and uid killed, output byte cap;
+- no network (new network namespace, loopback down);
+- its own mount namespace in which a private 0700 directory is /tmp, /var/tmp, /dev/shm,
+  HOME and the working directory, removed when the cell (or session) ends; closed
+  directories such as /root are empty, the interpreter's paths are read-only, root-owned
+  paths are not writable by the cell's uid. World-readable host files stay readable; the
+  environment is scrubbed.
 
-When the OS refuses a namespace the pool still runs and says so in
-`ExecResult.network_isolated` and `metrics()`. The trainer is never the parent of a
-cell (the fork server is), so `os.kill(os.getppid(), 9)` hits the server, which the pool
-replaces. A server that dies or wedges (no answer within timeout + grace) is killed and
-restarted; the requests it held come back as `ExecResult(error=...)`, never raise.
+Each of the three protections (`PROTECTIONS`) needs privileges (root, CAP_SYS_ADMIN).
+A missing one is logged at start with the reason, listed in `protections_missing` and
+counted in `metrics()`; `SandboxConfig.require_isolation` refuses to start without all
+three. The trainer is never the parent of a cell (the fork server is), so
+`os.kill(os.getppid(), 9)` hits the server, which the pool replaces. A server that dies
+or wedges (no answer within timeout + grace) is killed and restarted; the requests it
+held come back as `ExecResult(error=...)`, never raise. A server that fails to start
+raises with its own stderr.
 """
 
 from __future__ import annotations
@@ -37,6 +42,19 @@ logger = logging.getLogger(__name__)
 _SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_forkserver.py")
 _SERVER_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
                "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+# What a cell can do when a protection is missing (the keys are the fork server's names).
+PROTECTIONS = {
+    "uid_separation": "cells run as the trainer's own user: they can signal its processes and read or "
+                      "write its files, and max_processes is not enforced",
+    "network_namespace": "cells can reach the network",
+    "mount_namespace": "cells share the host's /tmp, /var/tmp and /dev/shm with each other and the host, "
+                       "and closed directories (/root) are as visible as their permissions allow",
+}
+_STDERR_LINES = 50
+
+
+class SandboxIsolationError(RuntimeError):
+    """`require_isolation` is set and the machine cannot give every protection."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +66,7 @@ class SandboxConfig:
     timeout_s: float = 10.0  # wall clock per execution
     cpu_s: float | None = None  # RLIMIT_CPU per execution; None -> timeout_s
     memory_mb: int = 512  # address space a cell may add on top of the warm interpreter
-    session_memory_mb: int = 1024  # the same, for a whole stateful session
+    session_memory_mb: int | None = None  # the same, for a whole stateful session; None -> memory_mb
     session_cpu_s: float = 600.0  # hard CPU budget of a session over all its cells
     output_limit_bytes: int = 16_384  # stdout+stderr kept; the rest is cut with a marker
     drain_limit_bytes: int = 32 * 2**20  # output after which the cell is killed
@@ -60,6 +78,7 @@ class SandboxConfig:
     tmpfs_mb: int = 512  # size of each server's private /tmp
     run_as_unprivileged: bool = True  # a fresh uid per child (needs root)
     uid_base: int = 200_000
+    require_isolation: bool = False  # refuse to start unless every protection in PROTECTIONS works
     grace_s: float = 5.0  # extra wait before a silent server is declared wedged
     python: str = sys.executable
 
@@ -67,6 +86,8 @@ class SandboxConfig:
         for name in ("num_servers", "max_concurrency", "memory_mb", "output_limit_bytes", "max_processes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SandboxConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.session_memory_mb is not None and self.session_memory_mb < 1:
+            raise ValueError(f"SandboxConfig.session_memory_mb must be >= 1 or None, got {self.session_memory_mb}")
         if self.timeout_s <= 0:
             raise ValueError(f"SandboxConfig.timeout_s must be > 0, got {self.timeout_s}")
 
@@ -98,6 +119,7 @@ class _Server:
         self.info = info
         self.pending: dict[int, asyncio.Future] = {}
         self.reader_task: asyncio.Task | None = None
+        self.stderr_task: asyncio.Task | None = None
 
     @property
     def alive(self) -> bool:
@@ -133,8 +155,30 @@ class SandboxPool:
         await self.close()
 
     async def start(self):
+        """Starts the fork servers; reports (or, with `require_isolation`, refuses) missing protections."""
         for index in range(self.config.num_servers):
             self._servers[index] = await self._start_server()
+        missing = self.protections_missing
+        for name, reason in missing.items():
+            logger.warning("sandbox: no %s (%s): %s", name, reason, PROTECTIONS[name])
+        for path in self._servers[0].info.get("unreadable", []):
+            logger.warning("sandbox: the cells' uid cannot read %s: packages there fail to import in cells", path)
+        if missing and self.config.require_isolation:
+            await self.close()
+            raise SandboxIsolationError(
+                f"environment.sandbox.require_isolation=True but the sandbox lacks {sorted(missing)}: "
+                + "; ".join(f"{name}: {reason}" for name, reason in missing.items())
+                + ". Run as root with CAP_SYS_ADMIN (a VM or a privileged container), use the remote "
+                "backend, or set environment.sandbox.require_isolation=False to run without them.")
+
+    @property
+    def protections_missing(self) -> dict[str, str]:
+        """{protection: why it is missing} over the running servers (see `PROTECTIONS`)."""
+        missing = {}
+        for server in self._servers:
+            if server is not None:
+                missing.update(server.info.get("missing", {}))
+        return missing
 
     @property
     def network_isolated(self) -> bool:
@@ -150,17 +194,43 @@ class SandboxPool:
             "preimport", "isolate_network", "isolate_filesystem", "tmpfs_mb", "run_as_unprivileged", "uid_base")}
         process = await asyncio.create_subprocess_exec(
             cfg.python, "-E", "-s", _SERVER_SCRIPT, json.dumps(server_config),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=dict(_SERVER_ENV),
-            limit=8 * cfg.output_limit_bytes + 2**20, close_fds=True)
-        line = await asyncio.wait_for(process.stdout.readline(), timeout=120)
-        if not line:
-            raise RuntimeError(f"sandbox fork server failed to start (exit {await process.wait()})")
-        server = _Server(process, json.loads(line))
-        if not server.info["network_isolated"]:
-            logger.warning("sandbox: network namespace unavailable; cells can reach the network")
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env=dict(_SERVER_ENV), limit=8 * cfg.output_limit_bytes + 2**20, close_fds=True)
+        stderr_tail: collections.deque = collections.deque(maxlen=_STDERR_LINES)
+        stderr_task = asyncio.create_task(self._forward_stderr(process, stderr_tail))
+        line = b""
+        try:
+            line = await asyncio.wait_for(process.stdout.readline(), timeout=120)
+            info = json.loads(line) if line else None
+        except (asyncio.TimeoutError, ValueError):
+            info = None
+        if not isinstance(info, dict) or not info.get("ready"):
+            if process.returncode is None:
+                process.kill()
+            status = await process.wait()
+            await asyncio.gather(stderr_task, return_exceptions=True)
+            said = "\n".join(stderr_tail) or "(nothing on stderr)"
+            raise RuntimeError(f"sandbox fork server failed to start ({cfg.python} {_SERVER_SCRIPT}, exit "
+                               f"{status}; first line {line[:200]!r}); its stderr:\n{said}")
+        server = _Server(process, info)
+        server.stderr_task = stderr_task
         server.reader_task = asyncio.create_task(self._read_replies(server))
         self._counts["servers_started"] += 1
         return server
+
+    @staticmethod
+    async def _forward_stderr(process, tail: collections.deque):
+        """The server's stderr (failed pre-imports, a child that died before its cell) to the log."""
+        pending = b""
+        while chunk := await process.stderr.read(1 << 16):
+            *lines, pending = (pending + chunk).split(b"\n")
+            pending = pending[-4096:]  # a line without end is cut, never buffered without bound
+            for raw in lines:
+                tail.append(raw.decode("utf-8", "replace").rstrip())
+                logger.warning("sandbox fork server %d: %s", process.pid, tail[-1])
+        if pending:
+            tail.append(pending.decode("utf-8", "replace").rstrip())
+            logger.warning("sandbox fork server %d: %s", process.pid, tail[-1])
 
     async def _read_replies(self, server: _Server):
         try:
@@ -202,12 +272,17 @@ class SandboxPool:
         server.fail_pending("sandbox fork server stopped")
         if server.reader_task is not None:
             await asyncio.gather(server.reader_task, return_exceptions=True)
+        if server.stderr_task is not None:  # EOF unless a straggler inherited the pipe
+            done, _ = await asyncio.wait([server.stderr_task], timeout=self.config.grace_s)
+            if not done:
+                server.stderr_task.cancel()
 
     def _limits(self, timeout_s, memory_mb, session):
         cfg = self.config
         timeout = float(timeout_s if timeout_s is not None else cfg.timeout_s)
+        default_mb = (cfg.session_memory_mb or cfg.memory_mb) if session is not None else cfg.memory_mb
         return {"timeout_s": timeout, "cpu_s": float(cfg.cpu_s or timeout),
-                "memory_mb": int(memory_mb or (cfg.session_memory_mb if session else cfg.memory_mb)),
+                "memory_mb": int(memory_mb or default_mb),
                 "session_cpu_s": cfg.session_cpu_s, "output_limit_bytes": cfg.output_limit_bytes,
                 "drain_limit_bytes": cfg.drain_limit_bytes, "max_processes": cfg.max_processes,
                 "max_file_mb": cfg.max_file_mb}
@@ -249,11 +324,16 @@ class SandboxPool:
             server.process.stdin.write((json.dumps(message) + "\n").encode())
             await server.process.stdin.drain()
             reply = await asyncio.wait_for(future, limits["timeout_s"] + self.config.grace_s)
-            result = ExecResult(
-                stdout=reply["stdout"], stderr=reply["stderr"], exit_status=reply["exit_status"],
-                timed_out=reply["timed_out"], duration_s=time.monotonic() - started,
-                truncated=reply["truncated"], network_isolated=server.info["network_isolated"],
-                session_restarted=reply["session_restarted"])
+            if "error" in reply:  # the server refused the request (e.g. every uid of its block in use)
+                result = ExecResult("", "", None, timed_out=False, duration_s=time.monotonic() - started,
+                                    network_isolated=server.info["network_isolated"],
+                                    error=f"sandbox refused: {reply['error']}")
+            else:
+                result = ExecResult(
+                    stdout=reply["stdout"], stderr=reply["stderr"], exit_status=reply["exit_status"],
+                    timed_out=reply["timed_out"], duration_s=time.monotonic() - started,
+                    truncated=reply["truncated"], network_isolated=server.info["network_isolated"],
+                    session_restarted=reply["session_restarted"])
         except (ConnectionError, BrokenPipeError, asyncio.TimeoutError) as e:
             wedged = isinstance(e, asyncio.TimeoutError)
             server.pending.pop(request_id, None)
@@ -300,6 +380,7 @@ class SandboxPool:
         return {**{f"sandbox/{k}": float(v) for k, v in self._counts.items()},
                 "sandbox/latency_p50_s": float(np.percentile(latencies, 50)),
                 "sandbox/latency_p99_s": float(np.percentile(latencies, 99)),
+                "sandbox/protections_missing": float(len(self.protections_missing)),
                 "sandbox/network_isolated": float(self.network_isolated),
                 "sandbox/filesystem_isolated": float(self.filesystem_isolated)}
 

@@ -171,6 +171,7 @@ def env_config(config: Config) -> ReToolConfig:
 
 
 def make_sandbox(config: Config):
+    """The configured sandbox; `environment.sandbox.memory_mb` bounds cells and whole sessions alike."""
     sb = config.environment.sandbox
     if sb.backend == "remote":
         from agentrl_jax.envs import RemoteSandbox, RemoteSandboxConfig
@@ -182,7 +183,9 @@ def make_sandbox(config: Config):
             max_concurrency=sb.workers,
             timeout_s=sb.timeout_s,
             memory_mb=sb.memory_mb,
+            session_memory_mb=sb.memory_mb,
             output_limit_bytes=sb.max_output_bytes,
+            require_isolation=sb.require_isolation,
         )
     )
 

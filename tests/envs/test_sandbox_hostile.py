@@ -90,8 +90,9 @@ def test_writes_outside_workdir_fail_or_are_confined(loop_thread, pool, tmp_path
         assert not target.exists()
     else:
         pytest.skip("no mount namespace: world-writable host paths stay writable")
-    cwd = run(loop_thread, pool, "import os\nopen('local.txt', 'w').write('ok')\nprint(os.getcwd())")
-    assert cwd.ok and not os.path.exists(cwd.stdout.strip())  # own dir, removed afterwards
+    cwd = run(loop_thread, pool, "import os\nopen('agentrl_local.txt', 'w').write('ok')\nprint(os.getcwd())")
+    # the working directory is the cell's private /tmp (test_sandbox_isolation.py checks its removal)
+    assert cwd.ok and cwd.stdout == "/tmp\n" and not os.path.exists("/tmp/agentrl_local.txt")
 
 
 def test_environment_secrets_are_scrubbed(loop_thread, pool, monkeypatch):
