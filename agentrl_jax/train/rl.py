@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax.config import Config, to_dict
+from agentrl_jax.config import Config, ConfigError, check_registered_names, to_dict
 from agentrl_jax.envs.agent_loop import AgentLoop
-from agentrl_jax.envs.base import Trajectory
+from agentrl_jax.envs.base import FINISH_REASONS, Trajectory
 from agentrl_jax.losses import get_advantage, global_normalizer
 from agentrl_jax.rollout.sampling import SamplingParams
 from agentrl_jax.train.batch import TokenRecord, build_batch
@@ -92,27 +92,51 @@ def loss_settings(config: Config) -> LossSettings:
     )
 
 
+def truncation_rule(config: Config) -> str:
+    """``algorithm.truncated_episodes`` resolved: "mask" or "penalize" (docs/algorithms.md).
+
+    "auto" masks when a wrong answer scores below the 0 an unscored episode used to get
+    (``environment.outcome_scheme='pm1'``: -1, so running out of context would pay) and
+    penalizes otherwise (``'binary'``: a wrong answer scores 0, the same as before).
+    """
+    rule = config.algorithm.truncated_episodes
+    if rule != "auto":
+        return rule
+    return "mask" if config.environment.outcome_scheme == "pm1" else "penalize"
+
+
 def trajectory_record(t: Trajectory) -> TokenRecord:
+    """The trajectory's tokens for the batch; a masked episode keeps its tokens but trains none."""
+    loss_mask = np.zeros_like(t.loss_mask) if t.masked else t.loss_mask
     return TokenRecord(
-        t.token_ids.tolist(), t.loss_mask.tolist(), t.rollout_logprobs.tolist(), t.params_versions.tolist()
+        t.token_ids.tolist(), loss_mask.tolist(), t.rollout_logprobs.tolist(), t.params_versions.tolist()
     )
 
 
-def compute_advantages(config: Config, batch, rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
-    """Per-token advantages [R, T] of a padded batch (one trajectory per row)."""
+def compute_advantages(config: Config, batch, rewards: np.ndarray, group_ids: np.ndarray,
+                       trained: np.ndarray | None = None) -> np.ndarray:
+    """Per-token advantages [R, T] of a padded batch (one trajectory per row).
+
+    Only the ``trained`` trajectories (default: all) enter the estimator: a masked episode
+    (truncated under 'mask', or an environment error) has no score of its own, so it is
+    left out of its group's mean/std (GRPO, RLOO, ...) and of REINFORCE++'s batch
+    statistics, like the batch's padding rows; its advantage is 0.
+    """
     rows = batch.shape[0]
     n = len(rewards)
-    num_groups = int(group_ids.max()) + 2 if n else 1
-    # Padding rows get their own (last) group and reward 0; their loss mask is 0.
-    full_rewards = np.zeros(rows, np.float32)
-    full_rewards[:n] = rewards
-    full_groups = np.full(rows, num_groups - 1, np.int32)
-    full_groups[:n] = group_ids
+    trained = np.ones(n, bool) if trained is None else np.asarray(trained, bool)
+    keep = np.flatnonzero(trained)
+    adv = np.zeros(batch.loss_mask.shape, np.float32)
+    if not len(keep):
+        return adv
+    assert rows >= n, "compute_advantages: one row per trajectory"
     estimator = get_advantage(config.algorithm.advantage)
-    adv = estimator(
-        jnp.asarray(full_rewards), jnp.asarray(full_groups), jnp.asarray(batch.loss_mask), num_groups=num_groups
+    kept = estimator(
+        jnp.asarray(rewards[keep], jnp.float32), jnp.asarray(group_ids[keep], jnp.int32),
+        jnp.asarray(batch.loss_mask[keep]), num_groups=int(group_ids[keep].max()) + 1,
     )
-    return np.asarray(adv, np.float32) * batch.loss_mask
+    adv[keep] = np.asarray(kept, np.float32)
+    return adv * batch.loss_mask
 
 
 class RLTrainer:
@@ -121,6 +145,9 @@ class RLTrainer:
     def __init__(self, config: Config, *, graphdef, params, tokenizer, driver, env_factory, train_tasks,
                  eval_tasks, metrics_writer, checkpointer=None, reference_params=None, teacher=None,
                  judge: Judge | None = None, mesh=None, engine_params: Callable[[Any], Any] | None = None):
+        # A Config built in Python skipped load_config's registry checks; a bad name fails here,
+        # before the SFT cold start and the first evaluation, not at the first update.
+        check_registered_names(config)
         self.config = config
         self.graphdef = graphdef
         self.tokenizer = tokenizer
@@ -145,6 +172,7 @@ class RLTrainer:
             tokenizer,
             max_new_tokens_per_turn=config.rollout.max_new_tokens_per_turn,
             max_total_tokens=config.rollout.max_sequence_length,
+            truncation=truncation_rule(config),
         )
         from agentrl_jax.data import BatchIterator
 
@@ -233,9 +261,13 @@ class RLTrainer:
         results = {
             str(i): [
                 {
-                    "correct": bool(t.reward_components.get("correct", t.reward > 0)),
+                    # An episode cut short or crashed never answered: incorrect, whatever its reward.
+                    "correct": bool(t.reward_components.get("correct", t.reward > 0))
+                    and not t.truncated and t.finish_reason != "env_error",
                     "tool_calls": t.tool_stats.calls,
                     "num_sampled_tokens": t.num_sampled_tokens,
+                    "truncated": t.truncated,
+                    "env_error": t.finish_reason == "env_error",
                 }
                 for t in g
             ]
@@ -326,9 +358,12 @@ class RLTrainer:
             # A step may keep fewer groups: pad to the full row count so the update compiles once.
             rows_needed = self.config.data.prompts_per_step * a.group_size
         batch = build_batch(records, row_multiple=rows_needed, pad_token_id=self.tokenizer.pad_token_id)
+        if not batch.loss_mask.any():
+            return self._empty_step(step, trajectories)
         rewards = np.asarray([t.reward for t in trajectories], np.float32)
         group_ids = np.asarray([t.group_id for t in trajectories], np.int32)
-        batch = batch.replace(advantages=compute_advantages(self.config, batch, rewards, group_ids))
+        trained = np.asarray([not t.masked for t in trajectories], bool)
+        batch = batch.replace(advantages=compute_advantages(self.config, batch, rewards, group_ids, trained))
         arrays = batch_arrays(batch, device=False)
         rows = batch.shape[0]
         per_minibatch = rows // a.minibatches
@@ -380,6 +415,19 @@ class RLTrainer:
         out.update(version_stats)
         return out
 
+    def _empty_step(self, step: int, trajectories: list[Trajectory]) -> dict[str, float]:
+        """No episode trains a token (all masked, e.g. every one ran out of context): no update.
+
+        An optimizer step on zero gradients would still move the params (Adam's momentum,
+        weight decay), so the step is skipped outright and counted.
+        """
+        a = self.config.algorithm
+        logger.warning("step %d: all %d episodes are masked (truncated or environment errors); no update",
+                       step, len(trajectories))
+        self.last_token_staleness = None
+        return {"skipped_updates": float(a.ppo_epochs * a.minibatches), "train/empty_batch": 1.0,
+                "train_tokens": 0.0, "learning_rate": float(self.schedule(int(to_host(self.state.step))))}
+
     async def sync_weights(self) -> None:
         """Push the new params to the engine as a new version.
 
@@ -394,6 +442,7 @@ class RLTrainer:
 
     async def run(self, start_step: int = 0) -> None:
         """RL steps ``start_step .. total_steps``: synchronous, or the async pipeline (``async_rl``)."""
+        self.check_roles()
         if self.config.async_rl.enabled:
             from agentrl_jax.train.pipeline import AsyncPipeline
 
@@ -431,6 +480,19 @@ class RLTrainer:
                 sum(t.num_sampled_tokens for t in trajectories) / max(t_rollout, 1e-9))
             if await self.end_step(step, trajectories, metrics):
                 return
+
+    def check_roles(self) -> None:
+        """The models the config asks for are attached (``train()`` does it; a hand-built trainer
+        must too): nothing the config asks for is silently skipped, nothing fails mid-run."""
+        c = self.config
+        missing = [(key, role) for key, role, needed, present in (
+            ("algorithm.kl_coef", "reference_params", c.algorithm.kl_coef > 0, self.reference_params is not None),
+            ("hybrid.mode", "teacher", c.hybrid.mode != "none", self.teacher is not None),
+            ("hybrid.judge", "judge", c.hybrid.judge != "none", self.judge is not None),
+        ) if needed and not present]
+        if missing:
+            raise ConfigError("; ".join(f"{key} needs RLTrainer.{role}, which is not set" for key, role in missing)
+                              + " (train() attaches them; a trainer built by hand must set them before run())")
 
     async def end_step(self, step: int, trajectories: list[Trajectory], metrics: dict[str, float],
                        data_state: Any = None) -> bool:
@@ -497,11 +559,14 @@ def _groups(trajectories: list[Trajectory]) -> list[list[Trajectory]]:
 
 
 def _informative(group: list[Trajectory]) -> bool:
-    return len({t.reward for t in group}) > 1
+    """Rewards differ among the group's trained (unmasked) episodes: a non-zero advantage."""
+    return len({t.reward for t in group if not t.masked}) > 1
 
 
 def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Reward, its components, lengths and tool statistics, averaged over trajectories."""
+    """Reward, its components, lengths and tool statistics, averaged over trajectories; how
+    episodes ended: ``rollout/finish/<reason>`` fractions, and counts of truncated episodes,
+    environment errors and masked (untrained) episodes."""
     out: dict[str, float] = {}
     rewards = np.asarray([t.reward for t in trajectories], np.float64)
     out["reward/mean"] = float(rewards.mean())
@@ -526,9 +591,14 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     for t in trajectories:
         groups.setdefault(t.group_id, []).append(t.reward)
     out["rollout/all_equal_groups"] = float(np.mean([len(set(v)) == 1 for v in groups.values()]))
-    reasons: dict[str, int] = {}
+    # Every known finish reason is logged (0 when absent) so its curve is continuous.
+    reasons = dict.fromkeys(FINISH_REASONS, 0)
     for t in trajectories:
-        reasons[t.finish_reason] = reasons.get(t.finish_reason, 0) + 1
+        reason = t.finish_reason or "unknown"
+        reasons[reason] = reasons.get(reason, 0) + 1
     for k, v in reasons.items():
-        out[f"finish/{k or 'unknown'}"] = v / len(trajectories)
+        out[f"rollout/finish/{k}"] = v / len(trajectories)
+    out["rollout/truncated"] = float(sum(t.truncated for t in trajectories))
+    out["rollout/env_errors"] = float(reasons["env_error"])
+    out["rollout/masked_episodes"] = float(sum(t.masked for t in trajectories))
     return out
