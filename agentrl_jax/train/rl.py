@@ -382,10 +382,16 @@ class RLTrainer:
         max_response = int(batch.loss_mask.sum(axis=1).max()) or 1
         rng = np.random.default_rng([self.config.seed, step])
         collected: list[dict] = []
+        empty_minibatches = 0
         for _ in range(a.ppo_epochs):
             order = rng.permutation(rows)
             for mb in range(a.minibatches):
                 idx = order[mb * per_minibatch : (mb + 1) * per_minibatch]
+                if not arrays["loss_mask"][idx].any():
+                    # only masked / padding rows: an optimizer step on zero gradients would still move
+                    # the params (Adam's momentum, weight decay)
+                    empty_minibatches += 1
+                    continue
                 minibatch = {k: self._put(v[idx]) for k, v in arrays.items()}
                 normalizer = self._put(global_normalizer(
                     arrays["loss_mask"][idx], a.aggregation,
@@ -396,7 +402,7 @@ class RLTrainer:
                 collected.append(metrics)
         collected = [{k: float(to_host(v)) for k, v in m.items()} for m in collected]
         out = {k: float(np.mean([m[k] for m in collected])) for k in collected[0]}
-        out["skipped_updates"] = float(sum(m["skipped"] for m in collected))
+        out["skipped_updates"] = float(sum(m["skipped"] for m in collected) + empty_minibatches)
         out["learning_rate"] = float(self.schedule(int(to_host(self.state.step))))
         out["train_tokens"] = float(batch.loss_mask.sum())
         mismatch = np.abs(np.asarray(arrays["old_logprobs"]) - batch.rollout_logprobs) * batch.loss_mask
