@@ -87,8 +87,10 @@ def test_an_all_masked_batch_gives_zero_advantages_without_nan():
 
 
 def test_rollout_metrics_count_every_ending():
-    trajectories = [_traj(0, 1.0), _traj(0, -1.0, finish="no_answer"), _traj(0, -1.0, finish="max_tokens", masked=True),
-                    _traj(1, -1.0, finish="context_overflow", masked=True), _traj(1, 0.0, finish="env_error", masked=True),
+    trajectories = [_traj(0, 1.0), _traj(0, -1.0, finish="no_answer"),
+                    _traj(0, -1.0, finish="max_tokens", masked=True),
+                    _traj(1, -1.0, finish="context_overflow", masked=True),
+                    _traj(1, 0.0, finish="env_error", masked=True),
                     _traj(1, -1.0, finish="max_turns"), _traj(1, 0.0, finish="my_reason")]
     m = rollout_metrics(trajectories)
     assert m["rollout/truncated"] == 2 and m["rollout/env_errors"] == 1 and m["rollout/masked_episodes"] == 3
