@@ -862,9 +862,9 @@ def check_registered_names(config: Config) -> None:
     ):
         if value not in known:
             raise ConfigError(f"{key}: unknown name {value!r}; registered: {', '.join(sorted(known))}")
-    # The trainer calls the estimator and the loss with these arguments only (train/rl.py
-    # compute_advantages, train/step.py); one that needs more (a critic's values, teacher
-    # logprobs, a hyper-parameter without default) would fail at the first update.
+    # The trainer calls the estimator and the loss with these arguments only
+    # (train/episodes.py compute_advantages, train/step.py); one that needs more (a critic's
+    # values, teacher logprobs, a hyper-parameter without default) would fail at the first update.
     a = config.algorithm
     needs = _required_parameters(registry.get_advantage(a.advantage), positional=3,
                                  keywords={"num_groups", "sequence_ids"})

@@ -11,7 +11,8 @@ from agentrl_jax.envs.search_corpus import make_search_corpus, write_search_corp
 from agentrl_jax.envs.sandbox import ExecResult, SandboxConfig, SandboxPool
 
 __all__ = [
-    "FINISH_REASONS", "TRUNCATED_REASONS", "ArithmeticEnv", "BM25Index", "Environment", "ExecResult", "LocalRetriever", "Passage", "RemoteRetriever",
+    "FINISH_REASONS", "TRUNCATED_REASONS",
+    "ArithmeticEnv", "BM25Index", "Environment", "ExecResult", "LocalRetriever", "Passage", "RemoteRetriever",
     "RemoteRetrieverConfig", "RemoteSandbox", "RemoteSandboxConfig", "ReToolConfig", "ReToolEnv", "Retriever",
     "RetrieverError", "SandboxConfig", "SandboxPool", "SearchConfig", "SearchEnv", "StepResult", "ToolStats",
     "Trajectory", "arithmetic_config", "demonstration", "exact_match", "interpreter_text", "load_corpus",

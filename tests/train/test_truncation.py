@@ -19,14 +19,14 @@ from agentrl_jax.config import Config, ConfigError, apply_overrides, load_config
 from agentrl_jax.envs.base import Environment, StepResult, Trajectory
 from agentrl_jax.losses import global_normalizer
 from agentrl_jax.train.batch import build_batch
-from agentrl_jax.train.rl import (
-    RLTrainer,
-    _informative,
+from agentrl_jax.train.episodes import (
     compute_advantages,
+    informative,
     rollout_metrics,
     trajectory_record,
     truncation_rule,
 )
+from agentrl_jax.train.rl import RLTrainer
 
 
 def _traj(group_id, reward, *, sampled=2, finish="answer", masked=False):
@@ -101,8 +101,8 @@ def test_rollout_metrics_count_every_ending():
 
 
 def test_dynamic_sampling_looks_at_trained_episodes_only():
-    assert not _informative([_traj(0, 1.0), _traj(0, -1.0, masked=True)])
-    assert _informative([_traj(0, 1.0), _traj(0, -1.0), _traj(0, -1.0, masked=True)])
+    assert not informative([_traj(0, 1.0), _traj(0, -1.0, masked=True)])
+    assert informative([_traj(0, 1.0), _traj(0, -1.0), _traj(0, -1.0, masked=True)])
 
 
 @pytest.mark.parametrize("overrides, rule", [
