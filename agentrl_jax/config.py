@@ -575,6 +575,10 @@ class Config(_Section):
             )
 
 
+        _require(not self.model.reference_path or algo.kl_coef > 0, "model.reference_path",
+                 "is loaded only for the KL term (algorithm.kl_coef > 0); with kl_coef=0 nothing would use it "
+                 "(a teacher or judge 'reference' would silently be a copy of the initial policy instead)")
+
         hybrid = self.hybrid
         if hybrid.mode == "hybrid":
             _require(algo.advantage in ("grpo", "drgrpo", "rloo", "reinforce_pp"), "algorithm.advantage",

@@ -48,6 +48,7 @@ INVALID = [
     (["rollout.max_prompt_length=4096"], "rollout.max_prompt_length"),
     (["model.attention_impl=cudnn", "model.compute_dtype=float32"], "model.attention_impl"),
     (["algorithm.truncated_episodes=drop"], "algorithm.truncated_episodes"),
+    (["model.reference_path=/ckpt/ref"], "model.reference_path"),  # silently unused without the KL term
 ]
 
 
@@ -88,7 +89,8 @@ def test_valid_neighbours_still_load():
     for overrides in (["async_rl.enabled=true", "async_rl.max_staleness=0", "hybrid.mode=hybrid"],
                       ["hybrid.mode=opd"], ["hybrid.mode=hybrid", "hybrid.judge=oracle", "hybrid.prm_weight=0.5"],
                       ["environment.overlong_buffer=64"], ["environment.tool_weight=3"],
-                      ["algorithm.truncated_episodes=penalize"]):
+                      ["algorithm.truncated_episodes=penalize"],
+                      ["model.reference_path=/ckpt/ref", "algorithm.kl_coef=0.01"]):
         load_config("demo", overrides)
 
 
