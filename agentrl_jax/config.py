@@ -242,6 +242,12 @@ class AlgorithmConfig(_Section):
     correction_level: Literal["token", "sequence"] = _f("token", "Level of the off-policy correction.")
     correction_cap: float = _f(2.0, "TIS truncation / MIS mask threshold / icepop upper bound.")
     correction_floor: float = _f(0.5, "icepop lower bound.")
+    truncated_episodes: Literal["auto", "mask", "penalize"] = _f(
+        "auto", "Episodes cut short by the context (finish max_tokens / context_overflow) before an answer: "
+        "'mask' trains none of their tokens and leaves them out of the group baseline (DAPO's overlong "
+        "filtering); 'penalize' scores them as a wrong answer (the environment's own score, plus overlong "
+        "shaping if configured); 'auto': mask when a wrong answer scores below 0 (environment.outcome_scheme="
+        "'pm1'), else penalize. Episodes whose environment raised are always masked.")
     dynamic_sampling: bool = _f(False, "DAPO: drop groups whose rewards are all equal and draw more.")
     max_sampling_rounds: int = _f(3, "Bound on extra draws with dynamic sampling.")
     loss_normalizer: float = _f(0.0, "Constant for seq-mean-token-sum-norm (0: max response length).")
@@ -257,6 +263,13 @@ class AlgorithmConfig(_Section):
             self._path("advantage"),
             "'gae' needs a critic (value head), which the RL trainer does not have; it is available "
             "as agentrl_jax.losses.gae_advantages for your own trainer. Use grpo, drgrpo, rloo or reinforce_pp",
+        )
+        _require(
+            self.advantage not in ("opd", "hybrid"),
+            self._path("advantage"),
+            f"{self.advantage!r} is a token-level estimator over teacher logprobs, which the trainer mixes in "
+            f"through hybrid.mode, not through algorithm.advantage: set hybrid.mode={self.advantage!r} and keep "
+            "algorithm.advantage a sequence estimator (grpo, drgrpo, rloo or reinforce_pp)",
         )
         names = [k for k, _ in self.loss_hparams]
         _require(len(names) == len(set(names)), self._path("loss_hparams"), f"names repeat: {names}")
@@ -573,6 +586,10 @@ class Config(_Section):
             )
 
 
+        _require(not self.model.reference_path or algo.kl_coef > 0, "model.reference_path",
+                 "is loaded only for the KL term (algorithm.kl_coef > 0); with kl_coef=0 nothing would use it "
+                 "(a teacher or judge 'reference' would silently be a copy of the initial policy instead)")
+
         hybrid = self.hybrid
         if hybrid.mode == "hybrid":
             _require(algo.advantage in ("grpo", "drgrpo", "rloo", "reinforce_pp"), "algorithm.advantage",
@@ -584,17 +601,59 @@ class Config(_Section):
                  "'teacher' needs a teacher (hybrid.mode 'opd' or 'hybrid')")
         a = self.async_rl
         if a.enabled:
-            _require(hybrid.judge not in ("policy", "reference", "teacher"), "hybrid.judge",
-                     f"{hybrid.judge!r} decodes through the rollout driver between steps, which async rollouts "
-                     "keep busy; use async_rl.enabled=false, or hybrid.judge 'none'/'oracle'")
+            _require(hybrid.judge == "none", "hybrid.judge",
+                     f"{hybrid.judge!r} with async_rl.enabled=true: the async pipeline does not run a judge (a "
+                     "model judge decodes through the rollout driver between steps, which async rollouts keep "
+                     "busy), so training would go on without verdicts: no hints (hybrid.mode='hybrid' would "
+                     "distill on every trajectory) and no PRM reward. Use async_rl.enabled=false, or "
+                     "hybrid.judge='none' (docs/async.md)")
             _require(a.max_staleness == 0 or a.old_logprobs == "snapshot" or algo.correction != "none",
                      "algorithm.correction",
                      f"async_rl.max_staleness={a.max_staleness} with old_logprobs={a.old_logprobs!r}: the 'old' "
                      "policy is not the one that sampled the tokens, so the discrepancy old/mu must be corrected "
                      "(set algorithm.correction to 'tis', 'mis' or 'icepop'; or async_rl.old_logprobs='snapshot')")
 
+        self._validate_reward_shaping()
+
+    def _validate_reward_shaping(self) -> None:
+        """Shaping the chosen environment would ignore, or could not compute, fails here."""
+        env = self.environment
+        for key in ("format_weight", "tool_weight", "overlong_buffer"):
+            _require(getattr(env, key) >= 0, f"environment.{key}", f"must be >= 0, got {getattr(env, key)}")
+        if env.name == "search":
+            for key, value in (("overlong_buffer", env.overlong_buffer), ("tool_weight", env.tool_weight)):
+                _require(not value, f"environment.{key}",
+                         f"({value}) has no effect with environment.name='search' (its reward is the answer "
+                         "score and environment.format_weight only); set it to 0")
+            return
+        if env.overlong_buffer:
+            limit = overlong_max_tokens(self)
+            _require(env.overlong_buffer <= limit, "environment.overlong_buffer",
+                     f"({env.overlong_buffer}) must be <= the longest response ({limit} tokens: "
+                     "min(rollout.max_new_tokens_per_turn * environment.max_turns, rollout.max_sequence_length "
+                     "- rollout.max_prompt_length)); the soft overlong penalty starts that many tokens before it")
+        margin = 1.0 if env.outcome_scheme == "binary" else 2.0  # right minus wrong answer
+        _require(env.tool_weight * TOOL_REWARD_CAP < margin, "environment.tool_weight",
+                 f"({env.tool_weight}) times the tool bonus cap {TOOL_REWARD_CAP} must stay below the outcome "
+                 f"margin {margin}, or tool calls could outweigh a correct answer")
+
     def _path(self, name: str) -> str:
         return name
+
+
+#: rewards.shaping.RewardWeights.tool_cap as the trainer builds it (train/setup.py).
+TOOL_REWARD_CAP = 0.3
+
+
+def overlong_max_tokens(config: Config) -> int:
+    """L_max of DAPO's overlong shaping: the most tokens the policy can write in one episode.
+
+    The per-turn budget times the turns, but never more than the context leaves after a
+    full-length prompt: with a 16k context and 16 turns of 4k tokens, the episode is cut by
+    the context long before 64k, and an L_max of 64k would never shape anything.
+    """
+    r = config.rollout
+    return min(r.max_new_tokens_per_turn * config.environment.max_turns, r.max_sequence_length - r.max_prompt_length)
 
 
 _SECTION_NAMES = {
@@ -818,6 +877,42 @@ def check_registered_names(config: Config) -> None:
     ):
         if value not in known:
             raise ConfigError(f"{key}: unknown name {value!r}; registered: {', '.join(sorted(known))}")
+    # The trainer calls the estimator and the loss with these arguments only
+    # (train/episodes.py compute_advantages, train/step.py); one that needs more (a critic's
+    # values, teacher logprobs, a hyper-parameter without default) would fail at the first update.
+    a = config.algorithm
+    needs = _required_parameters(registry.get_advantage(a.advantage), positional=3,
+                                 keywords={"num_groups", "sequence_ids"})
+    _require(not needs, "algorithm.advantage",
+             f"{a.advantage!r} requires {sorted(needs)}, which the RL trainer does not pass (it passes rewards, "
+             "group_ids, loss_mask, num_groups); use a sequence estimator (grpo, drgrpo, rloo, reinforce_pp)")
+    needs = _required_parameters(registry.get_loss(a.loss), positional=4,
+                                 keywords={"sequence_ids", "num_sequences", *dict(a.loss_hparams)})
+    _require(not needs, "algorithm.loss_hparams",
+             f"loss {a.loss!r} requires {sorted(needs)}, which have no defaults; set them with "
+             "--set 'algorithm.loss_hparams=[[\"name\", value]]'")
+
+
+def _required_parameters(fn: Any, *, positional: int, keywords: set[str]) -> set[str]:
+    """Parameters of ``fn`` without a default that a call with ``positional`` positional
+    arguments and the ``keywords`` does not fill."""
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no inspectable signature: nothing to check
+        return set()
+    filled = 0
+    needs = set()
+    for p in parameters:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and filled < positional:
+            filled += 1
+            continue
+        if p.default is inspect.Parameter.empty and p.name not in keywords:
+            needs.add(p.name)
+    return needs
 
 
 def describe(cls: type = Config, prefix: str = "") -> str:

@@ -1,7 +1,7 @@
 """Environments, the tool sandbox pool and the Environment API the agent loop drives."""
 
 from agentrl_jax.envs.arithmetic import ArithmeticEnv, arithmetic_config, demonstration, make_tasks
-from agentrl_jax.envs.base import Environment, StepResult, ToolStats, Trajectory
+from agentrl_jax.envs.base import FINISH_REASONS, TRUNCATED_REASONS, Environment, StepResult, ToolStats, Trajectory
 from agentrl_jax.envs.remote_sandbox import RemoteSandbox, RemoteSandboxConfig
 from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv, interpreter_text, parse_code, truncate_middle
 from agentrl_jax.envs.retrieval import (BM25Index, LocalRetriever, Passage, RemoteRetriever, RemoteRetrieverConfig,
@@ -11,6 +11,7 @@ from agentrl_jax.envs.search_corpus import make_search_corpus, write_search_corp
 from agentrl_jax.envs.sandbox import ExecResult, SandboxConfig, SandboxPool
 
 __all__ = [
+    "FINISH_REASONS", "TRUNCATED_REASONS",
     "ArithmeticEnv", "BM25Index", "Environment", "ExecResult", "LocalRetriever", "Passage", "RemoteRetriever",
     "RemoteRetrieverConfig", "RemoteSandbox", "RemoteSandboxConfig", "ReToolConfig", "ReToolEnv", "Retriever",
     "RetrieverError", "SandboxConfig", "SandboxPool", "SearchConfig", "SearchEnv", "StepResult", "ToolStats",

@@ -17,9 +17,28 @@ tokenized once, when appended; nothing is detokenized and tokenized again for tr
 The driver session keeps the trajectory's KV cache between turns, so earlier turns are
 never prefilled again.
 
-Failures: an environment whose ``step`` raises ends its episode with
-``finish_reason="error"`` and reward 0 (logged and counted in ``env_errors``); a driver
-error propagates, because it means the engine is unusable.
+How an episode ends (``envs.base.FINISH_REASONS``): the environment ends it (an answer,
+no answer, max turns: graded by the environment), or the loop cuts it short before the
+context (``max_total_tokens``) would overflow: ``max_tokens`` when the policy's own tokens
+filled it, ``context_overflow`` when the prompt or an observation would not fit. A turn the
+context cut off counts as graded only if the environment found a completed answer in it
+(``finish_reason="answer"``); otherwise the episode is cut short too ("max_tokens"). A
+cut-short episode is never graded as an answer; ``truncation`` decides what it trains:
+
+- ``"mask"``: it trains no token and leaves its group's baseline (``Trajectory.masked``;
+  DAPO's overlong filtering). Its reward is still the environment's score of an unanswered
+  episode (``Environment.truncated_result``), for the logs only.
+- ``"penalize"``: it trains with that score (a wrong answer, plus overlong shaping if the
+  environment has it).
+
+An environment that cannot score a cut-short episode (``truncated_result`` returns None)
+gets it masked under either rule (logged once). An evaluation counts any of them as
+incorrect (``reward_components["correct"] = 0``).
+
+Failures: an environment whose ``step`` (or ``truncated_result``) raises ends its episode
+with ``finish_reason="env_error"``, reward 0 and ``masked=True`` (logged and counted in
+``env_errors``): a crash is never a training signal. A driver error propagates, because
+it means the engine is unusable.
 """
 
 from __future__ import annotations
@@ -32,10 +51,12 @@ from typing import Any
 
 import numpy as np
 
-from agentrl_jax.envs.base import Environment, ToolStats, Trajectory
+from agentrl_jax.envs.base import TRUNCATED_REASONS, Environment, StepResult, ToolStats, Trajectory
 from agentrl_jax.rollout.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+TRUNCATION_RULES = ("mask", "penalize")
 
 
 class AgentLoop:
@@ -46,15 +67,26 @@ class AgentLoop:
       tokenizer: ``agentrl_jax.models.tokenizer.Tokenizer``.
       max_new_tokens_per_turn: decoding budget of one policy turn.
       max_total_tokens: the whole trajectory (prompt + turns + observations) must fit
-        the engine's cache; the episode ends with "max_tokens" before it would not.
+        the engine's cache; the episode ends with "max_tokens" / "context_overflow"
+        before it would not.
+      truncation: "mask" or "penalize": what a cut-short episode trains (module docstring).
+
+    Counters (cumulative over the loop's life): ``env_errors``, ``truncated``, ``masked``.
     """
 
-    def __init__(self, driver: Any, tokenizer: Any, *, max_new_tokens_per_turn: int, max_total_tokens: int):
+    def __init__(self, driver: Any, tokenizer: Any, *, max_new_tokens_per_turn: int, max_total_tokens: int,
+                 truncation: str = "mask"):
+        if truncation not in TRUNCATION_RULES:
+            raise ValueError(f"AgentLoop: truncation must be one of {TRUNCATION_RULES}, got {truncation!r}")
         self.driver = driver
         self.tokenizer = tokenizer
         self.max_new_tokens_per_turn = max_new_tokens_per_turn
         self.max_total_tokens = max_total_tokens
+        self.truncation = truncation
         self.env_errors = 0
+        self.truncated = 0
+        self.masked = 0
+        self._warned_unscored: set[str] = set()
 
     async def run_group(
         self,
@@ -96,14 +128,14 @@ class AgentLoop:
         turns: list[dict[str, str]] = list(messages)
         session = self.driver.session()
         pending: Sequence[int] = prompt
-        reward, components, finish, info = 0.0, {}, "", {}
+        reward, components, finish, info, masked = 0.0, {}, "", {}, False
         tool_stats = ToolStats()
         takes_token_count = "num_sampled_tokens" in inspect.signature(env.step).parameters
         try:
             while True:
                 budget = min(self.max_new_tokens_per_turn, self.max_total_tokens - len(ids) - 1)
                 if budget < 1:
-                    finish = "max_tokens"
+                    finish = "max_tokens" if any(mask) else "context_overflow"
                     break
                 completion = await self.driver.generate(
                     pending,
@@ -117,6 +149,9 @@ class AgentLoop:
                 mask += [1] * len(completion.token_ids)
                 logprobs += list(completion.logprobs)
                 versions += list(completion.params_versions)
+                # Cut by the context (not by the per-turn budget): nothing more fits after this turn.
+                context_full = completion.finish_reason == "capacity" or (
+                    completion.finish_reason == "length" and budget < self.max_new_tokens_per_turn)
                 text = tok.decode(completion.token_ids, skip_special_tokens=True)
                 turns.append({"role": "assistant", "content": text})
                 try:
@@ -125,31 +160,51 @@ class AgentLoop:
                     else:
                         step = await env.step(text)
                 except Exception as e:  # noqa: BLE001  (a broken env ends its episode, not the run)
-                    self.env_errors += 1
-                    logger.warning("environment step failed for task %r: %r", task.get("id", task.get("question")), e)
-                    finish, reward = "error", 0.0
+                    finish = self._env_error(task, "step", e)
                     break
                 info = step.info
-                if step.done:
-                    reward = float(step.reward)
-                    components = dict(info.get("reward_components", {}))
-                    if "correct" in info:
-                        components["correct"] = float(bool(info["correct"]))
+                # A turn the context cut off is graded only as an answer it completed before the cut.
+                if step.done and (not context_full or info.get("finish_reason") == "answer"):
+                    reward, components = self._graded(step)
                     finish = info.get("finish_reason", "done")
+                    break
+                if context_full or len(ids) + 1 >= self.max_total_tokens:
+                    finish = "max_tokens"
                     break
                 observation = tok.encode(step.observation_text)
                 turns.append({"role": "tool", "content": step.observation_text})
                 if len(ids) + len(observation) + 1 >= self.max_total_tokens:
-                    finish = "max_tokens"
+                    finish = "context_overflow"
                     break
                 ids += observation
                 mask += [0] * len(observation)
                 logprobs += [0.0] * len(observation)
                 versions += [-1] * len(observation)
                 pending = observation
+            if finish in TRUNCATED_REASONS:
+                try:
+                    scored = env.truncated_result(finish, int(sum(mask)))
+                except Exception as e:  # noqa: BLE001
+                    finish, scored = self._env_error(task, "truncated_result", e), None
+                if scored is not None:
+                    reward, components = self._graded(scored)
+                    info = scored.info
+                    masked = self.truncation == "mask"
+                elif finish != "env_error":
+                    masked = True
+                    name = type(env).__name__
+                    if name not in self._warned_unscored:
+                        self._warned_unscored.add(name)
+                        logger.warning("%s.truncated_result returned None: episodes cut short by the context "
+                                       "are masked (they cannot be scored as a wrong answer)", name)
+                components["correct"] = 0.0
+            if finish == "env_error":
+                reward, components, masked = 0.0, {"correct": 0.0}, True
         finally:
             session.close()
             await env.close()
+        self.masked += int(masked)
+        self.truncated += int(finish in TRUNCATED_REASONS)
         stats = info.get("tool_stats") if isinstance(info, dict) else None
         if isinstance(stats, dict):
             tool_stats = ToolStats(**{k: int(stats.get(k, 0)) for k in ("calls", "errors", "timeouts")})
@@ -168,4 +223,19 @@ class AgentLoop:
             finish_reason=finish,
             group_id=group_id,
             task_metadata={k: v for k, v in task.items() if k != "question"},
+            masked=masked,
         )
+
+    @staticmethod
+    def _graded(step: StepResult) -> tuple[float, dict[str, float]]:
+        """(reward, components with ``correct``) of a final StepResult."""
+        components = dict(step.info.get("reward_components", {}))
+        if "correct" in step.info:
+            components["correct"] = float(bool(step.info["correct"]))
+        return float(step.reward), components
+
+    def _env_error(self, task: dict[str, Any], where: str, error: Exception) -> str:
+        self.env_errors += 1
+        logger.warning("environment %s failed for task %r (episode masked): %r", where,
+                       task.get("id", task.get("question")), error)
+        return "env_error"

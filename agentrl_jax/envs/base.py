@@ -20,6 +20,22 @@ from typing import Any
 
 import numpy as np
 
+#: Every way an episode of the built-in environments and the agent loop ends.
+#:   answer            the policy gave a final answer; the environment graded it.
+#:   no_answer         the policy stopped without an answer or a tool call (graded as wrong).
+#:   max_turns         environment.max_turns actions without an answer (graded as wrong).
+#:   max_tokens        the policy's own tokens filled the context (rollout.max_sequence_length)
+#:                     before an answer: ended by the agent loop, ungraded (truncated).
+#:   context_overflow  the prompt or an observation would not fit the context: ended by the
+#:                     agent loop, ungraded (truncated).
+#:   env_error         the environment raised; the episode never trains.
+#: The built-in environments do not end an episode at max_tool_calls: a call beyond it is
+#: answered with a request for the final answer. A custom environment may add reasons of
+#: its own (counted under their names).
+FINISH_REASONS = ("answer", "no_answer", "max_turns", "max_tokens", "context_overflow", "env_error")
+#: Finish reasons of episodes cut short by the agent loop before the environment graded them.
+TRUNCATED_REASONS = frozenset({"max_tokens", "context_overflow"})
+
 
 @dataclasses.dataclass
 class StepResult:
@@ -65,6 +81,21 @@ class Environment(abc.ABC):
     async def close(self) -> None:
         """Releases per-episode resources (e.g. a sandbox session). Safe to call twice."""
 
+    def truncated_result(self, finish_reason: str, num_sampled_tokens: int) -> StepResult | None:
+        """Scores an episode the agent loop cut short (``finish_reason`` in TRUNCATED_REASONS).
+
+        The episode never answered, so an environment scores it as it scores an unanswered
+        episode (a wrong answer, with its own outcome scheme and shaping, e.g. DAPO's overlong
+        term); the trainer uses that score under ``algorithm.truncated_episodes='penalize'``
+        and logs it under 'mask'. Called after the last ``step`` and before ``close``.
+
+        Returns:
+          A done StepResult (reward, info with reward_components / tool_stats), or None: this
+          environment cannot score one (the default), and the episode is masked (counted).
+        """
+        del finish_reason, num_sampled_tokens
+        return None
+
 
 @dataclasses.dataclass
 class Trajectory:
@@ -86,9 +117,12 @@ class Trajectory:
     reward: float = 0.0
     reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
     tool_stats: ToolStats = dataclasses.field(default_factory=ToolStats)
-    finish_reason: str = ""  # "answer" | "max_turns" | "max_tool_calls" | "max_tokens" | "error"
+    finish_reason: str = ""  # one of FINISH_REASONS, or a custom environment's own
     group_id: int = -1
     task_metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: The episode trains no token and leaves its group's baseline: a truncated episode under
+    #: algorithm.truncated_episodes='mask' (DAPO's overlong filtering), or an environment error.
+    masked: bool = False
 
     def __post_init__(self):
         length = len(self.token_ids)
@@ -100,6 +134,11 @@ class Trajectory:
             raise ValueError("Trajectory.token_ids must start with prompt_token_ids")
         if np.any(np.asarray(self.loss_mask)[:len(self.prompt_token_ids)]):
             raise ValueError("Trajectory.loss_mask must be 0 on the prompt")
+
+    @property
+    def truncated(self) -> bool:
+        """Cut short by the agent loop (token budget or context) before the environment graded it."""
+        return self.finish_reason in TRUNCATED_REASONS
 
     @property
     def num_sampled_tokens(self) -> int:

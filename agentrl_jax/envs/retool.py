@@ -25,6 +25,7 @@ end of sequence. What happens to each kind of action (never an exception):
   answer is allowed but costs the format component.
 - neither code nor answer (the model stopped): episode done, graded as no answer.
 - `max_turns` actions without an answer: episode done (finish_reason "max_turns").
+- cut short by the agent loop (context full): `truncated_result` scores it as no answer.
 """
 
 from __future__ import annotations
@@ -200,6 +201,10 @@ class ReToolEnv(Environment):
                     tool_stats=dataclasses.asdict(self.tool_stats),
                     verifier_timed_out=bool(verdict is not None and verdict.timed_out))
         return StepResult("", reward, True, info)
+
+    def truncated_result(self, finish_reason: str, num_sampled_tokens: int) -> StepResult:
+        """An episode cut short by the agent loop scores as an unanswered one (wrong, plus shaping)."""
+        return self._finish(None, finish_reason, {"answer": None, "num_sampled_tokens": num_sampled_tokens})
 
     async def close(self) -> None:
         session, self.__dict__["session"] = getattr(self, "session", None), None

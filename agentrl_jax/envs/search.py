@@ -29,6 +29,7 @@ What happens to each kind of action (never an exception):
   is allowed but sets the format component to 0.
 - neither a search nor an answer (the model stopped): done, graded as no answer.
 - `max_turns` actions without an answer: done ("max_turns"), graded as no answer.
+- cut short by the agent loop (context full): `truncated_result` grades it as no answer.
 
 Reward (Search-R1's rule-based outcome reward; the lambda_f term is the format reward of
 Jin et al.'s follow-up empirical study of Search-R1, 2025), with the answer
@@ -327,6 +328,10 @@ class SearchEnv(Environment):
         if self.turns >= self.config.max_turns:
             return self._finish(None, "max_turns", info)
         return StepResult(observation, 0.0, False, info)
+
+    def truncated_result(self, finish_reason: str, num_sampled_tokens: int) -> StepResult:
+        """An episode cut short by the agent loop scores as an unanswered one."""
+        return self._finish(None, finish_reason, {"num_sampled_tokens": num_sampled_tokens})
 
     def _finish(self, answer: str | None, finish_reason: str, info: dict[str, Any]) -> StepResult:
         reward, components = search_reward(answer, self.answers, formatted=well_formed(self.policy_text),

@@ -34,12 +34,14 @@ def summarize(results: Mapping[str, Sequence[Mapping]], ks: Sequence[int] = (1,)
 
     Args:
       results: task id -> its samples, each a mapping with ``correct`` (bool) and
-        optionally ``tool_calls`` (int) and ``num_sampled_tokens`` (int).
+        optionally ``tool_calls`` (int), ``num_sampled_tokens`` (int), ``truncated`` and
+        ``env_error`` (bool; such a sample should also have ``correct`` False).
       ks: the k values of pass@k (each <= the samples per task).
 
     Returns:
       ``pass@k`` per k, ``avg@n``, ``tool_use_rate`` (fraction of samples with a tool call),
-      ``mean_response_tokens``, ``num_tasks``.
+      ``mean_response_tokens``, ``num_tasks``; ``truncated_rate`` / ``env_error_rate`` when the
+      samples carry those flags.
     """
     if not results:
         raise ValueError("summarize: no results")
@@ -55,6 +57,9 @@ def summarize(results: Mapping[str, Sequence[Mapping]], ks: Sequence[int] = (1,)
     out["tool_use_rate"] = float(np.mean([x.get("tool_calls", 0) > 0 for x in samples]))
     out["mean_response_tokens"] = float(np.mean([x.get("num_sampled_tokens", 0) for x in samples]))
     out["num_tasks"] = float(len(results))
+    for flag in ("truncated", "env_error"):
+        if any(flag in x for x in samples):
+            out[f"{flag}_rate"] = float(np.mean([bool(x.get(flag, False)) for x in samples]))
     return out
 
 

@@ -30,12 +30,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax.config import Config, to_dict
+from agentrl_jax.config import Config, ConfigError, check_registered_names, to_dict
 from agentrl_jax.envs.agent_loop import AgentLoop
 from agentrl_jax.envs.base import Trajectory
-from agentrl_jax.losses import get_advantage, global_normalizer
+from agentrl_jax.losses import global_normalizer
 from agentrl_jax.rollout.sampling import SamplingParams
-from agentrl_jax.train.batch import TokenRecord, build_batch
+from agentrl_jax.train.batch import build_batch
+from agentrl_jax.train.episodes import (
+    compute_advantages,
+    group_trajectories,
+    informative,
+    rollout_metrics,
+    trajectory_record,
+    truncation_rule,
+)
 from agentrl_jax.train.evaluation import summarize
 from agentrl_jax.train.hindsight import Judge, Verdict, apply_prm_reward, judge_metrics
 from agentrl_jax.train.multihost import gather_objects, is_multihost, put_global, to_host
@@ -92,35 +100,15 @@ def loss_settings(config: Config) -> LossSettings:
     )
 
 
-def trajectory_record(t: Trajectory) -> TokenRecord:
-    return TokenRecord(
-        t.token_ids.tolist(), t.loss_mask.tolist(), t.rollout_logprobs.tolist(), t.params_versions.tolist()
-    )
-
-
-def compute_advantages(config: Config, batch, rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
-    """Per-token advantages [R, T] of a padded batch (one trajectory per row)."""
-    rows = batch.shape[0]
-    n = len(rewards)
-    num_groups = int(group_ids.max()) + 2 if n else 1
-    # Padding rows get their own (last) group and reward 0; their loss mask is 0.
-    full_rewards = np.zeros(rows, np.float32)
-    full_rewards[:n] = rewards
-    full_groups = np.full(rows, num_groups - 1, np.int32)
-    full_groups[:n] = group_ids
-    estimator = get_advantage(config.algorithm.advantage)
-    adv = estimator(
-        jnp.asarray(full_rewards), jnp.asarray(full_groups), jnp.asarray(batch.loss_mask), num_groups=num_groups
-    )
-    return np.asarray(adv, np.float32) * batch.loss_mask
-
-
 class RLTrainer:
     """Owns the policy state, the rollout driver and the update functions of one run."""
 
     def __init__(self, config: Config, *, graphdef, params, tokenizer, driver, env_factory, train_tasks,
                  eval_tasks, metrics_writer, checkpointer=None, reference_params=None, teacher=None,
                  judge: Judge | None = None, mesh=None, engine_params: Callable[[Any], Any] | None = None):
+        # A Config built in Python skipped load_config's registry checks; a bad name fails here,
+        # before the SFT cold start and the first evaluation, not at the first update.
+        check_registered_names(config)
         self.config = config
         self.graphdef = graphdef
         self.tokenizer = tokenizer
@@ -145,6 +133,7 @@ class RLTrainer:
             tokenizer,
             max_new_tokens_per_turn=config.rollout.max_new_tokens_per_turn,
             max_total_tokens=config.rollout.max_sequence_length,
+            truncation=truncation_rule(config),
         )
         from agentrl_jax.data import BatchIterator
 
@@ -199,15 +188,15 @@ class RLTrainer:
         trajectories = await self.rollout(next(self.data) if tasks is None else tasks, step)
         if not a.dynamic_sampling:
             return trajectories, {}
-        groups = _groups(trajectories)
+        groups = group_trajectories(trajectories)
         drawn = len(groups)
-        kept = [g for g in groups if _informative(g)]
+        kept = [g for g in groups if informative(g)]
         rounds = 0
         while len(kept) < P and rounds < a.max_sampling_rounds:
             rounds += 1
-            more = _groups(await self.rollout(next(self.data), step, first_group=rounds * P))
+            more = group_trajectories(await self.rollout(next(self.data), step, first_group=rounds * P))
             drawn += len(more)
-            kept += [g for g in more if _informative(g)]
+            kept += [g for g in more if informative(g)]
         stats = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/kept_groups": float(min(len(kept), P)),
                  "dynamic_sampling/dropped_groups": float(drawn - len(kept)),
                  "dynamic_sampling/fell_back": float(not kept)}
@@ -233,9 +222,13 @@ class RLTrainer:
         results = {
             str(i): [
                 {
-                    "correct": bool(t.reward_components.get("correct", t.reward > 0)),
+                    # An episode cut short or crashed never answered: incorrect, whatever its reward.
+                    "correct": bool(t.reward_components.get("correct", t.reward > 0))
+                    and not t.truncated and t.finish_reason != "env_error",
                     "tool_calls": t.tool_stats.calls,
                     "num_sampled_tokens": t.num_sampled_tokens,
+                    "truncated": t.truncated,
+                    "env_error": t.finish_reason == "env_error",
                 }
                 for t in g
             ]
@@ -326,9 +319,12 @@ class RLTrainer:
             # A step may keep fewer groups: pad to the full row count so the update compiles once.
             rows_needed = self.config.data.prompts_per_step * a.group_size
         batch = build_batch(records, row_multiple=rows_needed, pad_token_id=self.tokenizer.pad_token_id)
+        if not batch.loss_mask.any():
+            return self._empty_step(step, trajectories)
         rewards = np.asarray([t.reward for t in trajectories], np.float32)
         group_ids = np.asarray([t.group_id for t in trajectories], np.int32)
-        batch = batch.replace(advantages=compute_advantages(self.config, batch, rewards, group_ids))
+        trained = np.asarray([not t.masked for t in trajectories], bool)
+        batch = batch.replace(advantages=compute_advantages(self.config, batch, rewards, group_ids, trained))
         arrays = batch_arrays(batch, device=False)
         rows = batch.shape[0]
         per_minibatch = rows // a.minibatches
@@ -347,10 +343,16 @@ class RLTrainer:
         max_response = int(batch.loss_mask.sum(axis=1).max()) or 1
         rng = np.random.default_rng([self.config.seed, step])
         collected: list[dict] = []
+        empty_minibatches = 0
         for _ in range(a.ppo_epochs):
             order = rng.permutation(rows)
             for mb in range(a.minibatches):
                 idx = order[mb * per_minibatch : (mb + 1) * per_minibatch]
+                if not arrays["loss_mask"][idx].any():
+                    # only masked / padding rows: an optimizer step on zero gradients would still move
+                    # the params (Adam's momentum, weight decay)
+                    empty_minibatches += 1
+                    continue
                 minibatch = {k: self._put(v[idx]) for k, v in arrays.items()}
                 normalizer = self._put(global_normalizer(
                     arrays["loss_mask"][idx], a.aggregation,
@@ -361,7 +363,7 @@ class RLTrainer:
                 collected.append(metrics)
         collected = [{k: float(to_host(v)) for k, v in m.items()} for m in collected]
         out = {k: float(np.mean([m[k] for m in collected])) for k in collected[0]}
-        out["skipped_updates"] = float(sum(m["skipped"] for m in collected))
+        out["skipped_updates"] = float(sum(m["skipped"] for m in collected) + empty_minibatches)
         out["learning_rate"] = float(self.schedule(int(to_host(self.state.step))))
         out["train_tokens"] = float(batch.loss_mask.sum())
         mismatch = np.abs(np.asarray(arrays["old_logprobs"]) - batch.rollout_logprobs) * batch.loss_mask
@@ -380,6 +382,19 @@ class RLTrainer:
         out.update(version_stats)
         return out
 
+    def _empty_step(self, step: int, trajectories: list[Trajectory]) -> dict[str, float]:
+        """No episode trains a token (all masked, e.g. every one ran out of context): no update.
+
+        An optimizer step on zero gradients would still move the params (Adam's momentum,
+        weight decay), so the step is skipped outright and counted.
+        """
+        a = self.config.algorithm
+        logger.warning("step %d: all %d episodes are masked (truncated or environment errors); no update",
+                       step, len(trajectories))
+        self.last_token_staleness = None
+        return {"skipped_updates": float(a.ppo_epochs * a.minibatches), "train/empty_batch": 1.0,
+                "train_tokens": 0.0, "learning_rate": float(self.schedule(int(to_host(self.state.step))))}
+
     async def sync_weights(self) -> None:
         """Push the new params to the engine as a new version.
 
@@ -394,6 +409,7 @@ class RLTrainer:
 
     async def run(self, start_step: int = 0) -> None:
         """RL steps ``start_step .. total_steps``: synchronous, or the async pipeline (``async_rl``)."""
+        self.check_roles()
         if self.config.async_rl.enabled:
             from agentrl_jax.train.pipeline import AsyncPipeline
 
@@ -431,6 +447,19 @@ class RLTrainer:
                 sum(t.num_sampled_tokens for t in trajectories) / max(t_rollout, 1e-9))
             if await self.end_step(step, trajectories, metrics):
                 return
+
+    def check_roles(self) -> None:
+        """The models the config asks for are attached (``train()`` does it; a hand-built trainer
+        must too): nothing the config asks for is silently skipped, nothing fails mid-run."""
+        c = self.config
+        missing = [(key, role) for key, role, needed, present in (
+            ("algorithm.kl_coef", "reference_params", c.algorithm.kl_coef > 0, self.reference_params is not None),
+            ("hybrid.mode", "teacher", c.hybrid.mode != "none", self.teacher is not None),
+            ("hybrid.judge", "judge", c.hybrid.judge != "none", self.judge is not None),
+        ) if needed and not present]
+        if missing:
+            raise ConfigError("; ".join(f"{key} needs RLTrainer.{role}, which is not set" for key, role in missing)
+                              + " (train() attaches them; a trainer built by hand must set them before run())")
 
     async def end_step(self, step: int, trajectories: list[Trajectory], metrics: dict[str, float],
                        data_state: Any = None) -> bool:
@@ -487,48 +516,3 @@ def _single_stale_version(versions: np.ndarray, mask: np.ndarray, current: int) 
     """A row whose sampled tokens all come from one params version older than ``current``."""
     sampled = versions[mask > 0]
     return bool(len(sampled)) and sampled.min() == sampled.max() < current
-
-
-def _groups(trajectories: list[Trajectory]) -> list[list[Trajectory]]:
-    by_id: dict[int, list[Trajectory]] = {}
-    for t in trajectories:
-        by_id.setdefault(t.group_id, []).append(t)
-    return list(by_id.values())
-
-
-def _informative(group: list[Trajectory]) -> bool:
-    return len({t.reward for t in group}) > 1
-
-
-def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Reward, its components, lengths and tool statistics, averaged over trajectories."""
-    out: dict[str, float] = {}
-    rewards = np.asarray([t.reward for t in trajectories], np.float64)
-    out["reward/mean"] = float(rewards.mean())
-    out["reward/std"] = float(rewards.std())
-    components: dict[str, list[float]] = {}
-    for t in trajectories:
-        for k, v in t.reward_components.items():
-            if isinstance(v, (int, float, bool)):
-                components.setdefault(k, []).append(float(v))
-    for k, vals in components.items():
-        out[f"reward/{k}"] = float(np.mean(vals))
-    out["rollout/trajectories"] = float(len(trajectories))
-    out["rollout/sampled_tokens"] = float(sum(t.num_sampled_tokens for t in trajectories))
-    out["rollout/response_length"] = float(np.mean([t.num_sampled_tokens for t in trajectories]))
-    out["rollout/turns"] = float(np.mean([len([x for x in t.turns if x.get("role") == "assistant"])
-                                          for t in trajectories]))
-    out["tools/calls_per_episode"] = float(np.mean([t.tool_stats.calls for t in trajectories]))
-    out["tools/use_rate"] = float(np.mean([t.tool_stats.calls > 0 for t in trajectories]))
-    out["tools/errors"] = float(sum(t.tool_stats.errors for t in trajectories))
-    out["tools/timeouts"] = float(sum(t.tool_stats.timeouts for t in trajectories))
-    groups: dict[int, list[float]] = {}
-    for t in trajectories:
-        groups.setdefault(t.group_id, []).append(t.reward)
-    out["rollout/all_equal_groups"] = float(np.mean([len(set(v)) == 1 for v in groups.values()]))
-    reasons: dict[str, int] = {}
-    for t in trajectories:
-        reasons[t.finish_reason] = reasons.get(t.finish_reason, 0) + 1
-    for k, v in reasons.items():
-        out[f"finish/{k or 'unknown'}"] = v / len(trajectories)
-    return out

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from agentrl_jax.config import Config, ConfigError
+from agentrl_jax.config import TOOL_REWARD_CAP, Config, ConfigError, overlong_max_tokens
 from agentrl_jax.envs import (
     ArithmeticEnv,
     Environment,
@@ -149,7 +149,8 @@ def reward_weights(config: Config) -> RewardWeights:
         format=env.format_weight,
         tool=env.tool_weight,
         overlong=1.0 if env.overlong_buffer else 0.0,
-        max_tokens=config.rollout.max_new_tokens_per_turn * env.max_turns if env.overlong_buffer else None,
+        max_tokens=overlong_max_tokens(config) if env.overlong_buffer else None,
+        tool_cap=TOOL_REWARD_CAP,
         overlong_cache_tokens=max(env.overlong_buffer, 1),
     )
 

@@ -77,7 +77,9 @@ def async_runs(tmp_path_factory):
     runs = {}
     for mode, extra in (("snapshot", []), ("recompute", ["algorithm.correction=tis"])):
         out = tmp_path_factory.mktemp(mode)
-        runs[mode] = _run(out, "total_steps=5", "async_rl.enabled=true", "async_rl.max_staleness=1",
+        # 128 tokens: three turns and two observations fit (at 96 every episode ran out of context)
+        runs[mode] = _run(out, "total_steps=5", "rollout.max_sequence_length=128",
+                          "async_rl.enabled=true", "async_rl.max_staleness=1",
                           f"async_rl.old_logprobs={mode}", "optimizer.learning_rate=0.02", *extra,
                           make_env=_slow_tools())
     return runs
@@ -91,6 +93,7 @@ def test_staleness_bound_holds_and_rollouts_overlap_training(async_runs):
             assert m["async/staleness_violations"] == 0
             # admission, not discarding: every step trains its full batch
             assert m["rollout/trajectories"] == 8
+            assert m["rollout/finish/answer"] == 1.0 and m["rollout/masked_episodes"] == 0
             assert m["skipped"] == 0 and np.isfinite(m["loss"])
         # the pipeline really overlapped: some trained tokens came from the previous version,
         # and some episodes continued across a weight update (partial rollouts)
