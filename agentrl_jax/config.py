@@ -352,7 +352,8 @@ class SandboxConfig(_Section):
 class EnvironmentConfig(_Section):
     name: Literal["arithmetic", "retool", "search"] = _f("arithmetic", "Which environment runs the episodes.")
     max_turns: int = _f(4, "Assistant turns per episode.")
-    max_tool_calls: int = _f(3, "Interpreter calls per episode.")
+    max_tool_calls: int = _f(3, "Tool calls (interpreter runs, searches) per episode; a call past it is not "
+                                "run and asks for the final answer. 0: a no-tool baseline.")
     max_observation_tokens: int = _f(256, "Tokens of one interpreter answer (truncated with a marker).")
     system_prompt: str = _f("", "System message; empty: the environment's default.")
     outcome_scheme: Literal["pm1", "binary"] = _f("pm1", "Outcome reward: +1/-1 (ReTool) or 1/0.")

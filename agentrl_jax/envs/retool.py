@@ -64,9 +64,11 @@ class ReToolConfig:
     reward_weights: RewardWeights = RewardWeights()
 
     def __post_init__(self):
-        for name in ("max_turns", "max_tool_calls", "max_observation_chars"):
+        for name in ("max_turns", "max_observation_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ReToolConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tool_calls < 0:  # 0: a no-tool baseline, every call is answered with the limit message
+            raise ValueError(f"ReToolConfig.max_tool_calls must be >= 0, got {self.max_tool_calls}")
 
 
 def truncate_middle(text: str, max_chars: int) -> str:

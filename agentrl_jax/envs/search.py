@@ -145,9 +145,11 @@ class SearchConfig:
     system_prompt: str | None = None
 
     def __post_init__(self):
-        for name in ("top_k", "max_turns", "max_searches", "max_observation_chars"):
+        for name in ("top_k", "max_turns", "max_observation_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SearchConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_searches < 0:  # 0: a no-search baseline
+            raise ValueError(f"SearchConfig.max_searches must be >= 0, got {self.max_searches}")
         if self.answer_metric not in ANSWER_METRICS:
             raise ValueError(f"SearchConfig.answer_metric must be one of {sorted(ANSWER_METRICS)}, "
                              f"got {self.answer_metric!r}")

@@ -159,7 +159,7 @@ def env_config(config: Config) -> ReToolConfig:
     env = config.environment
     common = dict(
         max_turns=env.max_turns,
-        max_tool_calls=max(env.max_tool_calls, 1),
+        max_tool_calls=env.max_tool_calls,
         max_observation_chars=max(env.max_observation_tokens * 4, 16),
         max_observation_tokens=env.max_observation_tokens,
         tool_timeout_s=env.sandbox.timeout_s,
@@ -196,7 +196,7 @@ def search_env_config(config: Config) -> SearchConfig:
     return SearchConfig(
         top_k=env.top_k,
         max_turns=env.max_turns,
-        max_searches=max(env.max_tool_calls, 1),
+        max_searches=env.max_tool_calls,
         max_observation_chars=max(env.max_observation_tokens * 4, 16),
         max_observation_tokens=env.max_observation_tokens,
         answer_metric=env.answer_metric,

@@ -106,6 +106,18 @@ def test_tool_call_and_turn_limits(loop_thread, pool, verifier):
     assert steps[2].done and steps[2].info["finish_reason"] == "max_turns" and steps[2].reward == -1.0
 
 
+def test_zero_tool_calls_from_the_config_runs_no_code(loop_thread, pool, verifier):
+    """`environment.max_tool_calls=0` reaches the environment (it used to become 1)."""
+    from agentrl_jax.config import load_config
+    from agentrl_jax.train.setup import env_config
+
+    config = env_config(load_config("configs/demo.py", ["environment.max_tool_calls=0"]))
+    env = ReToolEnv(pool, verifier, config)
+    steps = episode(loop_thread, env, [code("print(1)"), "\\boxed{2}"])
+    assert "limit reached" in steps[0].observation_text and env.tool_stats.calls == 0
+    assert steps[1].done
+
+
 def test_reset_validates_task(loop_thread, pool, verifier):
     with pytest.raises(KeyError, match="answer"):
         loop_thread.run(ReToolEnv(pool, verifier).reset({"question": "q"}))
