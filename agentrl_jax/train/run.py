@@ -6,8 +6,8 @@
 4. RL steps (``train/rl.py``) with checkpoints, metrics and periodic evaluation;
 5. a final evaluation; ``results.json`` and a printed table (start vs end).
 
-Lifecycle (docs/checkpoints.md). Checkpoints are saved every ``checkpoint.every_steps``
-steps and on a preemption request; the last step is saved once, after the final evaluation,
+Lifecycle (docs/running.md, "Checkpoints and restarts"). Checkpoints are saved every
+``checkpoint.every_steps`` steps and on a preemption request; the last step is saved once, after the final evaluation,
 with the results in its extra. Resume (``checkpoint.resume`` and a checkpoint in
 ``output_dir/checkpoints``): the train state, data position, params version and the start
 evaluation are restored, SFT is skipped, the metrics of steps after the checkpoint are
