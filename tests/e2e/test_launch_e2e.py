@@ -117,15 +117,14 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(two_step_run, tmp_pa
 #
 # A run killed with SIGKILL at any point, then started again with the same command, ends with
 # the same outputs as a run never interrupted (docs/running.md, "Checkpoints and restarts"). A
-# tiny model, a checkpoint every step, a non-zero KL to the reference and the hybrid teacher (the frozen post-SFT policy),
-# so the frozen models of the resumed run are compared too. The run is deterministic on one
+# tiny model, a checkpoint every step, a non-zero KL to the reference and the hybrid teacher
+# (the frozen post-SFT policy), so the frozen models of the resumed run are compared too. The run is deterministic on one
 # machine: rollout, judge and evaluation seeds come from (seed, step), the data position and
 # params are restored. Keys that measure wall time (`time`, `time/*`, `throughput/*`,
 # `*_seconds`) are excluded from the comparison; everything else must be equal.
 
-LIFECYCLE = TINY + ["total_steps=4", "checkpoint.every_steps=1", "checkpoint.resume=true", "checkpoint.max_to_keep=2",
-                    "checkpoint.export_hf=true", "algorithm.kl_coef=0.05", "hybrid.mode=hybrid",
-                    "hybrid.judge=oracle", "hybrid.teacher_dtype=float32"]
+LIFECYCLE = TINY + FROZEN_MODELS + ["total_steps=4", "checkpoint.every_steps=1", "checkpoint.resume=true",
+                                    "checkpoint.max_to_keep=2", "checkpoint.export_hf=true"]
 WALL_TIME = ("time/", "throughput/")
 
 
