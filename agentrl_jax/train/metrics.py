@@ -326,15 +326,18 @@ def _purge(logdir: str, purge_step: int) -> None:
 
 
 def _iter_records(path: str) -> Iterator[bytes]:
-    """The payloads of a TFRecord file (uint64 length, crc, payload, crc)."""
+    """The payloads of a TFRecord file (uint64 length, crc, payload, crc).
+
+    A record cut short at the end of the file (the writer was killed mid-write) ends the
+    file, with a warning, as TensorBoard's reader does.
+    """
     with open(path, "rb") as f:
         while header := f.read(12):
-            if len(header) < 12:
-                raise ValueError(f"{path}: truncated record header")
-            (length,) = struct.unpack("<Q", header[:8])
-            payload = f.read(length)
-            if len(payload) < length or len(f.read(4)) < 4:
-                raise ValueError(f"{path}: truncated record")
+            (length,) = struct.unpack("<Q", header[:8]) if len(header) == 12 else (-1,)
+            payload = f.read(length) if length >= 0 else b""
+            if length < 0 or len(payload) < length or len(f.read(4)) < 4:
+                logger.warning("%s: the last record is cut short (a killed writer); reading up to it", path)
+                return
             yield payload
 
 

@@ -214,7 +214,7 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
                 if config.algorithm.kl_coef > 0:
                     trainer.reference_params = _reference_params(config, params, mesh)
                 _attach_teacher_and_judge(config, trainer, params, mesh, tokenizer, start_step)
-                del params  # the policy's own buffers live in trainer.state now
+                del params  # the frozen copies are made; the trained policy is trainer.state
                 t0 = time.perf_counter()
                 await trainer.run(start_step)
                 results["rl_seconds"] = time.perf_counter() - t0

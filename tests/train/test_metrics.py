@@ -164,3 +164,13 @@ def test_resume_drops_the_steps_logged_after_the_checkpoint(tmp_path):
         _log(fresh, [0], scale=2.0)
     assert read_tensorboard(tmp_path) == {"loss": [(0, 0.0)], "sample": [(0, "2.0 0")]}
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_record_cut_short_by_a_kill_ends_the_event_file(tmp_path):
+    with MetricsWriter(tmp_path, enabled=True, console_every=0) as writer:
+        writer.write(1, {"loss": 1.0})
+    (path,) = tmp_path.glob("events.out.tfevents.*")
+    whole = read_tensorboard(tmp_path)
+    with open(path, "ab") as f:
+        f.write(b"\x40\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00partial")
+    assert read_tensorboard(tmp_path) == whole == {"loss": [(1, 1.0)]}
