@@ -205,7 +205,7 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
                 if not finished:
                     results.pop("end", None)  # a finished run's, continued to a larger total_steps
                 if sft_conversations and _uses_initial_policy(config) and not finished:
-                    params = restore_pytree(out / INITIAL_POLICY_DIR, params)
+                    params = _restore_initial_policy(out, params)
             # Every checkpoint carries the start evaluation, so a resumed run reports it too.
             trainer.checkpoint_extra = {"results": json.dumps(results)}
             if not finished:
@@ -404,6 +404,18 @@ def _attach_teacher_and_judge(config: Config, trainer: RLTrainer, initial_params
         restore=lambda: (trainer.state.params, trainer.version), seed=config.seed,
     )
     trainer.judge.calls = start_step  # one call per step: a resumed run draws the seeds it would have
+
+
+def _restore_initial_policy(out: Path, target):
+    """The post-SFT policy the run saved before RL, for the frozen copies of a resumed run."""
+    path = out / INITIAL_POLICY_DIR
+    if not path.is_dir():
+        from agentrl_jax.config import ConfigError
+
+        raise ConfigError(f"checkpoint.resume: the reference / teacher is the post-SFT policy, but {path} is missing "
+                          "(the run was started without a frozen copy, or by an older version); resuming would "
+                          "anchor to the trained policy instead. Set checkpoint.resume=false to start over")
+    return restore_pytree(path, target)
 
 
 def _resume_step(config: Config, out: Path) -> int | None:

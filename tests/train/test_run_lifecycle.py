@@ -67,3 +67,12 @@ def test_frozen_models_are_copies_of_the_starting_policy_not_of_the_trained_stat
     np.testing.assert_array_equal(np.asarray(teacher["w"]), [0, 1, 2, 3])
     assert trainer.judge.params is trainer.reference_params and trainer.judge.calls == 3
     assert trainer.judge.restore() == (trained, 3)  # the judge hands the driver back the trained policy
+
+
+def test_resume_without_the_saved_post_sft_policy_is_refused(tmp_path):
+    from agentrl_jax.train.run import _restore_initial_policy
+
+    with pytest.raises(ConfigError, match="checkpoint.resume: the reference / teacher is the post-SFT policy"):
+        _restore_initial_policy(tmp_path, {"w": jnp.zeros(2)})
+    save_pytree(tmp_path / "init" / "sft_policy", {"w": jnp.ones(2)})
+    np.testing.assert_array_equal(np.asarray(_restore_initial_policy(tmp_path, {"w": jnp.zeros(2)})["w"]), [1, 1])
