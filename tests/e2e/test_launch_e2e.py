@@ -194,8 +194,10 @@ def assert_same_outputs(resumed, straight, checkpoints=("2", "4")):
     """Same files and contents (wall times aside); the resumed run keeps ``checkpoints``."""
     from agentrl_jax.train.metrics import read_tensorboard
 
+    both = set(checkpoints) & {"2", "4"}
+
     def stable(names):  # a preempted run keeps another checkpoint step: compare the steps both keep
-        return {n for n in names if not n.startswith("checkpoints/") or n.split("/")[1] in checkpoints} - {
+        return {n for n in names if not n.startswith("checkpoints/") or n.split("/")[1] in both} - {
             "metrics/<events>"}
 
     assert stable(file_names(resumed)) == stable(file_names(straight))
