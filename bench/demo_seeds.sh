@@ -19,9 +19,9 @@ print("| seed | SFT pass@1 | RL pass@1 | SFT tool use | RL tool use | SFT pass@4
 print("|---|---|---|---|---|---|---|---|")
 for s, r in rows.items():
     a, b = r["start"], r["end"]
-    print(f"| {s} | {a['pass@1']:.3f} | {b['pass@1']:.3f} | {a['tool_use_rate']:.3f} | {b['tool_use_rate']:.3f} "
-          f"| {a['pass@4']:.3f} | {b['pass@4']:.3f} | {r['total_seconds']:.0f} |")
+    print(f"| {s} | {a['pass_at_1']:.3f} | {b['pass_at_1']:.3f} | {a['tool_use_rate']:.3f} | {b['tool_use_rate']:.3f} "
+          f"| {a['pass_at_4']:.3f} | {b['pass_at_4']:.3f} | {r['total_seconds']:.0f} |")
 for stage in ("start", "end"):
-    v = [r[stage]["pass@1"] for r in rows.values()]
+    v = [r[stage]["pass_at_1"] for r in rows.values()]
     print(f"{stage}: pass@1 mean {st.mean(v):.3f} sd {st.pstdev(v):.3f} min {min(v):.3f} max {max(v):.3f}")
 PY

@@ -124,6 +124,24 @@ def abstract_target(target: Any) -> Any:
     return jax.tree_util.tree_map_with_path(convert, target)
 
 
+def save_pytree(path: str | os.PathLike, tree: Any) -> None:
+    """Writes one pytree of (sharded) arrays to `path`, replacing what is there; blocks until done.
+
+    For what a run saves once and reads back on resume (the frozen initial policy after SFT).
+    orbax writes to a temporary directory and renames it, so a kill leaves the old copy or
+    none, never half of one. Every host calls it (arrays are written collectively).
+    """
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(os.path.abspath(os.fspath(path)), tree, force=True)
+        checkpointer.wait_until_finished()
+
+
+def restore_pytree(path: str | os.PathLike, target: Any) -> Any:
+    """The pytree `save_pytree` wrote at `path`, in the shardings of `target` (see `abstract_target`)."""
+    with ocp.StandardCheckpointer() as checkpointer:
+        return checkpointer.restore(os.path.abspath(os.fspath(path)), abstract_target(target))
+
+
 class Checkpointer:
     """Keep-N async checkpoints of (train state, data state, rng, config, extra).
 
@@ -141,9 +159,11 @@ class Checkpointer:
             raise ValueError(f"max_to_keep must be None or >= 1, got {max_to_keep}")
         # orbax refuses relative paths; resolve against the working directory.
         self.directory = os.path.abspath(os.fspath(directory))
+        # A process killed during an async save leaves a temporary step directory behind;
+        # cleanup_tmp_directories removes it when the next run opens the directory.
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, save_interval_steps=save_interval_steps,
-            enable_async_checkpointing=async_save)
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._preemption_requested = False
         self._previous_sigterm_handler: Any = None

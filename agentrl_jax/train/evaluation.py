@@ -7,6 +7,9 @@ with n samples of a task of which c are correct,
 
 averaged over tasks; computed as a numerically stable product. avg@k is the mean
 correctness of the k samples.
+
+Metric names spell "@" as "_at_" (`pass_at_1`, `avg_at_4`): "@" is not legal in a
+tensorboard tag, and one name serves metrics.jsonl, tensorboard and results.json.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ def summarize(results: Mapping[str, Sequence[Mapping]], ks: Sequence[int] = (1,)
       ks: the k values of pass@k (each <= the samples per task).
 
     Returns:
-      ``pass@k`` per k, ``avg@n``, ``tool_use_rate`` (fraction of samples with a tool call),
+      ``pass_at_{k}`` per k, ``avg_at_{n}``, ``tool_use_rate`` (fraction of samples with a tool call),
       ``mean_response_tokens``, ``num_tasks``; ``truncated_rate`` / ``env_error_rate`` when the
       samples carry those flags.
     """
@@ -49,11 +52,11 @@ def summarize(results: Mapping[str, Sequence[Mapping]], ks: Sequence[int] = (1,)
     n_per_task = {len(s) for s in results.values()}
     n = min(n_per_task)
     for k in ks:
-        out[f"pass@{k}"] = float(
+        out[f"pass_at_{k}"] = float(
             np.mean([pass_at_k(len(s), sum(bool(x["correct"]) for x in s), k) for s in results.values()])
         )
     samples = [x for s in results.values() for x in s]
-    out[f"avg@{n}"] = float(np.mean([bool(x["correct"]) for x in samples]))
+    out[f"avg_at_{n}"] = float(np.mean([bool(x["correct"]) for x in samples]))
     out["tool_use_rate"] = float(np.mean([x.get("tool_calls", 0) > 0 for x in samples]))
     out["mean_response_tokens"] = float(np.mean([x.get("num_sampled_tokens", 0) for x in samples]))
     out["num_tasks"] = float(len(results))

@@ -9,6 +9,16 @@
 Non-finite scalars are written (NaN/inf in tensorboard, null in JSON) and counted in
 `nonfinite_count`; they never raise. On other processes every method is a no-op.
 
+Names: every metric, histogram and text tag passes through `metric_name`, so
+`metrics.jsonl`, `samples.jsonl` and the event files carry the same name. Tensorboard
+tags allow letters, digits, `_`, `-`, `.` and `/` (no leading `/`); anything else
+becomes `_` (logged once per name). Our own names are legal already (`eval/pass_at_1`).
+
+Resume: `MetricsWriter(logdir, purge_step=s)` first drops the JSONL rows of steps >= s
+(the steps a killed run logged after its last checkpoint) and opens the event file with
+tensorboardX's `purge_step`, which tells TensorBoard (and `read_tensorboard`) to drop the
+earlier events of those steps. `purge_step=0` starts over: the old files are removed.
+
 `StepTimer` accumulates wall time per phase of a step:
 
     timer = StepTimer()
@@ -32,6 +42,7 @@ import logging
 import math
 import numbers
 import os
+import re
 import struct
 import sys
 import time
@@ -43,8 +54,41 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CONSOLE_KEYS = ("loss", "reward/mean", "eval/pass@1", "grad_norm", "response_length/mean", "kl")
+DEFAULT_CONSOLE_KEYS = ("loss", "reward/mean", "eval/pass_at_1", "grad_norm", "response_length/mean", "kl")
 _MAX_NONFINITE_WARNINGS = 5
+# What tensorboard accepts in a tag (tensorboardX's `_clean_tag` rewrites anything else).
+_ILLEGAL_TAG_CHARACTERS = re.compile(r"[^-/\w.]")
+_renamed_warned: set[str] = set()
+
+
+def metric_name(name: str) -> str:
+    """`name` as a legal tensorboard tag; the one name used in every output.
+
+    Characters other than letters, digits, `_`, `-`, `.` and `/` become `_`; leading `/`
+    are dropped ("eval/pass@1" -> "eval/pass_1"). A rename is logged once per name.
+
+    Raises:
+      ValueError: a name that is empty once cleaned.
+    """
+    clean = _ILLEGAL_TAG_CHARACTERS.sub("_", name).lstrip("/")
+    if not clean:
+        raise ValueError(f"metric name {name!r} is empty once cleaned; use letters, digits, _ - . /")
+    if clean != name and name not in _renamed_warned:
+        _renamed_warned.add(name)
+        logger.warning("metric name %r is not a legal tensorboard tag; written as %r everywhere", name, clean)
+    return clean
+
+
+def _clean_names(items: Mapping[str, Any]) -> dict[str, Any]:
+    """{metric_name(key): value}; two keys that clean to one name are an error naming both."""
+    out: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for key, value in items.items():
+        clean = metric_name(key)
+        if clean in out:
+            raise ValueError(f"metrics {origin[clean]!r} and {key!r} both become {clean!r}; rename one")
+        out[clean], origin[clean] = value, key
+    return out
 
 
 def to_number(value: Any, key: str) -> int | float:
@@ -97,11 +141,14 @@ class MetricsWriter:
         `DEFAULT_CONSOLE_KEYS`, falling back to the first four keys when none is present.
       console: stream for the progress line (default stdout).
       flush_secs: tensorboardX flush period.
+      purge_step: None appends to what `logdir` holds. An int s (resuming at step s):
+        JSONL rows of steps >= s are dropped and tensorboard hides the older events of
+        those steps; 0 removes the earlier files (a run that starts over).
     """
 
     def __init__(self, logdir: str | os.PathLike, *, enabled: bool | None = None, total_steps: int | None = None,
                  console_every: int = 1, console_keys: Sequence[str] = DEFAULT_CONSOLE_KEYS,
-                 console: TextIO | None = None, flush_secs: int = 30):
+                 console: TextIO | None = None, flush_secs: int = 30, purge_step: int | None = None):
         self.logdir = os.fspath(logdir)
         self.enabled = jax.process_index() == 0 if enabled is None else bool(enabled)
         self.total_steps = total_steps
@@ -117,7 +164,13 @@ class MetricsWriter:
             from tensorboardX import SummaryWriter
 
             os.makedirs(self.logdir, exist_ok=True)
-            self._tb = SummaryWriter(self.logdir, flush_secs=flush_secs)
+            if purge_step is not None:
+                _purge(self.logdir, int(purge_step))
+            # Event file names hold the time in whole seconds: a counter keeps a second file of the
+            # same second from replacing the first, and sorts after it (readers go in name order).
+            earlier = len(glob.glob(os.path.join(self.logdir, "events.out.tfevents.*")))
+            self._tb = SummaryWriter(self.logdir, flush_secs=flush_secs, purge_step=purge_step or None,
+                                     filename_suffix=f".{earlier}" if earlier else "")
             self._jsonl = open(os.path.join(self.logdir, "metrics.jsonl"), "a", encoding="utf-8")
             self._samples = open(os.path.join(self.logdir, "samples.jsonl"), "a", encoding="utf-8")
 
@@ -140,7 +193,7 @@ class MetricsWriter:
         """
         if not self.enabled:
             return
-        values = {key: to_number(value, key) for key, value in scalars.items()}
+        values = {key: to_number(value, key) for key, value in _clean_names(scalars).items()}
         record: dict[str, Any] = {"step": int(step), "time": time.time()}
         for key, value in values.items():
             self._tb.add_scalar(key, value, int(step))
@@ -180,7 +233,7 @@ class MetricsWriter:
         """Writes one histogram per name; non-finite entries are dropped and counted."""
         if not self.enabled:
             return
-        for key, array in arrays.items():
+        for key, array in _clean_names(arrays).items():
             values = np.asarray(array, dtype=np.float64).ravel()
             finite = values[np.isfinite(values)]
             if finite.size < values.size:
@@ -195,7 +248,7 @@ class MetricsWriter:
         """
         if not self.enabled:
             return
-        for tag, text in texts.items():
+        for tag, text in _clean_names(texts).items():
             if not isinstance(text, str):
                 raise TypeError(f"text {tag!r} must be a string, got {type(text).__name__}")
             self._tb.add_text(tag, text, int(step))
@@ -249,23 +302,55 @@ class StepTimer:
         self._seconds.clear()
 
 
+def _purge(logdir: str, purge_step: int) -> None:
+    """Drops what a writer resuming at `purge_step` must not keep (see `MetricsWriter`)."""
+    if purge_step == 0:
+        for path in glob.glob(os.path.join(logdir, "events.out.tfevents.*")):
+            os.remove(path)
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        path = os.path.join(logdir, name)
+        if not os.path.exists(path):
+            continue
+        kept, dropped = [], 0
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    step = int(json.loads(line)["step"])
+                except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+                    step = purge_step
+                if step < purge_step:
+                    kept.append(line)
+                else:
+                    dropped += 1
+        if dropped:
+            logger.info("%s: dropped %d row(s) of steps >= %d (logged after the checkpoint resumed from)",
+                        path, dropped, purge_step)
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.writelines(kept)
+            os.replace(path + ".tmp", path)
+
+
 def _iter_records(path: str) -> Iterator[bytes]:
-    """The payloads of a TFRecord file (uint64 length, crc, payload, crc)."""
+    """The payloads of a TFRecord file (uint64 length, crc, payload, crc).
+
+    A record cut short at the end of the file (the writer was killed mid-write) ends the
+    file, with a warning, as TensorBoard's reader does.
+    """
     with open(path, "rb") as f:
         while header := f.read(12):
-            if len(header) < 12:
-                raise ValueError(f"{path}: truncated record header")
-            (length,) = struct.unpack("<Q", header[:8])
-            payload = f.read(length)
-            if len(payload) < length or len(f.read(4)) < 4:
-                raise ValueError(f"{path}: truncated record")
+            (length,) = struct.unpack("<Q", header[:8]) if len(header) == 12 else (-1,)
+            payload = f.read(length) if length >= 0 else b""
+            if length < 0 or len(payload) < length or len(f.read(4)) < 4:
+                logger.warning("%s: the last record is cut short (a killed writer); reading up to it", path)
+                return
             yield payload
 
 
 def read_tensorboard(logdir: str | os.PathLike) -> dict[str, list[tuple[int, Any]]]:
     """Reads every event file in `logdir` back: tag -> [(step, value), ...] in write order.
 
-    A scalar's value is a float, a text's a str, a histogram's a dict with "min", "max",
+    As TensorBoard does, a `SessionLog.START` event at step s (a writer opened with
+    `purge_step=s`) drops the values of steps >= s read before it. A scalar's value is a float, a text's a str, a histogram's a dict with "min", "max",
     "num", "sum", "sum_squares" and "bucket_limit"/"bucket" lists.
     """
     from tensorboardX.proto import event_pb2
@@ -274,6 +359,10 @@ def read_tensorboard(logdir: str | os.PathLike) -> dict[str, list[tuple[int, Any
     for path in sorted(glob.glob(os.path.join(os.fspath(logdir), "events.out.tfevents.*"))):
         for payload in _iter_records(path):
             event = event_pb2.Event.FromString(payload)
+            if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+                for tag in values:
+                    values[tag] = [(s, v) for s, v in values[tag] if s < event.step]
+                continue
             if not event.HasField("summary"):
                 continue
             for value in event.summary.value:
@@ -291,4 +380,4 @@ def read_tensorboard(logdir: str | os.PathLike) -> dict[str, list[tuple[int, Any
                     continue
                 tag = value.tag[: -len("/text_summary")] if value.tag.endswith("/text_summary") else value.tag
                 values[tag].append((int(event.step), item))
-    return dict(values)
+    return {tag: items for tag, items in values.items() if items}

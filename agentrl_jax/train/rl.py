@@ -146,6 +146,9 @@ class RLTrainer:
             functools.partial(forward_logprobs, temperature=config.rollout.temperature), static_argnums=(0,)
         )
         self.version = 0
+        # JSON merged into every checkpoint's extra (train() keeps the start evaluation there).
+        self.checkpoint_extra: dict[str, Any] = {}
+        self.preempted = False  # set when a stop request ended run() early (a checkpoint was saved)
         a = config.async_rl
         self.old_policy = OldPolicy(a, a.max_staleness if a.enabled else 0)
         self.last_token_staleness: np.ndarray | None = None
@@ -483,12 +486,15 @@ class RLTrainer:
         if c.eval.every_steps and (step + 1) % c.eval.every_steps == 0 and step + 1 < c.total_steps:
             ev = await self.evaluate(self.eval_tasks, label=f"step {step + 1}")
             self.writer.write(step + 1, {f"eval/{k}": v for k, v in ev.items()})
-        if self.checkpointer is not None:
+        # The last step is saved once, by train() after the final evaluation (with the results).
+        if self.checkpointer is not None and step + 1 < c.total_steps:
             saved_every = c.checkpoint.every_steps and (step + 1) % c.checkpoint.every_steps == 0
-            if saved_every or self.checkpointer.should_stop():
+            stop = self.checkpointer.should_stop()
+            if saved_every or stop:
                 self.save(step + 1, data_state=data_state)
-            if self.checkpointer.should_stop():
+            if stop:
                 logger.warning("preemption requested: saved step %d, stopping", step + 1)
+                self.preempted = True
                 return True
         return False
 
@@ -509,7 +515,8 @@ class RLTrainer:
             return
         data_state = self.data.get_state() if data_state is None else data_state
         self.checkpointer.save(step, self.state, data_state=data_state, config_dict=to_dict(self.config),
-                               extra={"version": self.version, **(extra or {})}, force=True)
+                               extra={"version": self.version, **self.checkpoint_extra, **(extra or {})},
+                               force=True)
 
 
 def _single_stale_version(versions: np.ndarray, mask: np.ndarray, current: int) -> bool:

@@ -6,8 +6,17 @@
 4. RL steps (``train/rl.py``) with checkpoints, metrics and periodic evaluation;
 5. a final evaluation; ``results.json`` and a printed table (start vs end).
 
-Resume: with ``checkpoint.resume`` and a checkpoint in ``output_dir/checkpoints``, the
-train state, data position and params version are restored and SFT is skipped.
+Lifecycle (docs/running.md, "Checkpoints and restarts"). Checkpoints are saved every
+``checkpoint.every_steps`` steps and on a preemption request; the last step is saved once, after the final evaluation,
+with the results in its extra. Resume (``checkpoint.resume`` and a checkpoint in
+``output_dir/checkpoints``): the train state, data position, params version and the start
+evaluation are restored, SFT is skipped, the metrics of steps after the checkpoint are
+dropped, and the frozen models (reference, teacher, judge) are rebuilt from the policy RL
+started from: the loaded checkpoint, or the post-SFT policy saved under
+``output_dir/init/sft_policy``. Resumed from the final checkpoint, the run only writes
+``results.json`` (and the export). Without a checkpoint the run starts over: what an
+earlier run left in ``output_dir`` is removed. So a run killed at any point and started
+again with the same command ends with the same outputs as one never interrupted.
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +46,7 @@ from agentrl_jax.rollout.driver import Driver
 from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.sharding import DEFAULT_RULES, make_mesh
 from agentrl_jax.train import multihost, setup
-from agentrl_jax.train.checkpoint import Checkpointer
+from agentrl_jax.train.checkpoint import Checkpointer, RestoredCheckpoint, restore_pytree, save_pytree
 from agentrl_jax.train.hindsight import ArithmeticOracleJudge, ModelJudge
 from agentrl_jax.train.metrics import MetricsWriter
 from agentrl_jax.train.evaluation import results_table
@@ -48,7 +59,11 @@ logger = logging.getLogger(__name__)
 # make_env(config, sandbox pool, math verifier, tokenizer) -> zero-argument Environment constructor
 MakeEnv = Callable[[Config, Any, MathVerifier, Tokenizer], Callable[[], Environment]]
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-TABLE_KEYS = ["pass@1", "tool_use_rate", "mean_response_tokens"]
+TABLE_KEYS = ["pass_at_1", "tool_use_rate", "mean_response_tokens"]
+# The post-SFT policy, kept for the frozen copies (reference, teacher, judge) of a resumed run.
+INITIAL_POLICY_DIR = "init/sft_policy"
+# What a run that starts over (no checkpoint to resume from) removes from output_dir.
+_RUN_OUTPUTS = ("checkpoints", "metrics", "sft_metrics", "init", "export", "results.json")
 
 
 def train(config: Config, *, make_env: MakeEnv | None = None) -> dict[str, Any]:
@@ -94,7 +109,10 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
         t["question"] for t in train_tasks
     ]
     _check_multihost(config)
+    resume_step = _resume_step(config, out)
     if jax.process_index() == 0:  # hosts may share output_dir: one writes, the others wait
+        if resume_step is None:
+            _start_over(out)
         setup.prepare_model_assets(config, corpus)
     multihost.barrier("model assets")
     model_path, tokenizer_path = setup.prepare_model_assets(config, corpus)
@@ -125,8 +143,11 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
         max_prefill_length=r.max_prompt_length,
         cache_dtype=_DTYPES[r.cache_dtype],
     )
-    writer = MetricsWriter(out / "metrics", total_steps=config.total_steps)
-    writer.write(0, setup.data_metrics(data_stats), timed=False)  # rows kept / skipped per split and reason
+    # Resuming at step s: the rows a killed run logged after its checkpoint (steps > s) go.
+    writer = MetricsWriter(out / "metrics", total_steps=config.total_steps,
+                           purge_step=None if resume_step is None else resume_step + 1)
+    if resume_step is None:  # a resumed run keeps the first run's step-0 rows
+        writer.write(0, setup.data_metrics(data_stats), timed=False)  # rows kept / skipped per split and reason
     checkpointer = Checkpointer(out / "checkpoints", max_to_keep=config.checkpoint.max_to_keep,
                                 async_save=config.checkpoint.async_save)
     if threading.current_thread() is threading.main_thread():
@@ -135,6 +156,7 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
         logger.info("not on the main thread: no SIGTERM handler (preemption saves are off)")
     verifier = MathVerifier(num_workers=2)
     results: dict[str, Any] = {"config": config.name, "seed": config.seed}
+    finished = False  # resumed from the final checkpoint: only the outputs are left to write
     async with setup.make_sandbox(config) as pool:
         driver = Driver(
             engine,
@@ -164,43 +186,66 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
                 mesh=mesh,
                 engine_params=engine_params,
             )
-            start_step = await _maybe_resume(config, trainer, checkpointer)
-            if start_step == 0:
+            restored = await _maybe_resume(config, trainer, checkpointer)
+            start_step = 0 if restored is None else restored.step
+            if restored is None:
                 if sft_conversations:
                     t0 = time.perf_counter()
                     with MetricsWriter(out / "sft_metrics", total_steps=config.sft.steps) as sft_writer:
                         params = _sft(config, graphdef, params, tokenizer, sft_conversations, sft_writer, mesh)
                     results["sft_seconds"] = time.perf_counter() - t0
+                    if _uses_initial_policy(config):
+                        save_pytree(out / INITIAL_POLICY_DIR, params)
                     trainer.state = init_train_state(params, trainer.optimizer, config.seed)
                     await trainer.driver.update_params(engine_params(params), 0)
                 results["start"] = await trainer.evaluate(eval_tasks, label="start (after SFT)" if
                                                           sft_conversations else "start")
                 writer.write(0, {f"eval/{k}": v for k, v in results["start"].items()})
-            if config.algorithm.kl_coef > 0:
-                trainer.reference_params = _reference_params(config, trainer, mesh)
-            _attach_teacher_and_judge(config, trainer, mesh, tokenizer)
-            t0 = time.perf_counter()
-            await trainer.run(start_step)
-            results["rl_seconds"] = time.perf_counter() - t0
-            results["end"] = await trainer.evaluate(eval_tasks, label="end (after RL)")
-            writer.write(config.total_steps, {f"eval/{k}": v for k, v in results["end"].items()})
-            trainer.save(config.total_steps, extra={"results": json.dumps(results)})
+            else:
+                results.update(json.loads(restored.extra.get("results", "{}")))
+                finished = "end" in results and start_step == config.total_steps
+                if not finished:
+                    results.pop("end", None)  # a finished run's, continued to a larger total_steps
+                if sft_conversations and _uses_initial_policy(config) and not finished:
+                    params = _restore_initial_policy(out, params)
+            # Every checkpoint carries the start evaluation, so a resumed run reports it too.
+            trainer.checkpoint_extra = {"results": json.dumps(results)}
+            if not finished:
+                # The frozen models come from the policy RL started from (`params`: the loaded
+                # checkpoint, or the saved post-SFT policy on resume), never the trained state.
+                if config.algorithm.kl_coef > 0:
+                    trainer.reference_params = _reference_params(config, params, mesh)
+                _attach_teacher_and_judge(config, trainer, params, mesh, tokenizer, start_step)
+                del params  # the frozen copies are made; the trained policy is trainer.state
+                t0 = time.perf_counter()
+                await trainer.run(start_step)
+                results["rl_seconds"] = time.perf_counter() - t0
+            if trainer.preempted:
+                logger.warning("stopped by a preemption request after a checkpoint; run the same command to resume")
+            elif not finished:
+                results["end"] = await trainer.evaluate(eval_tasks, label="end (after RL)")
+                writer.write(config.total_steps, {f"eval/{k}": v for k, v in results["end"].items()})
+                if start_step < config.total_steps:  # else: the step is on disk already (nothing trained since)
+                    trainer.save(config.total_steps, extra={"results": json.dumps(results)})
     checkpointer.wait_until_finished()
     checkpointer.close()
     writer.close()
     verifier.close()
+    results["total_seconds"] = time.perf_counter() - t_start
+    if trainer.preempted:
+        return results
     if config.checkpoint.export_hf and multihost.is_multihost():
         logger.warning("checkpoint.export_hf: not supported on several hosts yet; convert a checkpoint instead")
     elif config.checkpoint.export_hf:
         save_hf_checkpoint(trainer.state.params, policy.config, out / "export")
         tokenizer.hf.save_pretrained(str(out / "export"))
-    results["total_seconds"] = time.perf_counter() - t_start
     rows = {k: results[k] for k in ("start", "end") if k in results}
-    table = results_table(rows, TABLE_KEYS + [k for k in next(iter(rows.values()), {}) if k.startswith("pass@")
-                                            and k != "pass@1"])
+    table = results_table(rows, TABLE_KEYS + [k for k in next(iter(rows.values()), {}) if k.startswith("pass_at_")
+                                            and k != "pass_at_1"])
     results["table"] = table
     if jax.process_index() == 0:
-        (out / "results.json").write_text(json.dumps(results, indent=2))
+        (out / "results.json.tmp").write_text(json.dumps(results, indent=2))
+        os.replace(out / "results.json.tmp", out / "results.json")  # whole or absent, whenever a kill comes
         n_eval = int(results.get("end", results.get("start", {})).get("num_tasks", 0))
         print(f"\nheld-out evaluation ({n_eval} tasks, {config.eval.samples_per_task} samples each):")
         print(table)
@@ -290,33 +335,40 @@ def _frozen_copy(params, dtype: str):
     return jax.tree.map(lambda x: x.astype(target) if x.dtype != target else jnp.copy(x), params)
 
 
-def _reference_params(config: Config, trainer: RLTrainer, mesh):
+def _uses_initial_policy(config: Config) -> bool:
+    """Whether a frozen copy of the starting policy serves as reference, teacher or judge."""
+    h = config.hybrid
+    return ((config.algorithm.kl_coef > 0 and not config.model.reference_path)
+            or (h.mode != "none" and h.teacher == "reference") or h.judge == "reference")
+
+
+def _reference_params(config: Config, initial_params, mesh):
     """The frozen reference: ``model.reference_path`` if set, else a copy of the starting policy."""
     m = config.model
     if not m.reference_path:
-        return _frozen_copy(trainer.state.params, m.reference_dtype)
+        return _frozen_copy(initial_params, m.reference_dtype)
     reference = load_hf_checkpoint(m.reference_path, dtype=_DTYPES[m.reference_dtype],
                                    compute_dtype=_DTYPES[m.compute_dtype], mesh=mesh, rules=DEFAULT_RULES,
                                    attention_impl=attention_implementation(m.attention_impl, m.compute_dtype))
     graphdef, params = split_params(reference)
-    if jax.tree.structure(params) != jax.tree.structure(trainer.state.params):
+    if jax.tree.structure(params) != jax.tree.structure(initial_params):
         from agentrl_jax.config import ConfigError
 
         raise ConfigError(f"model.reference_path: {m.reference_path!r} has a different architecture than the policy")
     return params
 
 
-def _attach_teacher_and_judge(config: Config, trainer: RLTrainer, mesh, tokenizer: Tokenizer) -> None:
-    """The teacher (frozen initial policy or an HF checkpoint) and the PRM judge of ``config.hybrid``."""
+def _attach_teacher_and_judge(config: Config, trainer: RLTrainer, initial_params, mesh, tokenizer: Tokenizer,
+                              start_step: int) -> None:
+    """The teacher (frozen starting policy or an HF checkpoint) and the PRM judge of ``config.hybrid``."""
     h, m = config.hybrid, config.model
     copies = {} if trainer.reference_params is None else {m.reference_dtype: trainer.reference_params}
 
     def frozen(dtype: str):
-        """The frozen initial policy in ``dtype``: one copy per dtype, shared by reference, teacher, judge."""
+        """The frozen starting policy in ``dtype``: one copy per dtype, shared by reference, teacher, judge."""
         if dtype not in copies:
-            copies[dtype] = _frozen_copy(trainer.state.params, dtype)
+            copies[dtype] = _frozen_copy(initial_params, dtype)
         return copies[dtype]
-
     if h.mode != "none":
         if h.teacher == "checkpoint":
             teacher = load_hf_checkpoint(h.teacher_path, dtype=_DTYPES[h.teacher_dtype],
@@ -341,18 +393,63 @@ def _attach_teacher_and_judge(config: Config, trainer: RLTrainer, mesh, tokenize
         temperature=h.judge_temperature, max_hint_tokens=h.max_hint_tokens, params=params,
         restore=lambda: (trainer.state.params, trainer.version), seed=config.seed,
     )
+    trainer.judge.calls = start_step  # one call per step: a resumed run draws the seeds it would have
 
 
-async def _maybe_resume(config: Config, trainer: RLTrainer, checkpointer: Checkpointer) -> int:
+def _restore_initial_policy(out: Path, target):
+    """The post-SFT policy the run saved before RL, for the frozen copies of a resumed run."""
+    path = out / INITIAL_POLICY_DIR
+    if not path.is_dir():
+        from agentrl_jax.config import ConfigError
+
+        raise ConfigError(f"checkpoint.resume: the reference / teacher is the post-SFT policy, but {path} is missing "
+                          "(the run was started without a frozen copy, or by an older version); resuming would "
+                          "anchor to the trained policy instead. Set checkpoint.resume=false to start over")
+    return restore_pytree(path, target)
+
+
+def _resume_step(config: Config, out: Path) -> int | None:
+    """The step a run resumes from: the newest checkpoint with ``checkpoint.resume``, else None."""
     if not config.checkpoint.resume:
-        return 0
+        return None
+    with Checkpointer(out / "checkpoints") as checkpointer:
+        step = checkpointer.latest_step()
+    if step is not None and step > config.total_steps:
+        from agentrl_jax.config import ConfigError
+
+        raise ConfigError(f"total_steps: {config.total_steps} is below the step of the checkpoint to resume "
+                          f"({step} in {out / 'checkpoints'}); raise it or set checkpoint.resume=false")
+    return step
+
+
+def _start_over(out: Path) -> None:
+    """Removes what an earlier run left in ``out`` (a run killed before its first checkpoint, or
+    ``checkpoint.resume=false``), so the outputs are this run's alone."""
+    for name in _RUN_OUTPUTS:
+        path = out / name
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()  # made by the resume check itself
+            continue
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        else:
+            continue
+        logger.warning("starting over: removed %s of an earlier run (resume with checkpoint.resume=true)", path)
+
+
+async def _maybe_resume(config: Config, trainer: RLTrainer, checkpointer: Checkpointer) -> RestoredCheckpoint | None:
+    """Restores the newest checkpoint into ``trainer`` (with ``checkpoint.resume``); None on a fresh run."""
+    if not config.checkpoint.resume:
+        return None
     restored = checkpointer.restore_latest(trainer.state)
     if restored is None:
-        return 0
+        return None
     trainer.state = restored.state
     if restored.data_state:
         trainer.data.set_state(restored.data_state)
     trainer.version = int((restored.extra or {}).get("version", restored.step))
     await trainer.driver.update_params(trainer.engine_params(trainer.state.params), trainer.version)
     logger.info("resumed from step %d (params version %d)", restored.step, trainer.version)
-    return int(restored.step)
+    return restored

@@ -48,4 +48,4 @@ def test_two_processes_run_two_rl_steps(tmp_path):
         assert m["train_tokens"] > 0 and m["rollout/sampled_tokens"] > 0
         assert m["logprob_gap_train_infer"] < 1e-4
     results = json.loads((out / "results.json").read_text())
-    assert_counts_of_samples(results["end"]["pass@1"], int(results["end"]["num_tasks"]) * 2)
+    assert_counts_of_samples(results["end"]["pass_at_1"], int(results["end"]["num_tasks"]) * 2)

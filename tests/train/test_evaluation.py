@@ -42,9 +42,9 @@ def test_summarize():
         "b": [{"correct": False, "tool_calls": 0, "num_sampled_tokens": 6}] * 2,
     }
     s = summarize(res, ks=(1, 2))
-    assert s["pass@1"] == pytest.approx(0.25)
-    assert s["pass@2"] == pytest.approx(0.5)
-    assert s["avg@2"] == pytest.approx(0.25)
+    assert s["pass_at_1"] == pytest.approx(0.25)
+    assert s["pass_at_2"] == pytest.approx(0.5)
+    assert s["avg_at_2"] == pytest.approx(0.25)
     assert s["tool_use_rate"] == pytest.approx(0.25)
     assert s["mean_response_tokens"] == pytest.approx(6.5)
     assert np.isclose(s["num_tasks"], 2)
@@ -53,6 +53,6 @@ def test_summarize():
 def test_results_table():
     from agentrl_jax.train.evaluation import results_table
 
-    text = results_table({"start": {"pass@1": 0.25}, "end": {"pass@1": 0.5}}, ["pass@1", "tool_use_rate"])
-    assert text.splitlines() == ["| stage | pass@1 | tool_use_rate |", "|---|---|---|",
+    text = results_table({"start": {"pass_at_1": 0.25}, "end": {"pass_at_1": 0.5}}, ["pass_at_1", "tool_use_rate"])
+    assert text.splitlines() == ["| stage | pass_at_1 | tool_use_rate |", "|---|---|---|",
                                  "| start | 0.250 | nan |", "| end | 0.500 | nan |"]

@@ -105,3 +105,72 @@ def test_step_timer_accumulates_and_resets():
         with timer("update"):
             raise RuntimeError("boom")
     assert "time/update" in timer.as_metrics(reset=False)
+
+
+def test_names_are_legal_tags_and_the_same_in_jsonl_tensorboard_and_samples(tmp_path):
+    """tensorboardX renames "eval/pass@1" on its own; the writer must give every output one legal name."""
+    from tensorboardX.summary import _clean_tag
+
+    from agentrl_jax.train.evaluation import summarize
+    from agentrl_jax.train.metrics import metric_name
+
+    evaluation = summarize({"t": [{"correct": True}, {"correct": False}]}, ks=(1, 2))
+    with MetricsWriter(tmp_path, enabled=True, console_every=0) as writer:
+        writer.write(1, {f"eval/{k}": v for k, v in evaluation.items()})
+        writer.write(2, {"user/pass@1": 0.5, "/lead": 1.0, "reward/a b": 2.0})
+        writer.write_text(2, {"sample 0": "x"})
+        with pytest.raises(ValueError, match="'x@1' and 'x_1' both become 'x_1'"):
+            writer.write(3, {"x@1": 1.0, "x_1": 2.0})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    jsonl_names = {k for r in rows for k in r} - {"step", "time"}
+    events = read_tensorboard(tmp_path)
+    assert jsonl_names | {"sample_0"} == set(events)
+    assert all(_clean_tag(tag) == tag for tag in events)
+    assert {"eval/pass_at_1", "eval/pass_at_2", "eval/avg_at_2", "user/pass_1", "lead", "reward/a_b"} <= jsonl_names
+    assert json.loads((tmp_path / "samples.jsonl").read_text())["tag"] == "sample_0"
+    assert metric_name("eval/pass_at_1") == "eval/pass_at_1"
+    with pytest.raises(ValueError, match="empty once cleaned"):
+        metric_name("/")
+
+
+def _log(writer, steps, scale):
+    for step in steps:
+        writer.write(step, {"loss": scale * step})
+        writer.write_text(step, {"sample": f"{scale} {step}"})
+
+
+def test_resume_drops_the_steps_logged_after_the_checkpoint(tmp_path):
+    """A run killed at step 5 resumes from its checkpoint of step 3: steps 4, 5 are logged once."""
+    writer = MetricsWriter(tmp_path, enabled=True, console_every=0)
+    _log(writer, range(0, 6), scale=1.0)
+    writer.flush()  # what the killed process had on disk; it never closes
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # a row cut short by the kill
+    with MetricsWriter(tmp_path, enabled=True, console_every=0, purge_step=4) as resumed:
+        _log(resumed, range(4, 8), scale=10.0)
+    writer.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0),
+                                                      (5, 50.0), (6, 60.0), (7, 70.0)]
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [s["text"] for s in samples] == ["1.0 0", "1.0 1", "1.0 2", "1.0 3", "10.0 4", "10.0 5", "10.0 6",
+                                            "10.0 7"]
+    events = read_tensorboard(tmp_path)
+    assert len(os.listdir(tmp_path)) == 4  # two event files (none replaced), metrics.jsonl, samples.jsonl
+    assert events["loss"] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0), (6, 60.0), (7, 70.0)]
+    assert [s for s, _ in events["sample"]] == list(range(8))
+
+    with MetricsWriter(tmp_path, enabled=True, console_every=0, purge_step=0) as fresh:
+        _log(fresh, [0], scale=2.0)
+    assert read_tensorboard(tmp_path) == {"loss": [(0, 0.0)], "sample": [(0, "2.0 0")]}
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_record_cut_short_by_a_kill_ends_the_event_file(tmp_path):
+    with MetricsWriter(tmp_path, enabled=True, console_every=0) as writer:
+        writer.write(1, {"loss": 1.0})
+    (path,) = tmp_path.glob("events.out.tfevents.*")
+    whole = read_tensorboard(tmp_path)
+    with open(path, "ab") as f:
+        f.write(b"\x40\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00partial")
+    assert read_tensorboard(tmp_path) == whole == {"loss": [(1, 1.0)]}
