@@ -453,8 +453,8 @@ class HybridConfig(_Section):
     mode: Literal["none", "opd", "hybrid"] = _f("none", "Teacher signal in the advantage: off, pure OPD, or hybrid.")
     lam: float = _f(1.0, "lambda: weight of the OPD term in the hybrid advantage A_group + lambda * A_opd.")
     teacher: Literal["reference", "checkpoint"] = _f(
-        "reference", "The teacher: the frozen initial policy (no extra memory if the reference exists) "
-        "or the HF checkpoint at hybrid.teacher_path.")
+        "reference", "The teacher: the frozen reference (model.reference_path if set, else the starting "
+        "policy; no extra memory when the dtypes match) or the HF checkpoint at hybrid.teacher_path.")
     teacher_path: str = _f("", "HF checkpoint of the teacher when hybrid.teacher='checkpoint'.")
     teacher_dtype: DType = _f("bfloat16", "Dtype of the frozen teacher params.")
     judge: Literal["none", "policy", "reference", "teacher", "oracle"] = _f(

@@ -363,11 +363,14 @@ def _attach_teacher_and_judge(config: Config, trainer: RLTrainer, initial_params
     """The teacher (frozen starting policy or an HF checkpoint) and the PRM judge of ``config.hybrid``."""
     h, m = config.hybrid, config.model
     copies = {} if trainer.reference_params is None else {m.reference_dtype: trainer.reference_params}
+    # "reference" is the run's frozen reference: model.reference_path when set (config validation
+    # guarantees it is loaded then), else the starting policy, in the dtype each role asks for.
+    source = trainer.reference_params if m.reference_path else initial_params
 
     def frozen(dtype: str):
-        """The frozen starting policy in ``dtype``: one copy per dtype, shared by reference, teacher, judge."""
+        """The frozen reference in ``dtype``: one copy per dtype, shared by reference, teacher, judge."""
         if dtype not in copies:
-            copies[dtype] = _frozen_copy(initial_params, dtype)
+            copies[dtype] = _frozen_copy(source, dtype)
         return copies[dtype]
     if h.mode != "none":
         if h.teacher == "checkpoint":

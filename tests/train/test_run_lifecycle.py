@@ -69,6 +69,20 @@ def test_frozen_models_are_copies_of_the_starting_policy_not_of_the_trained_stat
     assert trainer.judge.restore() == (trained, 3)  # the judge hands the driver back the trained policy
 
 
+def test_reference_teacher_is_the_reference_checkpoint_in_any_dtype():
+    """teacher=reference with model.reference_path and another dtype was a copy of the starting policy."""
+    config = apply_overrides(Config(), ["algorithm.kl_coef=0.1", "model.reference_path=/ref", "hybrid.mode=hybrid",
+                                        "hybrid.teacher_dtype=float32", "model.reference_dtype=bfloat16"])
+    initial = {"w": jnp.arange(4.0)}
+    trainer = types.SimpleNamespace(state=types.SimpleNamespace(params=initial), graphdef="graphdef",
+                                    reference_params={"w": jnp.arange(4.0, dtype=jnp.bfloat16) + 50}, teacher=None,
+                                    judge=None, driver=None, version=0)
+    _attach_teacher_and_judge(config, trainer, initial, None, tokenizer=None, start_step=0)
+    _, teacher = trainer.teacher
+    assert teacher["w"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(teacher["w"]), [50, 51, 52, 53])
+
+
 def test_resume_without_the_saved_post_sft_policy_is_refused(tmp_path):
     from agentrl_jax.train.run import _restore_initial_policy
 
