@@ -134,6 +134,7 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
         remat=m.remat,
     )
     graphdef, params = split_params(policy)
+    _check_reference_architecture(config, policy.config)
     r = config.rollout
     engine = Engine(
         policy,
@@ -356,6 +357,30 @@ def _reference_params(config: Config, initial_params, mesh):
 
         raise ConfigError(f"model.reference_path: {m.reference_path!r} has a different architecture than the policy")
     return params
+
+
+# The fields that fix the param tree's structure and shapes.
+_SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm")
+
+
+def _check_reference_architecture(config: Config, policy_config) -> None:
+    """``model.reference_path`` must fit the policy; checked from its config.json before SFT, not after it."""
+    if not config.model.reference_path:
+        return
+    from agentrl_jax.config import ConfigError
+    from agentrl_jax.models import DecoderConfig
+
+    try:
+        reference = DecoderConfig.from_hf(config.model.reference_path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model.reference_path: cannot read the checkpoint's config.json: {e}") from e
+    diff = {f: (getattr(reference, f), getattr(policy_config, f)) for f in _SHAPE_FIELDS
+            if getattr(reference, f) != getattr(policy_config, f)}
+    if diff:
+        details = ", ".join(f"{f}: {r!r} vs the policy's {p!r}" for f, (r, p) in diff.items())
+        raise ConfigError(f"model.reference_path: {config.model.reference_path!r} has a different architecture "
+                          f"than the policy ({details})")
 
 
 def _attach_teacher_and_judge(config: Config, trainer: RLTrainer, initial_params, mesh, tokenizer: Tokenizer,

@@ -90,3 +90,23 @@ def test_resume_without_the_saved_post_sft_policy_is_refused(tmp_path):
         _restore_initial_policy(tmp_path, {"w": jnp.zeros(2)})
     save_pytree(tmp_path / "init" / "sft_policy", {"w": jnp.ones(2)})
     np.testing.assert_array_equal(np.asarray(_restore_initial_policy(tmp_path, {"w": jnp.zeros(2)})["w"]), [1, 1])
+
+
+def test_a_reference_of_another_architecture_is_refused_before_training(tmp_path):
+    from transformers import Qwen3Config
+
+    from agentrl_jax.models import DecoderConfig
+    from agentrl_jax.train.run import _check_reference_architecture
+
+    hf = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=16)
+    Qwen3Config(**hf).save_pretrained(tmp_path / "same")
+    Qwen3Config(**{**hf, "hidden_size": 48}).save_pretrained(tmp_path / "wider")
+    policy = DecoderConfig.from_hf(tmp_path / "same")
+    for path, ok in ((tmp_path / "same", True), (tmp_path / "wider", False)):
+        config = apply_overrides(Config(), ["algorithm.kl_coef=0.1", f"model.reference_path={path}"])
+        if ok:
+            _check_reference_architecture(config, policy)
+        else:
+            with pytest.raises(ConfigError, match=r"model.reference_path: .* \(hidden_size: 48 vs the policy's 32\)"):
+                _check_reference_architecture(config, policy)
