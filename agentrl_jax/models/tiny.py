@@ -1,8 +1,13 @@
 """Tiny random-init HF checkpoints and byte-level BPE tokenizers for CPU tests and the demo.
 
-Both are produced by the real libraries (``transformers`` for the model, ``tokenizers`` for
-the tokenizer) and saved as ordinary HF directories, so the rest of the code loads them
-exactly like a downloaded checkpoint.
+Everything is saved as an ordinary HF directory, so the rest of the code loads it exactly
+like a downloaded checkpoint:
+
+- ``save_scratch_checkpoint``: the scratch model of a run (``model.scratch``), initialized in
+  JAX and written by our own exporter, so the base install (no PyTorch) can create it.
+- ``save_tiny_hf_checkpoint``: a model made by ``transformers`` itself (needs PyTorch, the
+  test extra), the independent reference of the parity tests.
+- ``train_tiny_tokenizer``: a byte-level BPE tokenizer trained with ``tokenizers``.
 """
 
 from __future__ import annotations
@@ -102,6 +107,44 @@ def save_tiny_hf_checkpoint(
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(os.fspath(path), **save_kwargs)
     return os.fspath(path)
+
+
+def save_scratch_checkpoint(path: str | os.PathLike, config, *, init_std: float = 0.1, seed: int = 0) -> str:
+    """Save a random-init float32 checkpoint of ``config`` (a ``DecoderConfig``) without PyTorch.
+
+    The init follows ``save_tiny_hf_checkpoint``'s distribution: weight matrices and the
+    embedding N(0, init_std^2), norm scales 1 + N(0, 0.01), biases N(0, 0.01); each tensor
+    draws from its own key (``fold_in(seed, index)``), so the weights depend on the seed
+    and the architecture only. Written with ``save_hf_checkpoint`` (config.json +
+    safetensors that ``transformers`` loads).
+
+    Returns:
+      ``path`` as a string.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from agentrl_jax.models.decoder import Decoder
+    from agentrl_jax.models.hf_io import save_hf_checkpoint
+
+    abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract, nnx.Param)
+    key = jax.random.key(seed)
+
+    def init(index, path, leaf):
+        name = jax.tree_util.keystr(path)
+        noise = jax.random.normal(jax.random.fold_in(key, index), leaf.shape, jnp.float32)
+        if "norm" in name:
+            return 1.0 + 0.1 * noise
+        if "bias" in name:
+            return 0.1 * noise
+        return init_std * noise
+
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    values = [init(i, path, leaf) for i, (path, leaf) in enumerate(leaves)]
+    params = jax.tree_util.tree_unflatten(treedef, values)
+    return save_hf_checkpoint(params, config, path)
 
 
 def train_tiny_tokenizer(

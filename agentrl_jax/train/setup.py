@@ -257,16 +257,17 @@ def prepare_model_assets(config: Config, corpus: list[str]) -> tuple[str, str]:
     """(model dir, tokenizer dir): the configured checkpoint, or a fresh scratch model.
 
     A scratch model gets a byte-level BPE tokenizer trained on ``corpus`` (digits split
-    into single tokens, as Llama 3 and Qwen do) and random-init weights from
-    ``transformers``, both saved as HF directories under ``output_dir/init`` — the rest of
-    the run loads them exactly like a downloaded checkpoint.
+    into single tokens, as Llama 3 and Qwen do) and random-init weights (JAX, no PyTorch
+    needed), both saved as HF directories under ``output_dir/init`` — the rest of the run
+    loads them exactly like a downloaded checkpoint.
     """
     m = config.model
     if m.path:
         if not os.path.isfile(os.path.join(m.path, "config.json")):
             raise ConfigError(f"model.path: {m.path!r} has no config.json (expected a local HF checkpoint)")
         return m.path, m.tokenizer_path or m.path
-    from agentrl_jax.models.tiny import save_tiny_hf_checkpoint, train_tiny_tokenizer
+    from agentrl_jax.models import DecoderConfig
+    from agentrl_jax.models.tiny import save_scratch_checkpoint, train_tiny_tokenizer
 
     root = Path(config.output_dir) / "init"
     tok_dir, model_dir = root / "tokenizer", root / "model"
@@ -277,9 +278,8 @@ def prepare_model_assets(config: Config, corpus: list[str]) -> tuple[str, str]:
 
         vocab = Tokenizer(str(tok_dir)).vocab_size
         s = m.scratch
-        save_tiny_hf_checkpoint(
-            model_dir,
-            s.architecture,
+        decoder = DecoderConfig(
+            architecture=s.architecture,
             vocab_size=vocab,
             hidden_size=s.hidden_size,
             intermediate_size=s.intermediate_size,
@@ -288,6 +288,9 @@ def prepare_model_assets(config: Config, corpus: list[str]) -> tuple[str, str]:
             num_kv_heads=s.num_kv_heads,
             head_dim=s.head_dim,
             tie_word_embeddings=True,
-            seed=config.seed,
+            attention_bias=s.architecture == "qwen2",
+            qk_norm=s.architecture == "qwen3",
+            max_position_embeddings=512,
         )
+        save_scratch_checkpoint(model_dir, decoder, seed=config.seed)
     return str(model_dir), str(tok_dir)
