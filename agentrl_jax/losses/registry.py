@@ -201,7 +201,7 @@ def loss_hparams(name: str, config: Any) -> dict[str, Any]:
     for key, source in _LOSS_HPARAMS.get(name, {}).items():
         try:
             out[key] = source(config) if callable(source) else _config_value(config, source)
-        except ValueError as e:
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"loss {name!r} declares hparam {key!r} from {source!r}: {e}") from None
     out.update(dict(config.algorithm.loss_hparams))
     return out
