@@ -252,25 +252,13 @@ class AlgorithmConfig(_Section):
     max_sampling_rounds: int = _f(3, "Bound on extra draws with dynamic sampling.")
     loss_normalizer: float = _f(0.0, "Constant for seq-mean-token-sum-norm (0: max response length).")
     loss_hparams: tuple[tuple[str, float], ...] = _f(
-        (), "Extra keyword hyper-parameters for the loss as (name, value) pairs, e.g. for a registered "
-        "custom loss: --set 'algorithm.loss_hparams=[[\"beta\", 0.1]]'. They override the built-in ones."
+        (), "Keyword hyper-parameters for the loss as (name, value) pairs, e.g. for a registered custom "
+        "loss: --set 'algorithm.loss_hparams=[[\"beta\", 0.1]]'. Checked at load against the loss's keyword "
+        "parameters; they override the ones the loss reads from the config (register_loss(hparams=...))."
     )
 
     def validate(self) -> None:
         _require(self.group_size >= 1, self._path("group_size"), "must be >= 1")
-        _require(
-            self.advantage != "gae",
-            self._path("advantage"),
-            "'gae' needs a critic (value head), which the RL trainer does not have; it is available "
-            "as agentrl_jax.losses.gae_advantages for your own trainer. Use grpo, drgrpo, rloo or reinforce_pp",
-        )
-        _require(
-            self.advantage not in ("opd", "hybrid"),
-            self._path("advantage"),
-            f"{self.advantage!r} is a token-level estimator over teacher logprobs, which the trainer mixes in "
-            f"through hybrid.mode, not through algorithm.advantage: set hybrid.mode={self.advantage!r} and keep "
-            "algorithm.advantage a sequence estimator (grpo, drgrpo, rloo or reinforce_pp)",
-        )
         names = [k for k, _ in self.loss_hparams]
         _require(len(names) == len(set(names)), self._path("loss_hparams"), f"names repeat: {names}")
         _require(self.eps_low > 0 and self.eps_high > 0, "algorithm.eps_low/eps_high", "must be > 0")
@@ -566,12 +554,9 @@ class Config(_Section):
     def validate(self) -> None:
         _require(self.total_steps >= 0, "total_steps", "must be >= 0")
         algo = self.algorithm
-        if algo.advantage in ("grpo", "drgrpo", "rloo"):
-            _require(
-                algo.group_size >= 2,
-                "algorithm.group_size",
-                f"must be >= 2 for the group estimator {algo.advantage!r} (got {algo.group_size})",
-            )
+        # The loss and estimator names, their hyper-parameters and the group size, through the
+        # registries (a custom loss registered before the Config is built is checked the same way).
+        check_registered_names(self)
         trajectories = self.data.prompts_per_step * algo.group_size
         _require(
             trajectories % algo.minibatches == 0,
@@ -592,10 +577,6 @@ class Config(_Section):
                  "(a teacher or judge 'reference' would silently be a copy of the initial policy instead)")
 
         hybrid = self.hybrid
-        if hybrid.mode == "hybrid":
-            _require(algo.advantage in ("grpo", "drgrpo", "rloo", "reinforce_pp"), "algorithm.advantage",
-                     f"must be a sequence estimator (grpo, drgrpo, rloo, reinforce_pp) for hybrid.mode='hybrid', "
-                     f"got {algo.advantage!r}")
         _require(hybrid.judge != "oracle" or self.environment.name == "arithmetic", "hybrid.judge",
                  "'oracle' is a scripted judge of the arithmetic environment only")
         _require(hybrid.judge != "teacher" or hybrid.mode != "none", "hybrid.judge",
@@ -825,8 +806,8 @@ def load_config(name: str, overrides: Sequence[str] = ()) -> Config:
     """Load ``get_config()`` from a Python config file, apply overrides, validate.
 
     Names from the losses registry (``algorithm.loss``, ``algorithm.advantage``) are
-    checked after the file ran, so a config file may import a module that registers a
-    custom loss.
+    checked when the Config is built, after the file's imports ran, so a config file may
+    import (or define) a module that registers a custom loss.
     """
     path = resolve_config_path(name)
     spec = importlib.util.spec_from_file_location(f"agentrl_jax_config_{path.stem}", path)
@@ -840,7 +821,6 @@ def load_config(name: str, overrides: Sequence[str] = ()) -> Config:
     if not isinstance(config, Config):
         raise ConfigError(f"config file {path}: get_config() returned {type(config).__name__}, not Config")
     config = apply_overrides(config, overrides)
-    check_registered_names(config)
     check_required_paths(config)
     return config
 
@@ -867,7 +847,14 @@ def check_required_paths(config: Config) -> None:
 
 
 def check_registered_names(config: Config) -> None:
-    """Fail with the known names when the loss or advantage is not registered."""
+    """Check the loss and advantage against the losses registry (``Config.validate`` runs it).
+
+    Unknown names fail with the registered ones; so do an estimator or a loss the trainer
+    could not call with what it passes (rewards, group_ids, loss_mask, num_groups; the
+    arrays, the packed layout and the hyper-parameters from ``registry.loss_hparams``), an
+    ``algorithm.loss_hparams`` key the loss does not take, and a group size the estimator
+    is not defined for.
+    """
     try:
         from agentrl_jax.losses import registry
     except ImportError:  # the losses package is optional for config-only use
@@ -882,13 +869,18 @@ def check_registered_names(config: Config) -> None:
     # (train/episodes.py compute_advantages, train/step.py); one that needs more (a critic's
     # values, teacher logprobs, a hyper-parameter without default) would fail at the first update.
     a = config.algorithm
+    min_group_size, note = registry.advantage_info(a.advantage)
     needs = _required_parameters(registry.get_advantage(a.advantage), positional=3,
                                  keywords={"num_groups", "sequence_ids"})
-    _require(not needs, "algorithm.advantage",
+    _require(not needs, "algorithm.advantage", f"{a.advantage!r} {note}" if note else
              f"{a.advantage!r} requires {sorted(needs)}, which the RL trainer does not pass (it passes rewards, "
              "group_ids, loss_mask, num_groups); use a sequence estimator (grpo, drgrpo, rloo, reinforce_pp)")
+    _require(a.group_size >= min_group_size, "algorithm.group_size",
+             f"must be >= {min_group_size} for the group estimator {a.advantage!r} (got {a.group_size})")
+    errors = registry.loss_hparam_errors(a.loss, config)
+    _require(not errors, "algorithm.loss_hparams", "; ".join(errors))
     needs = _required_parameters(registry.get_loss(a.loss), positional=4,
-                                 keywords={"sequence_ids", "num_sequences", *dict(a.loss_hparams)})
+                                 keywords={"sequence_ids", "num_sequences", *registry.loss_hparams(a.loss, config)})
     _require(not needs, "algorithm.loss_hparams",
              f"loss {a.loss!r} requires {sorted(needs)}, which have no defaults; set them with "
              "--set 'algorithm.loss_hparams=[[\"name\", value]]'")

@@ -13,7 +13,6 @@ from agentrl_jax.losses.advantages import (
     sequence_to_token_advantages,
 )
 from agentrl_jax.losses.aggregation import AGGREGATIONS, aggregate, global_normalizer
-from agentrl_jax.losses.compute import compute_policy_loss
 from agentrl_jax.losses.corrections import (
     Correction,
     correct_discrepancy,
@@ -42,6 +41,7 @@ from agentrl_jax.losses.registry import (
     get_loss,
     known_advantages,
     known_losses,
+    loss_hparams,
     register_advantage,
     register_loss,
 )
@@ -54,7 +54,6 @@ __all__ = [
     "PolicyLoss",
     "aggregate",
     "cispo_loss",
-    "compute_policy_loss",
     "correct_discrepancy",
     "decoupled_loss",
     "drgrpo_advantages",
@@ -75,6 +74,7 @@ __all__ = [
     "known_advantages",
     "known_losses",
     "loglinear_old_logp",
+    "loss_hparams",
     "masked_is",
     "masked_max",
     "masked_mean",

@@ -258,13 +258,22 @@ def _sequence_estimator(estimator):
     return adapter
 
 
-register_advantage("grpo")(_sequence_estimator(grpo_advantages))
-register_advantage("drgrpo")(_sequence_estimator(drgrpo_advantages))
-register_advantage("rloo")(_sequence_estimator(rloo_advantages))
+register_advantage("grpo", min_group_size=2)(_sequence_estimator(grpo_advantages))
+register_advantage("drgrpo", min_group_size=2)(_sequence_estimator(drgrpo_advantages))
+register_advantage("rloo", min_group_size=2)(_sequence_estimator(rloo_advantages))
 register_advantage("reinforce_pp")(_sequence_estimator(reinforce_pp_advantages))
 
 
-@register_advantage("gae")
+_TEACHER_NOTE = (
+    "is a token-level estimator over teacher logprobs, which the trainer mixes in through hybrid.mode, not "
+    "through algorithm.advantage: set hybrid.mode to 'opd' or 'hybrid' and keep algorithm.advantage a "
+    "sequence estimator (grpo, drgrpo, rloo or reinforce_pp)"
+)
+
+
+@register_advantage("gae", note=(
+    "needs a critic (value head), which the RL trainer does not have; it is available as "
+    "agentrl_jax.losses.gae_advantages for your own trainer. Use grpo, drgrpo, rloo or reinforce_pp"))
 def gae_token_advantages(
     rewards, group_ids, loss_mask, *, num_groups, values, token_rewards=None, gamma=1.0, lam=1.0
 ):
@@ -279,14 +288,14 @@ def gae_token_advantages(
     return advantages
 
 
-@register_advantage("opd")
+@register_advantage("opd", note=_TEACHER_NOTE)
 def opd_token_advantages(rewards, group_ids, loss_mask, *, num_groups, teacher_logp, logp):
     """`opd_advantages` in the estimator signature (rewards and groups are unused)."""
     del rewards, group_ids, num_groups
     return opd_advantages(teacher_logp, logp, loss_mask)
 
 
-@register_advantage("hybrid")
+@register_advantage("hybrid", note=_TEACHER_NOTE)
 def hybrid_token_advantages(
     rewards,
     group_ids,

@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from agentrl_jax.models.logits import output_logits, temperature_scaled
+
 EmbeddingLayout = Literal["vd", "dv"]
 
 
@@ -29,11 +31,7 @@ def _chunk_stats(
     with_entropy: bool,
 ) -> tuple[Float[Array, "C"], Float[Array, "C"] | None]:
     """logp of the targets (and entropy) for one chunk; float32 logits scaled by 1/temperature."""
-    contraction = (((1,), (1,)), ((), ())) if embedding_layout == "vd" else (((1,), (0,)), ((), ()))
-    logits = jax.lax.dot_general(
-        hidden_chunk, output_embedding, contraction, preferred_element_type=jnp.float32
-    )
-    logits = logits / jnp.float32(temperature)
+    logits = temperature_scaled(output_logits(hidden_chunk, output_embedding, embedding_layout), temperature)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, target_chunk[:, None], axis=-1)[:, 0]
     logp = target_logit - log_z

@@ -8,6 +8,9 @@ value (even inf/NaN from padding); they are replaced before any arithmetic.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from agentrl_jax.losses.registry import register_loss
 from agentrl_jax.losses.sequences import sequence_sums, sequence_to_tokens
 
 sg = jax.lax.stop_gradient
+logger = logging.getLogger(__name__)
 
 
 def _masked_inputs(logp, old_logp, advantages, loss_mask):
@@ -34,6 +38,22 @@ def _check_eps(eps_low: float, eps_high: float) -> None:
         raise ValueError(f"eps_low must be in [0, 1), got {eps_low}")
     if not eps_high >= 0.0:
         raise ValueError(f"eps_high must be >= 0, got {eps_high}")
+
+
+def _check_sequence_eps(name: str, eps_low: float, eps_high: float) -> None:
+    """`_check_eps`, and a warning (once per range, at trace time) for a PPO-sized range."""
+    _check_eps(eps_low, eps_high)
+    if eps_high > 0.01:
+        _warn_ppo_sized_range(name, float(eps_low), float(eps_high))
+
+
+@functools.cache
+def _warn_ppo_sized_range(name: str, eps_low: float, eps_high: float) -> None:
+    logger.warning(
+        "loss %s with eps_low/eps_high=%s/%s: GSPO clips a length-normalized sequence ratio, and its "
+        "paper uses 3e-4/4e-4; PPO-sized ranges clip almost nothing (set algorithm.eps_low/eps_high)",
+        name, eps_low, eps_high,
+    )
 
 
 def _clipped_surrogate(ratio, advantages, eps_low, eps_high):
@@ -56,7 +76,12 @@ def _metrics(mask, log_ratio, clipped_low, clipped_high, **extra):
     return metrics
 
 
-@register_loss("ppo")
+# The config fields each built-in loss reads (see register_loss); algorithm.loss_hparams
+# overrides any of them.
+_CLIP = {"eps_low": "algorithm.eps_low", "eps_high": "algorithm.eps_high"}
+
+
+@register_loss("ppo", hparams={**_CLIP, "dual_clip": lambda c: c.algorithm.dual_clip or None})
 def ppo_clip_loss(
     logp: Float[Array, "B T"],
     old_logp: Float[Array, "B T"],
@@ -112,7 +137,7 @@ def _sequence_log_ratio_and_advantage(log_ratio, adv, mask, sequence_ids, num_se
     )
 
 
-@register_loss("gspo")
+@register_loss("gspo", hparams=_CLIP)
 def gspo_loss(
     logp: Float[Array, "B T"],
     old_logp: Float[Array, "B T"],
@@ -137,7 +162,7 @@ def gspo_loss(
     Args: as `ppo_clip_loss`; sequence_ids/num_sequences give the packed layout.
     Returns: per-token loss [B, T] and metrics (ratio stats are of s_i, per token).
     """
-    _check_eps(eps_low, eps_high)
+    _check_sequence_eps("gspo", eps_low, eps_high)
     mask, log_ratio, adv = _masked_inputs(logp, old_logp, advantages, loss_mask)
     seq_log_ratio, seq_adv = _sequence_log_ratio_and_advantage(
         log_ratio, adv, mask, sequence_ids, num_sequences
@@ -148,7 +173,7 @@ def gspo_loss(
     return loss, _metrics(mask, seq_log_ratio, clipped_low, clipped_high)
 
 
-@register_loss("gspo_token")
+@register_loss("gspo_token", hparams=_CLIP)
 def gspo_token_loss(
     logp: Float[Array, "B T"],
     old_logp: Float[Array, "B T"],
@@ -171,7 +196,7 @@ def gspo_token_loss(
 
     Args/Returns: as `gspo_loss`.
     """
-    _check_eps(eps_low, eps_high)
+    _check_sequence_eps("gspo_token", eps_low, eps_high)
     mask, log_ratio, adv = _masked_inputs(logp, old_logp, advantages, loss_mask)
     seq_log_ratio, _ = _sequence_log_ratio_and_advantage(
         log_ratio, adv, mask, sequence_ids, num_sequences
@@ -183,7 +208,8 @@ def gspo_token_loss(
     return loss, _metrics(mask, seq_log_ratio, clipped_low, clipped_high)
 
 
-@register_loss("cispo")
+# CISPO truncates the IS weight at 1 + eps_high (MiniMax-M1, eq. 4).
+@register_loss("cispo", hparams={"eps_max": lambda c: 1.0 + c.algorithm.eps_high})
 def cispo_loss(
     logp: Float[Array, "B T"],
     old_logp: Float[Array, "B T"],

@@ -17,8 +17,10 @@ Policy loss signature (`PolicyLoss`)::
     loss_mask   [B, T] 0/1    1 exactly on tokens the policy sampled
     sequence_ids, num_sequences: packed-row layout, see `agentrl_jax.losses.sequences`;
                 every loss must accept them (it may ignore them if it is token-local)
-    hparams     keyword hyper-parameters from the config (eps_low=..., ...); an unknown
-                key must raise TypeError, so a typo in the config fails loudly
+    hparams     keyword hyper-parameters (eps_low=..., ...); an unknown key must raise
+                TypeError, so a typo fails loudly. Which config fields fill them is declared
+                at registration (`register_loss(name, hparams={...})`); any keyword of the
+                loss can also be set by `algorithm.loss_hparams`, checked at load
 
     per_token_loss is 0 wherever loss_mask is 0 and is NOT yet reduced: the caller
     aggregates it with `agentrl_jax.losses.aggregate` and a global normalizer so that
@@ -35,12 +37,21 @@ Advantage estimator signature (`AdvantageEstimator`)::
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
 from typing import Any, Callable, Protocol, TypeVar
 
 from jaxtyping import Array, Float, Int
 
 _LOSSES: dict[str, Callable[..., Any]] = {}
 _ADVANTAGES: dict[str, Callable[..., Any]] = {}
+# name -> {keyword: source}: where the trainer reads each declared hyper-parameter.
+_LOSS_HPARAMS: dict[str, dict[str, "HparamSource"]] = {}
+# name -> (min_group_size, note): what the config checks before the trainer calls it.
+_ADVANTAGE_INFO: dict[str, tuple[int, str]] = {}
+
+HparamSource = str | Callable[[Any], Any]
+"""A config path ("algorithm.eps_low") or a function of the whole config (derived values)."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -88,14 +99,64 @@ def _register(table: dict[str, Callable[..., Any]], kind: str, name: str) -> Cal
     return decorator
 
 
-def register_loss(name: str) -> Callable[[F], F]:
-    """Decorator: make a `PolicyLoss` selectable by `name` in the config."""
-    return _register(_LOSSES, "loss", name)
+def _keywords(fn: Callable[..., Any]) -> tuple[set[str], bool]:
+    """The parameter names ``fn`` accepts by keyword, and whether it takes ``**kwargs``."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no inspectable signature: accept anything
+        return set(), True
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return names, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
-def register_advantage(name: str) -> Callable[[F], F]:
-    """Decorator: make an `AdvantageEstimator` selectable by `name` in the config."""
-    return _register(_ADVANTAGES, "advantage", name)
+def register_loss(name: str, *, hparams: Mapping[str, HparamSource] | None = None) -> Callable[[F], F]:
+    """Decorator: make a `PolicyLoss` selectable by `name` in the config.
+
+    Args:
+      name: the value of `algorithm.loss` that selects it.
+      hparams: the hyper-parameters the loss takes from the config, keyword -> source: a
+        dotted config path (``{"eps_low": "algorithm.eps_low"}``) or a function of the
+        config for a derived value (``{"eps_max": lambda c: 1 + c.algorithm.eps_high}``).
+        Keywords not declared keep the loss's defaults unless `algorithm.loss_hparams`
+        sets them, so a loss with a hyper-parameter of its own needs no config field.
+    """
+    declared = dict(hparams or {})
+    register = _register(_LOSSES, "loss", name)
+
+    def decorator(fn: F) -> F:
+        accepted, var_keyword = _keywords(fn)
+        unknown = sorted(set(declared) - accepted) if not var_keyword else []
+        if unknown:
+            raise ValueError(f"loss {name!r} declares hparams {unknown} that {fn.__name__} does not accept")
+        for key, source in declared.items():
+            if not (callable(source) or (isinstance(source, str) and source)):
+                raise ValueError(f"loss {name!r}: hparam {key!r} source must be a config path or a function, "
+                                 f"got {source!r}")
+        fn = register(fn)
+        _LOSS_HPARAMS[name] = declared
+        return fn
+
+    return decorator
+
+
+def register_advantage(name: str, *, min_group_size: int = 1, note: str = "") -> Callable[[F], F]:
+    """Decorator: make an `AdvantageEstimator` selectable by `name` in the config.
+
+    Args:
+      name: the value of `algorithm.advantage` that selects it.
+      min_group_size: the smallest `algorithm.group_size` it is defined for (2 for a group
+        baseline: a group of one has no baseline).
+      note: why the RL trainer cannot call it, when its signature needs more than the
+        trainer passes (shown instead of the generic message).
+    """
+    register = _register(_ADVANTAGES, "advantage", name)
+
+    def decorator(fn: F) -> F:
+        fn = register(fn)
+        _ADVANTAGE_INFO[name] = (min_group_size, note)
+        return fn
+
+    return decorator
 
 
 def _load_builtins() -> None:
@@ -118,6 +179,57 @@ def get_advantage(name: str) -> AdvantageEstimator:
     if name not in _ADVANTAGES:
         raise ValueError(f"unknown advantage {name!r}; known advantages: {sorted(_ADVANTAGES)}")
     return _ADVANTAGES[name]
+
+
+def _config_value(config: Any, path: str) -> Any:
+    value = config
+    for part in path.split("."):
+        if not hasattr(value, part):
+            raise ValueError(f"{path!r} is not a config field")
+        value = getattr(value, part)
+    return value
+
+
+def loss_hparams(name: str, config: Any) -> dict[str, Any]:
+    """The keyword hyper-parameters the trainer passes to loss `name` under `config`.
+
+    The ones the loss declared at registration, read from the config, then every
+    `config.algorithm.loss_hparams` pair (which overrides a declared one).
+    """
+    get_loss(name)
+    out = {}
+    for key, source in _LOSS_HPARAMS.get(name, {}).items():
+        try:
+            out[key] = source(config) if callable(source) else _config_value(config, source)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"loss {name!r} declares hparam {key!r} from {source!r}: {e}") from None
+    out.update(dict(config.algorithm.loss_hparams))
+    return out
+
+
+def loss_hparam_errors(name: str, config: Any) -> list[str]:
+    """Why the trainer could not call loss `name` with `loss_hparams(name, config)`: a
+    declared source that is not a config field, or an `algorithm.loss_hparams` key the loss
+    does not accept (a typo would otherwise fail only at the first update)."""
+    fn = get_loss(name)
+    try:
+        loss_hparams(name, config)
+    except ValueError as e:
+        return [str(e)]
+    accepted, var_keyword = _keywords(fn)
+    unknown = sorted(set(dict(config.algorithm.loss_hparams)) - accepted)
+    if not unknown or var_keyword:
+        return []
+    arrays = [p.name for p in inspect.signature(fn).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:4]
+    options = sorted(accepted - set(arrays) - {"sequence_ids", "num_sequences"})
+    return [f"loss {name!r} takes no {unknown}; its keyword hyper-parameters: {options}"]
+
+
+def advantage_info(name: str) -> tuple[int, str]:
+    """(min_group_size, note) of the registered estimator `name` (see register_advantage)."""
+    get_advantage(name)
+    return _ADVANTAGE_INFO.get(name, (1, ""))
 
 
 def known_losses() -> list[str]:

@@ -1,4 +1,5 @@
-"""Flax NNX decoder family (Llama 3, Qwen2/2.5, Qwen3), KV cache, HF checkpoint I/O, tokenizer."""
+"""Flax NNX decoder family (Llama 3, Qwen2/2.5, Qwen3), KV cache, HF checkpoint I/O, tokenizer,
+and the output logits both the sampler and the trainer compute (`logits`)."""
 
 from agentrl_jax.models.config import ARCHITECTURES, DecoderConfig, Llama3RopeScaling
 from agentrl_jax.models.decoder import (
@@ -17,6 +18,7 @@ from agentrl_jax.models.hf_io import (
     save_hf_checkpoint,
 )
 from agentrl_jax.models.kv_cache import KV_CACHE_AXES, KVCache
+from agentrl_jax.models.logits import output_logits, temperature_scaled
 from agentrl_jax.models.tiny import save_tiny_hf_checkpoint, train_tiny_tokenizer
 from agentrl_jax.models.tokenizer import Tokenizer
 
@@ -33,11 +35,13 @@ __all__ = [
     "layer_param_specs",
     "load_hf_checkpoint",
     "load_hf_params",
+    "output_logits",
     "param_logical_axes",
     "param_shardings",
     "param_specs",
     "save_hf_checkpoint",
     "save_tiny_hf_checkpoint",
     "split_params",
+    "temperature_scaled",
     "train_tiny_tokenizer",
 ]

@@ -34,6 +34,8 @@ import jax.numpy as jnp
 from flax import struct
 from jaxtyping import Array, Float, Int
 
+from agentrl_jax.models.logits import output_logits, temperature_scaled
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -151,7 +153,7 @@ def sample(
     logits = logits.astype(jnp.float32)
     greedy = sampling.temperature <= 0
     tau = jnp.where(greedy, 1.0, sampling.temperature).astype(jnp.float32)
-    scaled = logits / tau[:, None]
+    scaled = temperature_scaled(logits, tau)
     # log softmax(scaled) at the chosen tokens only: [B, V] log-probs are never written out
     top = jax.lax.stop_gradient(jnp.max(scaled, axis=-1))
     log_normalizer = jnp.log(jnp.sum(jnp.exp(scaled - top[:, None]), axis=-1))
@@ -187,7 +189,4 @@ def next_token_logits(
     hidden_last: Float[Array, "B D"], output_embedding: Float[Array, "..."], layout: str
 ) -> Float[Array, "B V"]:
     """float32 logits from last-position hidden states, as the trainer computes them."""
-    if layout not in ("vd", "dv"):
-        raise ValueError(f"output embedding layout must be 'vd' or 'dv', got {layout!r}")
-    contraction = (((1,), (1,)), ((), ())) if layout == "vd" else (((1,), (0,)), ((), ()))
-    return jax.lax.dot_general(hidden_last, output_embedding, contraction, preferred_element_type=jnp.float32)
+    return output_logits(hidden_last, output_embedding, layout)

@@ -30,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax.config import Config, ConfigError, check_registered_names, to_dict
+from agentrl_jax.config import Config, ConfigError, to_dict
 from agentrl_jax.envs.agent_loop import AgentLoop
 from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.losses import global_normalizer
+from agentrl_jax.losses.registry import loss_hparams
 from agentrl_jax.rollout.sampling import SamplingParams
 from agentrl_jax.train.batch import build_batch
 from agentrl_jax.train.episodes import (
@@ -65,23 +66,12 @@ from agentrl_jax.train.teacher import (
 logger = logging.getLogger(__name__)
 
 def loss_settings(config: Config) -> LossSettings:
-    """The static objective of the update, from the algorithm config."""
+    """The static objective of the update, from the algorithm config.
+
+    The loss's hyper-parameters are the ones it declared at registration, read from the
+    config, plus ``algorithm.loss_hparams`` (``losses.registry.loss_hparams``).
+    """
     a = config.algorithm
-    hparams: dict[str, Any] = {}
-    if a.loss in ("ppo", "gspo", "gspo_token"):
-        hparams.update(eps_low=a.eps_low, eps_high=a.eps_high)
-    if a.loss == "ppo" and a.dual_clip:
-        hparams["dual_clip"] = a.dual_clip
-    if a.loss == "cispo":
-        # CISPO truncates the IS weight at 1 + eps_high (MiniMax-M1, eq. 4).
-        hparams["eps_max"] = 1.0 + a.eps_high
-    if a.loss in ("gspo", "gspo_token") and a.eps_high > 0.01:
-        logger.warning(
-            "algorithm.loss=%s with eps_low/eps_high=%s/%s: GSPO clips a length-normalized sequence "
-            "ratio, and its paper uses 3e-4/4e-4; PPO-sized ranges clip almost nothing",
-            a.loss, a.eps_low, a.eps_high,
-        )
-    hparams.update(dict(a.loss_hparams))
     correction_hparams: dict[str, Any] = {}
     if a.correction in ("tis", "mis"):
         correction_hparams = {"cap": a.correction_cap, "level": a.correction_level}
@@ -89,7 +79,7 @@ def loss_settings(config: Config) -> LossSettings:
         correction_hparams = {"low": a.correction_floor, "high": a.correction_cap, "level": a.correction_level}
     return LossSettings(
         loss=a.loss,
-        hparams=tuple(sorted(hparams.items())),
+        hparams=tuple(sorted(loss_hparams(a.loss, config).items())),
         aggregation=a.aggregation,
         temperature=config.rollout.temperature,
         kl_coef=a.kl_coef,
@@ -106,9 +96,6 @@ class RLTrainer:
     def __init__(self, config: Config, *, graphdef, params, tokenizer, driver, env_factory, train_tasks,
                  eval_tasks, metrics_writer, checkpointer=None, reference_params=None, teacher=None,
                  judge: Judge | None = None, mesh=None, engine_params: Callable[[Any], Any] | None = None):
-        # A Config built in Python skipped load_config's registry checks; a bad name fails here,
-        # before the SFT cold start and the first evaluation, not at the first update.
-        check_registered_names(config)
         self.config = config
         self.graphdef = graphdef
         self.tokenizer = tokenizer

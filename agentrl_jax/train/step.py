@@ -153,6 +153,32 @@ def policy_loss(
         with_entropy=True,
         packed=settings.packed,
     )
+    return loss_from_logprobs(logp, entropy, micro, normalizer, settings, num_sequences)
+
+
+def loss_from_logprobs(
+    logp: jax.Array,
+    entropy: jax.Array,
+    micro: dict[str, jax.Array],
+    normalizer: jax.Array,
+    settings: LossSettings,
+    num_sequences: int | None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The objective from the policy's logprobs: the one loss composition of the library.
+
+    loss = aggregate(policy_loss [off-policy corrected] + kl_coef * KL - entropy_coef * H)
+    divided by the normalizer of the whole minibatch, so summing it over micro-batches
+    gives the full-minibatch loss and gradient exactly (tests/losses/test_losses_aggregation.py).
+
+    Args:
+      logp, entropy: [B, T] tempered logprobs of the targets and the policy's entropy.
+      micro: [B, T] loss_mask, advantages, old_logprobs, rollout_logprobs (+ sequence_ids
+        when packed, ref_logprobs when kl_coef > 0).
+      normalizer: `global_normalizer` of the whole minibatch.
+      num_sequences: trajectories in the minibatch (static; packed layout only).
+    Returns:
+      (scalar loss, metrics: the loss's own, KL, entropy, logprob_gap_abs, loss).
+    """
     mask = micro["loss_mask"]
     seq = dict(sequence_ids=micro["sequence_ids"], num_sequences=num_sequences) if settings.packed else {}
     loss_fn = get_loss(settings.loss)

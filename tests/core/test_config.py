@@ -122,8 +122,10 @@ def test_gae_is_refused_with_the_reason():
 
 
 def test_loss_hparams_from_the_command_line():
-    c = apply_overrides(Config(), ['algorithm.loss_hparams=[["beta", 0.1], ["eps_max", 4]]'])
-    assert c.algorithm.loss_hparams == (("beta", 0.1), ("eps_max", 4.0))
+    c = apply_overrides(Config(), ["algorithm.loss=cispo", 'algorithm.loss_hparams=[["eps_min", 0.1], ["eps_max", 4]]'])
+    assert c.algorithm.loss_hparams == (("eps_min", 0.1), ("eps_max", 4.0))
+    with pytest.raises(ConfigError, match=r"algorithm.loss_hparams: loss 'ppo' takes no \['beta'\]"):
+        apply_overrides(Config(), ['algorithm.loss_hparams=[["beta", 0.1]]'])
     from agentrl_jax.train.rl import loss_settings
 
     c = apply_overrides(Config(), ["algorithm.loss=cispo"])

@@ -1,4 +1,8 @@
-"""Aggregation: NumPy reference, micro-batch == full batch, packed == unpacked."""
+"""Aggregation: NumPy reference, micro-batch == full batch, packed == unpacked.
+
+The exactness tests run the trainer's own loss composition (`train.step.loss_from_logprobs`:
+registered loss, off-policy correction, KL, entropy, aggregation), the one the update uses.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -6,9 +10,25 @@ import numpy as np
 import pytest
 from jax import enable_x64
 
-from agentrl_jax.losses import AGGREGATIONS, aggregate, compute_policy_loss, global_normalizer
+from agentrl_jax.losses import AGGREGATIONS, aggregate, global_normalizer
+from agentrl_jax.train.step import LossSettings, loss_from_logprobs
 
 MAX_LEN = 16
+
+
+def trainer_loss(name, logp, old, adv, mask, *, aggregation="token-mean", normalizer, rollout=None,
+                 sequence_ids=None, num_sequences=None, entropy=None, ref=None, hparams=None, **settings):
+    """The trainer's scalar loss and metrics of one micro-batch, from arrays."""
+    settings = LossSettings(loss=name, hparams=tuple(sorted((hparams or {}).items())), aggregation=aggregation,
+                            packed=sequence_ids is not None, **settings)
+    micro = dict(loss_mask=mask, old_logprobs=old, advantages=adv,
+                 rollout_logprobs=old if rollout is None else rollout)
+    if sequence_ids is not None:
+        micro["sequence_ids"] = sequence_ids
+    if ref is not None:
+        micro["ref_logprobs"] = ref
+    entropy = jnp.zeros_like(logp) if entropy is None else entropy
+    return loss_from_logprobs(logp, entropy, micro, normalizer, settings, num_sequences)
 
 
 def np_aggregate(loss, mask, mode):
@@ -56,23 +76,35 @@ def test_numpy_reference_float64(mode):
 
 
 @pytest.mark.parametrize("mode", AGGREGATIONS)
-@pytest.mark.parametrize("name", ["ppo", "gspo"])
-def test_micro_batched_gradient_equals_full_batch(mode, name):
-    logp, old, adv, mask = map(lambda x: jnp.asarray(x, jnp.float32), _batch(np.random.default_rng(1)))
-    hp = dict(eps_low=0.1, eps_high=0.15)
+@pytest.mark.parametrize("name, correction", [("ppo", "none"), ("gspo", "none"), ("cispo", "icepop")])
+def test_micro_batched_gradient_equals_full_batch(mode, name, correction):
+    """Uneven micro-batches sharing the minibatch normalizer sum to the full batch's loss and
+    gradient, with the KL and entropy terms and an off-policy correction on."""
+    rng = np.random.default_rng(1)
+    logp, old, adv, mask = map(lambda x: jnp.asarray(x, jnp.float32), _batch(rng))
+    rollout = old + jnp.asarray(rng.normal(size=old.shape) * 0.1, jnp.float32)
+    ref = old - 0.3
+    entropy = jnp.asarray(rng.random(old.shape), jnp.float32)
+    hp = dict(eps_low=0.1, eps_high=0.15) if name != "cispo" else dict(eps_max=1.2)
+    correction_hparams = (("high", 1.5), ("level", "token"), ("low", 0.7)) if correction != "none" else ()
     z = global_normalizer(mask, mode, max_response_length=MAX_LEN)
 
     @jax.jit
-    def loss_and_grad(lp, o, a, m, z):
-        f = lambda lp: compute_policy_loss(name, lp, o, a, m, aggregation=mode, normalizer=z, **hp)[0]  # noqa: E731
+    def loss_and_grad(lp, o, a, m, r, ref, h, z):
+        f = lambda lp: trainer_loss(  # noqa: E731
+            name, lp, o, a, m, aggregation=mode, normalizer=z, rollout=r, ref=ref, entropy=h, hparams=hp,
+            kl_coef=0.05, entropy_coef=0.01, correction=correction, correction_hparams=correction_hparams,
+        )[0]
         return jax.value_and_grad(f)(lp)
 
-    full_loss, full_grad = loss_and_grad(logp, old, adv, mask, z)
+    arrays = (logp, old, adv, mask, rollout, ref, entropy)
+    full_loss, full_grad = loss_and_grad(*arrays, z)
     micro_loss, micro_grads = 0.0, []
     for rows in (slice(0, 3), slice(3, 5), slice(5, 8)):  # uneven micro-batches
-        l, g = loss_and_grad(logp[rows], old[rows], adv[rows], mask[rows], z)
+        l, g = loss_and_grad(*(x[rows] for x in arrays), z)
         micro_loss += l
         micro_grads.append(g)
+    assert float(full_loss) != 0.0
     np.testing.assert_allclose(micro_loss, full_loss, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(jnp.concatenate(micro_grads), full_grad, rtol=1e-6, atol=1e-8)
 
@@ -108,9 +140,9 @@ def test_packed_equals_unpacked(mode, name):
 
     def loss_and_grad(x, mask, ids):
         z = global_normalizer(mask, mode, sequence_ids=ids, num_sequences=4, max_response_length=MAX_LEN)
-        f = lambda lp: compute_policy_loss(  # noqa: E731
+        f = lambda lp: trainer_loss(  # noqa: E731
             name, lp, x[1], x[2], mask, aggregation=mode, normalizer=z,
-            sequence_ids=ids, num_sequences=4 if ids is not None else None, **hp,
+            sequence_ids=ids, num_sequences=4 if ids is not None else None, hparams=hp,
         )[0]
         return jax.value_and_grad(f)(x[0])
 
@@ -141,15 +173,15 @@ def test_all_padding_micro_batch_is_zero_not_nan():
         assert float(aggregate(loss, mask, mode, global_normalizer(mask, mode, max_response_length=4))) == 0.0
 
 
-def test_compute_policy_loss_with_kl_and_entropy():
+def test_trainer_loss_with_kl_and_entropy():
     logp = jnp.array([[-1.0, -2.0]])
     mask = jnp.ones((1, 2))
-    loss, metrics = compute_policy_loss(
-        "reinforce", logp, logp, jnp.ones((1, 2)), mask, ref_logp=logp - 0.5, kl_coef=0.1,
-        kl_kind="k1", entropy=jnp.array([[1.0, 3.0]]), entropy_coef=0.01,
+    loss, metrics = trainer_loss(
+        "reinforce", logp, logp, jnp.ones((1, 2)), mask, normalizer=global_normalizer(mask, "token-mean"),
+        ref=logp - 0.5, kl_coef=0.1, kl_kind="k1", entropy=jnp.array([[1.0, 3.0]]), entropy_coef=0.01,
     )
     # reinforce: -(-1 - 2)/2 = 1.5 ; k1 = 0.5 -> +0.05 ; entropy 2 -> -0.02
     np.testing.assert_allclose(loss, 1.5 + 0.05 - 0.02, rtol=1e-6)
-    np.testing.assert_allclose(metrics["policy_loss"], 1.5, rtol=1e-6)
+    np.testing.assert_allclose(metrics["loss"], loss)
     np.testing.assert_allclose(metrics["entropy"], 2.0)
     np.testing.assert_allclose(metrics["kl_k1"], 0.5)

@@ -141,3 +141,25 @@ def test_compiled_memory_32k_row_152k_vocab():
     assert fwd_chunked < 2 * gib < fwd_naive, (fwd_chunked, fwd_naive)
     assert grad_chunked < 6 * gib < grad_naive, (grad_chunked, grad_naive)
     assert fwd_naive >= full_logits_bytes
+
+
+def test_one_temperature_scaling_for_sampler_and_trainer():
+    """The trainer scales by one Python temperature, the sampler by a per-row array: both go
+    through models.logits.temperature_scaled and agree to the bit, and the trainer's logprob
+    of a token equals the sampler's."""
+    from agentrl_jax.models.logits import temperature_scaled
+    from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, sample
+
+    rng = np.random.default_rng(3)
+    hidden = jnp.asarray(rng.normal(size=(4, 16)), jnp.float32)
+    table = jnp.asarray(rng.normal(size=(50, 16)), jnp.float32)
+    logits = hidden @ table.T
+    for tau in (0.7, 1.0, 1.3):
+        per_row = temperature_scaled(logits, jnp.full((4,), tau, jnp.float32))
+        assert np.array_equal(np.asarray(temperature_scaled(logits, tau)), np.asarray(per_row))
+        keys = jnp.asarray(rng.integers(0, 2**31, size=(4, 2)), jnp.uint32)
+        tokens, log_prob, _ = sample(
+            jax.lax.dot_general(hidden, table, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32),
+            keys, SlotSampling.from_params(SamplingParams(temperature=tau), 4))
+        trainer = token_logprobs(hidden[:, None], table, tokens[:, None], temperature=tau)
+        np.testing.assert_allclose(np.asarray(trainer)[:, 0], np.asarray(log_prob), rtol=0, atol=2e-6)
