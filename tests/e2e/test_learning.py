@@ -68,5 +68,5 @@ def test_readme_demo_learns(tmp_path):
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = json.loads((tmp_path / "results.json").read_text())
     start, end = results["start"], results["end"]
-    assert end["pass@1"] >= start["pass@1"] + 0.25, (start, end)
+    assert end["pass_at_1"] >= start["pass_at_1"] + 0.25, (start, end)
     assert end["tool_use_rate"] >= 0.9, end

@@ -205,7 +205,7 @@ def test_a_step_where_every_episode_is_masked_makes_no_update(tmp_path):
         assert r["train/empty_batch"] == 1.0 and r["train_tokens"] == 0.0 and r["skipped_updates"] == 1.0
         assert "loss" not in r
     # truncated evaluation episodes count as incorrect
-    assert results["end"]["pass@1"] == 0.0 and results["end"]["truncated_rate"] == 1.0
+    assert results["end"]["pass_at_1"] == 0.0 and results["end"]["truncated_rate"] == 1.0
 
 
 @pytest.mark.slow
