@@ -1,25 +1,30 @@
-"""Continuous batching over the `Engine` with an asyncio API.
+"""Continuous batching over the paged `Engine` with an asyncio API.
 
 Coroutines (agent loops, environments) `await driver.generate(...)`; one background task
 owns the engine. Each tick of that task runs in a single worker thread (so the event loop
 keeps serving tool calls while the device works):
 
-1. apply a pending weight update if its boundary is reached;
-2. admit waiting requests into free slots: prefill (in chunks of `max_prefill_length`
-   via `existing_prefix` when longer) and `insert`, or `bulk_insert` a G-sample group;
-3. run `generate(num_steps=steps_per_dispatch)` for all slots in one dispatch;
-4. on the host, walk each slot's new tokens and stop at eos / stop ids / stop strings /
-   `max_new_tokens` / a full cache; tokens a slot produced after its stop are dropped and
-   its slot is refilled on the next tick.
+1. release what finished or was given up: closed sessions' pages, cancelled requests;
+2. apply a pending weight update if its boundary is reached;
+3. prefill: every waiting sequence that fits (free slots and pages in a data shard) gets
+   its next chunk into ONE `Engine.prefill_insert` call, under a token budget
+   (`prefill_token_budget`); sequences whose prompt is complete fill their slots in the
+   same call. Identical fresh prompts that wait together (a GRPO group, or G agent loops
+   of one task) are prefilled once: their full pages are shared, the last partial page is
+   copied per sample;
+4. give every decoding slot the pages its next `steps_per_dispatch` tokens need; when a
+   shard runs out: evict an idle session's pages, else preempt the newest decoding
+   sequence (its pages are freed and it is re-prefilled later from its kept tokens, with
+   its key and sample counter: exact), counted in `preemptions`;
+5. run `generate(num_steps=steps_per_dispatch)` for all slots in one dispatch;
+6. on the host, walk each slot's new tokens and stop at eos / stop ids / stop strings /
+   `max_new_tokens` / `max_target_length`; tokens after a stop are dropped.
 
-Multi-turn (`Session`): when a turn ends, the driver copies the slot's live KV row into a
-saved `Prefix` held by the session and frees the slot. The next turn's
-`generate(observation_ids, session=s)` prefills only [last sampled token] + observation
-on top of that prefix: earlier turns never run through the model again. Memory trade-off:
-a waiting session holds L * 2 * len * KV * K cache entries of device memory outside the
-slot pool (about 110 KB per token for Qwen3-1.7B in bf16), but frees its slot for other
-requests while its tool runs; `Session.close()` releases it. Holding the slot instead
-would cost no copy but idle a slot for the whole tool call.
+Multi-turn (`Session`): when a turn ends, the session takes over the slot's pages (no
+copy) and the slot is freed. The next turn's `generate(observation_ids, session=s)`
+prefills only [last sampled token] + observation into the session's own pages. A session
+waiting on a tool holds its pages until it continues or `close()`s; under memory pressure
+its pages are evicted and its next turn re-prefills its history.
 
 Weight updates (`update_params`): the new params are placed in the engine's sharding and
 dtype, then swapped in between two dispatches. By default in-flight requests continue
@@ -30,8 +35,8 @@ in-flight request has finished on the old weights, then the swap happens.
 
 Failure: an exception in a tick is set on every waiting caller's future and the driver
 refuses new work with that exception as the cause; nothing exits the process. A request
-that cannot fit (prompt longer than the engine's capacity, a group larger than the slot
-count) fails alone, with a ValueError naming the limit.
+that can never fit (longer than `max_target_length`, more KV pages than a shard has, a
+group larger than a shard's slots) fails alone with a ValueError naming the limit.
 """
 
 from __future__ import annotations
@@ -48,11 +53,16 @@ from typing import Any
 
 import numpy as np
 
-from agentrl_jax.rollout.engine import Engine
-from agentrl_jax.rollout.sampling import SamplingParams
-from agentrl_jax.rollout.state import Prefix
+from agentrl_jax.rollout.engine import Admission, Engine, PrefillRow
+from agentrl_jax.rollout.pages import OutOfPages, pages_for
+from agentrl_jax.rollout.sampling import SamplingParams, request_key
+from agentrl_jax.rollout.scheduler import Pending, Session
+from agentrl_jax.rollout.scheduler import Sequence as Track
+from agentrl_jax.rollout.stops import StopMatcher
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["Completion", "Driver", "Session"]
 
 
 @dataclasses.dataclass
@@ -64,7 +74,7 @@ class Completion:
       logprobs: log softmax(z / tau)[token] per token (what the trainer computes).
       truncated_logprobs: logprob under the top-k/top-p distribution actually sampled.
       finish_reason: "stop" (eos, stop id or stop string), "length" (max_new_tokens) or
-        "capacity" (the slot's cache is full).
+        "capacity" (max_target_length reached, or the KV budget cannot hold it longer).
       params_versions: the params version that sampled each token.
       prompt_length: tokens of the prompt (for a session turn: this turn's input tokens).
       stop: the matched stop token id or stop string, else None.
@@ -84,35 +94,12 @@ class Completion:
         return self.params_versions[-1]
 
 
-class Session:
-    """A multi-turn trajectory's handle: its saved KV prefix between turns.
-
-    Create with `Driver.session()`, pass to every `generate` call of the trajectory, and
-    `close()` it when the episode ends to release the device memory.
-    """
-
-    def __init__(self):
-        self.prefix: Prefix | None = None
-        self.pending_token: int | None = None
-        self.length = 0
-        self.busy = False
-
-    def close(self) -> None:
-        self.prefix = None
-        self.pending_token = None
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Tokens of the trajectory whose KV the session holds."""
-        return 0 if self.prefix is None else self.length
-
-
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Request:
-    prompt: np.ndarray
+    prompt: np.ndarray  # this turn's input (with a session: [pending token] + new ids)
     sampling: SamplingParams
     stop_token_ids: frozenset[int]
-    stop_strings: tuple[str, ...]
+    stops: StopMatcher | None
     max_new_tokens: int
     num_samples: int
     session: Session | None
@@ -121,32 +108,19 @@ class _Request:
     completions: list[Completion | None] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass
-class _Track:
-    """One sample of a request, living in one slot."""
-
-    request: _Request
-    index: int
-    slot: int
-    kv_start: int
-    generated_base: int
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    truncated: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-
-
 class Driver:
     """Continuous-batching generation over an `Engine`, for asyncio callers.
 
     Args:
-      engine: the engine (its slot count is the batch).
+      engine: the engine (its slot count is the batch, its page pool the memory).
       params: initial params (placed with `engine.load_params`).
       params_version: the version tag of `params`.
       eos_token_ids: ids that end every request.
       detokenize: `token_ids -> str`, needed for stop strings.
       steps_per_dispatch: decode steps per jitted `generate` call.
       seed: base seed for requests that carry none.
+      prefill_token_budget: new tokens prefilled per tick, over all sequences (default: 4 x
+        the engine's `max_prefill_length`); a longer prompt continues in the next ticks.
     """
 
     def __init__(
@@ -159,20 +133,31 @@ class Driver:
         detokenize: Callable[[Sequence[int]], str] | None = None,
         steps_per_dispatch: int = 8,
         seed: int = 0,
+        prefill_token_budget: int | None = None,
     ):
         if steps_per_dispatch < 1:
             raise ValueError(f"Driver: steps_per_dispatch must be >= 1, got {steps_per_dispatch}")
+        budget = 4 * engine.max_prefill_length if prefill_token_budget is None else prefill_token_budget
+        if budget < engine.max_prefill_length:
+            raise ValueError(
+                f"Driver: prefill_token_budget={budget} must be >= the engine's max_prefill_length="
+                f"{engine.max_prefill_length}"
+            )
         self.engine = engine
         self._params = engine.load_params(params)
         self._version = params_version
         self._eos = frozenset(int(t) for t in eos_token_ids)
         self._detokenize = detokenize
         self._steps = steps_per_dispatch
+        self._budget = budget
         self._seeds = itertools.count(seed * 1_000_003 + 1)
         self._state = None
-        self._waiting: collections.deque[_Request] = collections.deque()
+        self._waiting: collections.deque[Pending] = collections.deque()
         self._inbox: list[_Request] = []
-        self._slots: dict[int, _Track] = {}
+        self._slots: dict[int, Track] = {}
+        self._sessions: set[Session] = set()  # sessions holding pages between turns
+        self._closing: list[Session] = []
+        self._admitted = itertools.count()
         self._pending_update: tuple[Any, int, bool, asyncio.Future] | None = None
         self._failure: BaseException | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
@@ -184,6 +169,9 @@ class Driver:
         # work (no slot active, nothing admitted: the rollout devices idle).
         self.busy_seconds = 0.0
         self.idle_seconds = 0.0
+        self.preemptions = 0  # decoding sequences whose pages were taken back (re-prefilled later)
+        self.evictions = 0  # idle sessions whose pages were taken back
+        self.shared_prefills = 0  # samples that shared another sample's prompt prefill
 
     # ---- public API -------------------------------------------------------------------
 
@@ -193,7 +181,7 @@ class Driver:
 
     def session(self) -> Session:
         """A new multi-turn session handle."""
-        return Session()
+        return Session(self)
 
     async def generate(
         self,
@@ -221,7 +209,7 @@ class Driver:
         stop_strings: Sequence[str] = (),
         max_new_tokens: int = 256,
     ) -> list[Completion]:
-        """n samples of one prompt: prefilled once, bulk-inserted into n slots, own key each."""
+        """n samples of one prompt: prefilled once, its pages shared by n slots, own key each."""
         return await self._submit(prompt_ids, sampling, stop_token_ids, stop_strings, max_new_tokens, n, None)
 
     async def update_params(self, params: Any, version: int, *, drain: bool = False) -> None:
@@ -244,17 +232,17 @@ class Driver:
         await done
 
     def release_cache(self) -> None:
-        """Free the decode state (the KV cache) once the driver is idle; the next request re-creates it.
+        """Free the decode state (the KV pages) once the driver is idle; the next request re-creates it.
 
         A synchronous trainer calls this after a rollout so the update has the device memory.
         Requests in flight are not affected: the release waits for a tick with no slot in use.
+        Sessions still open lose their pages and re-prefill their history on their next turn.
         """
         self._release_requested = True
         if self._task is not None and not self._task.done():
             self._wakeup.set()
-        elif not self._slots:
-            self._state = None
-            self._release_requested = False
+        elif not self._slots and not self._waiting:
+            self._drop_state()
 
     async def close(self) -> None:
         """Stop the background task (waiting requests fail) and release the decode state."""
@@ -264,7 +252,7 @@ class Driver:
         if self._task is not None:
             await asyncio.gather(self._task, return_exceptions=True)
         self._fail_all(RuntimeError("Driver closed"))
-        self._state = None
+        self._drop_state()
         self._executor.shutdown(wait=True)
 
     async def __aenter__(self) -> Driver:
@@ -272,6 +260,10 @@ class Driver:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+    def pages_in_use(self) -> int:
+        """KV pages held now (slots, sessions, partly prefilled prompts)."""
+        return 0 if self._state is None else self.engine.pages.num_used()
 
     # ---- submission -------------------------------------------------------------------
 
@@ -291,33 +283,49 @@ class Driver:
             raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
         if stop_strings and self._detokenize is None:
             raise ValueError("generate: stop_strings need a detokenize callback (Driver(detokenize=...))")
-        if n > self.engine.max_concurrent_decodes:
+        engine = self.engine
+        per_shard = engine.max_concurrent_decodes // engine.num_shards
+        if n > per_shard:
             raise ValueError(
-                f"generate_group: n={n} exceeds the engine's max_concurrent_decodes="
-                f"{self.engine.max_concurrent_decodes}"
+                f"generate_group: n={n} exceeds the {per_shard} slots of one data shard (the engine's "
+                f"max_concurrent_decodes={engine.max_concurrent_decodes} over {engine.num_shards} shards)"
             )
+        if prompt.size == 0:
+            raise ValueError("generate: prompt_ids is empty")
         start, input_length = 0, int(prompt.size)
         if session is not None:
             if session.busy:
                 raise ValueError("generate: the session already has a turn in flight")
-            if session.prefix is not None:
-                start = session.length
+            if session.broken:
+                raise ValueError(f"generate: the session cannot continue ({session.broken}); start a new one")
+            if session.closed:
+                raise ValueError("generate: the session is closed")
+            if session.started:
+                start = len(session.history)
                 prompt = np.concatenate([[session.pending_token], prompt]).astype(np.int32)
-        if prompt.size == 0:
-            raise ValueError("generate: prompt_ids is empty")
-        capacity = self.engine.max_target_length
+        capacity = engine.max_target_length
         if start + prompt.size >= capacity:
             raise ValueError(
                 f"generate: prompt of {prompt.size} tokens (+ {start} cached in the session) does not fit "
                 f"the engine's max_target_length={capacity} with room to generate; shorten the prompt or "
                 "build the Engine with a larger max_target_length"
             )
+        plan = engine.memory_plan
+        if plan is not None:
+            total = start + prompt.size + 1
+            need = total // engine.page_size + n * (pages_for(total, engine.page_size) - total // engine.page_size)
+            if need > plan.pages_per_shard - 1:
+                raise ValueError(
+                    f"generate: {n} sample(s) of a {total - 1}-token sequence need {need} KV pages; a shard has "
+                    f"{plan.pages_per_shard - 1} ({plan.source}). Raise rollout.kv_cache_bytes / "
+                    "rollout.kv_cache_memory_fraction or shorten the prompt"
+                )
         loop = asyncio.get_running_loop()
         request = _Request(
             prompt=prompt,
             sampling=sampling,
             stop_token_ids=frozenset(int(t) for t in stop_token_ids) | self._eos,
-            stop_strings=tuple(stop_strings),
+            stops=StopMatcher(tuple(stop_strings), self._detokenize) if stop_strings else None,
             max_new_tokens=max_new_tokens,
             num_samples=n,
             session=session,
@@ -370,85 +378,267 @@ class Driver:
                     future.set_result(value)
             if not self._slots and not self._waiting and not self._inbox and self._pending_update is None:
                 if self._release_requested:
-                    self._state, self._release_requested = None, False
+                    self._drop_state()
                 started = time.perf_counter()
                 await self._wakeup.wait()
                 self.idle_seconds += time.perf_counter() - started
 
+    def _drop_state(self) -> None:
+        """Forget the decode state and every page (open sessions will re-prefill their history)."""
+        self._state, self._release_requested = None, False
+        for session in self._sessions:
+            session.pages, session.shard = [], None
+        self._sessions.clear()
+
     def _fail_all(self, exc: BaseException, extra: Sequence[_Request] = ()) -> None:
-        requests = {id(r): r for r in [*extra, *self._inbox, *self._waiting, *(t.request for t in self._slots.values())]}
-        for request in requests.values():
+        requests = [*extra, *self._inbox, *(s.request for p in self._waiting for s in p.sequences),
+                    *(t.request for t in self._slots.values())]
+        for request in {id(r): r for r in requests}.values():
             if not request.future.done():
                 request.future.set_exception(exc)
+            if request.session is not None:
+                request.session.broken = f"the driver failed: {exc!r}"
         if self._pending_update is not None and not self._pending_update[3].done():
             self._pending_update[3].set_exception(exc)
         self._inbox, self._slots = [], {}
         self._waiting.clear()
 
     def _tick(self, inbox: list[_Request], update) -> tuple[list, bool]:
-        """One boundary: weight swap, admissions, one N-step dispatch, host-side stop checks."""
+        """One boundary: releases, weight swap, one batched prefill, one N-step dispatch, stop checks."""
         if self._state is None:
             self._state = self.engine.init_decode_state()
-        self._waiting.extend(inbox)
         resolved: list = []
+        self._release_closed()
+        self._drop_cancelled()
+        for request in inbox:
+            self._enqueue(request)
         update_done = False
         if update is not None and (not update[2] or not self._slots):
             self._params, self._version = update[0], update[1]
             update_done = True
-        draining = update is not None and not update_done
-        while self._waiting and not draining:
-            request = self._waiting[0]
-            free = [s for s in range(self.engine.max_concurrent_decodes) if s not in self._slots]
-            if len(free) < request.num_samples:
-                break
-            self._waiting.popleft()
-            try:
-                self._admit(request, free[: request.num_samples], resolved)
-            except ValueError as exc:
-                resolved.append((request.future, exc))
+        if self._slots:  # pages for the next dispatch of every decoding slot (may preempt)
+            self._reserve_pages(resolved)
+        prefill = None
+        if self._waiting and not (update is not None and not update_done):
+            prefill = self._prefill(resolved)
+        generated = None
         if self._slots:
-            self._state, result = self.engine.generate(self._params, self._state, num_steps=self._steps)
+            self._state, generated = self.engine.generate(self._params, self._state, num_steps=self._steps)
+        if prefill is not None:  # first tokens, read after the decode dispatch is queued
+            result, admitted = prefill
             result = result.convert_to_numpy()
+            for m, track in enumerate(admitted):
+                if result.valid[m] and track.slot is not None:
+                    lp, tlp = float(result.log_prob[m]), float(result.truncated_log_prob[m])
+                    self._accept(track, int(result.tokens[m]), lp, tlp, resolved)
+        if generated is not None:
+            generated = generated.convert_to_numpy()
             for slot, track in list(self._slots.items()):
                 for step in range(self._steps):
-                    if not result.valid[step, slot]:
+                    if not generated.valid[step, slot]:
                         self._finish(track, "capacity", None, resolved)
                         break
-                    token = int(result.tokens[step, slot])
-                    lp, tlp = float(result.log_prob[step, slot]), float(result.truncated_log_prob[step, slot])
+                    token = int(generated.tokens[step, slot])
+                    lp, tlp = float(generated.log_prob[step, slot]), float(generated.truncated_log_prob[step, slot])
                     if self._accept(track, token, lp, tlp, resolved):
                         break
         return resolved, update_done
 
-    def _admit(self, request: _Request, slots: list[int], resolved: list) -> None:
-        session = request.session
-        prefix = session.prefix if session is not None else None
-        kv_start = session.length if prefix is not None else 0
-        chunk = self.engine.max_prefill_length
-        pieces = [request.prompt[i : i + chunk] for i in range(0, request.prompt.size, chunk)]
-        for i, piece in enumerate(pieces):
-            if i > 0:  # the token sampled at an intermediate chunk is discarded with its key index
-                prefix = prefix.replace(generated=prefix.generated - 1)
-            prefix, first = self.engine.prefill(
-                params=self._params,
-                existing_prefix=prefix,
-                padded_tokens=piece,
-                true_length=piece.size,
-                sampler=request.sampling,
-                num_samples=request.num_samples,
-            )
-        first = first.convert_to_numpy()
-        generated = np.asarray(prefix.generated)
-        if request.num_samples == 1:
-            self._state = self.engine.insert(prefix, self._state, slots[0])
-        else:
-            self._state = self.engine.bulk_insert(prefix, self._state, slots)
-        for g, slot in enumerate(slots):
-            track = _Track(request, g, slot, kv_start + request.prompt.size, int(generated[g]) - 1)
-            self._slots[slot] = track
-            self._accept(track, int(first.tokens[g]), float(first.log_prob[g]), float(first.truncated_log_prob[g]), resolved)
+    # ---- releases -----------------------------------------------------------------------
 
-    def _accept(self, track: _Track, token: int, lp: float, tlp: float, resolved: list) -> bool:
+    def _release_closed(self) -> None:
+        closing, self._closing = self._closing, []
+        for session in closing:
+            if session.pages:
+                self.engine.pages.release(session.shard, session.pages)
+            session.pages, session.shard, session.history = [], None, []
+            self._sessions.discard(session)
+
+    def _drop_cancelled(self) -> None:
+        """Requests whose caller gave up: free their slots, pages and waiting work."""
+        for slot, track in list(self._slots.items()):
+            if track.request.future.cancelled():
+                self.engine.release_slot(slot)
+                del self._slots[slot]
+                self._break_session(track.request.session, "its turn was cancelled")
+        for pending in list(self._waiting):
+            pending.sequences = [s for s in pending.sequences if not s.request.future.cancelled()]
+            if not pending.sequences:
+                self._waiting.remove(pending)
+                if pending.pages:
+                    self.engine.pages.release(pending.shard, pending.pages)
+                self._break_session(pending.session, "its turn was cancelled")
+
+    def _break_session(self, session: Session | None, why: str) -> None:
+        if session is not None:
+            session.broken = why
+
+    # ---- admission ----------------------------------------------------------------------
+
+    def _enqueue(self, request: _Request) -> None:
+        """A request becomes pending KV work (a session's turn takes over the session's pages)."""
+        session = request.session
+        context = list(session.history) if session is not None and session.started else []
+        if session is not None and session.started:
+            key, base = session.key, session.generated
+            keys = [key]
+        else:
+            base = 0
+            keys = [np.asarray(request_key(request.sampling.seed, g)) for g in range(request.num_samples)]
+        sequences = [Track(request, g, keys[g], base, context) for g in range(request.num_samples)]
+        pending = Pending(tokens=context + request.prompt.tolist(), sequences=sequences, session=session)
+        if session is not None and session.pages:
+            pending.pages, pending.shard, pending.done = session.pages, session.shard, len(session.history)
+            session.pages, session.shard = [], None
+            self._sessions.discard(session)
+        if pending.fresh:  # identical prompts waiting together share one prefill
+            for other in self._waiting:
+                if other.fresh and other.tokens == pending.tokens:
+                    other.sequences += sequences
+                    return
+        self._waiting.append(pending)
+
+    def _prefill(self, resolved: list):
+        """Build and run this tick's batched prefill. Returns (results, admitted tracks) or None."""
+        engine, P = self.engine, self.engine.page_size
+        budget = self._budget
+        free_slots = {d: [s for s in engine.shard_slots(d) if s not in self._slots] for d in range(engine.num_shards)}
+        rows, admitted, finished = [], [], []
+        for pending in list(self._waiting):
+            if budget <= 0:
+                break
+            remaining = len(pending.tokens) - pending.done
+            chunk = min(remaining, engine.max_prefill_length, budget)
+            final = chunk == remaining
+            G = len(pending.sequences)
+            shard = pending.shard
+            if shard is None:
+                shard = max(range(engine.num_shards), key=lambda d: (len(free_slots[d]) >= G, engine.pages.num_free(d)))
+            if final and len(free_slots[shard]) < G:
+                continue
+            end = pending.done + chunk
+            need = pages_for(end, P) - len(pending.pages)
+            if final:  # one copy of the last partial page per extra sample, and room for the first dispatch
+                need += (G - 1) * (end % P > 0) + G * pages_for(self._steps + 1, P)
+            if not self._free_pages(shard, need):
+                continue
+            pending.shard = shard
+            pending.pages += engine.pages.alloc(shard, max(pages_for(end, P) - len(pending.pages), 0))
+            row = PrefillRow(shard=shard, pages=list(pending.pages), start=pending.done,
+                             tokens=np.asarray(pending.tokens[pending.done:end], np.int32))
+            pending.done = end
+            budget -= chunk
+            if final:
+                self._admit(pending, row, free_slots[shard])
+                admitted += pending.sequences
+                finished.append(pending)
+            rows.append(row)
+        for pending in finished:
+            self._waiting.remove(pending)
+        if not rows and not self._slots:
+            self._unblock(resolved)
+        if not rows:
+            return None
+        self._state, result = engine.prefill_insert(self._params, self._state, rows)
+        return result, [a for a in admitted]
+
+    def _admit(self, pending: Pending, row: PrefillRow, free: list[int]) -> None:
+        """Fill G slots from a complete pending prefill: shared full pages, copied partial page."""
+        engine, P = self.engine, self.engine.page_size
+        length = len(pending.tokens)
+        full = length // P
+        shared, last = pending.pages[:full], pending.pages[full:]
+        self.shared_prefills += len(pending.sequences) - 1
+        for g, track in enumerate(pending.sequences):
+            slot = free.pop(0)
+            if g == 0:
+                pages = shared + last  # takes over the pending's references
+            else:
+                engine.pages.incref(pending.shard, shared)
+                own = engine.pages.alloc(pending.shard, len(last))
+                row.copies += list(zip(last[:1], own[:1]))
+                pages = shared + own
+            track.slot, track.admitted = slot, next(self._admitted)
+            self._slots[slot] = track
+            key, generated = track.key, track.generated_base + len(track.tokens)
+            # the pages of its first dispatch (checked free with the prefill's)
+            reach = min(length + self._steps, engine.max_target_length)
+            pages = pages + engine.pages.alloc(pending.shard, max(pages_for(reach, P) - len(pages), 0))
+            row.admissions.append(Admission(slot, pages, key, generated, track.request.sampling, pending.forced))
+
+    def _unblock(self, resolved: list) -> None:
+        """Nothing decodes and nothing could be admitted: waiting sequences hold pages each other need.
+
+        Every waiting sequence but the first gives its pages back (it re-prefills later); if
+        the first cannot fit even into an otherwise empty shard, it fails alone.
+        """
+        head, *rest = self._waiting
+        freed = False
+        for pending in rest:
+            if pending.pages:
+                self.engine.pages.release(pending.shard, pending.pages)
+                pending.pages, pending.shard, pending.done = [], None, 0
+                freed = True
+        if freed:
+            return  # the next tick admits the head
+        needed = len(head.tokens) - head.done
+        self._waiting.popleft()
+        if head.pages:
+            self.engine.pages.release(head.shard, head.pages)
+        error = ValueError(
+            f"generate: {len(head.sequences)} sample(s) of a {len(head.tokens)}-token sequence ({needed} to prefill) "
+            f"do not fit the KV pages of one shard ({self.engine.memory_plan.describe()}); raise "
+            "rollout.kv_cache_bytes / rollout.kv_cache_memory_fraction or shorten the prompt"
+        )
+        for track in head.sequences:
+            resolved.append((track.request.future, error))
+        self._break_session(head.session, "its turn did not fit the KV budget")
+
+    def _free_pages(self, shard: int, need: int) -> bool:
+        """Make ``need`` pages free in ``shard`` by evicting idle sessions (oldest first)."""
+        pages = self.engine.pages
+        while pages.num_free(shard) < need:
+            idle = [s for s in self._sessions if s.shard == shard]
+            if not idle:
+                return False
+            victim = min(idle, key=lambda s: s.last_used)
+            pages.release(shard, victim.pages)
+            victim.pages, victim.shard = [], None
+            self._sessions.discard(victim)
+            self.evictions += 1
+        return True
+
+    def _reserve_pages(self, resolved: list) -> None:
+        """Pages for every decoding slot's next dispatch, oldest first; when a shard runs out, evict
+        an idle session, else preempt the newest sequence of that shard."""
+        engine = self.engine
+        for track in sorted(self._slots.values(), key=lambda t: t.admitted):
+            while track.slot is not None:
+                try:
+                    engine.reserve(track.slot, self._steps)
+                    break
+                except OutOfPages:
+                    shard = engine.shard_of(track.slot)
+                    if self._free_pages(shard, engine.pages.num_free(shard) + 1):
+                        continue
+                    victims = [t for t in self._slots.values() if t is not track and engine.shard_of(t.slot) == shard]
+                    if not victims:  # alone in its shard and still too long: the budget cannot hold it
+                        self._finish(track, "capacity", None, resolved)
+                        break
+                    self._preempt(max(victims, key=lambda t: t.admitted))
+
+    def _preempt(self, track: Track) -> None:
+        """Free a decoding sequence's slot and pages; it waits (first in line) to be re-prefilled."""
+        self.engine.release_slot(track.slot)
+        del self._slots[track.slot]
+        track.slot = None
+        tokens, forced = track.resume_tokens()
+        self._waiting.appendleft(Pending(tokens=tokens, sequences=[track], forced=forced))
+        self.preemptions += 1
+
+    # ---- results ------------------------------------------------------------------------
+
+    def _accept(self, track: Track, token: int, lp: float, tlp: float, resolved: list) -> bool:
         """Append one token; finish the track if it stops. Returns True when finished."""
         request = track.request
         track.tokens.append(token)
@@ -458,13 +648,11 @@ class Driver:
         if token in request.stop_token_ids:
             self._finish(track, "stop", token, resolved)
             return True
-        if request.stop_strings:
-            longest = max(len(s) for s in request.stop_strings)
-            tail = self._detokenize(track.tokens[-(longest + 4) :])
-            for stop in request.stop_strings:
-                if stop in tail:
-                    self._finish(track, "stop", stop, resolved)
-                    return True
+        if request.stops is not None:
+            stop = request.stops.match(track.tokens)
+            if stop is not None:
+                self._finish(track, "stop", stop, resolved)
+                return True
         if len(track.tokens) >= request.max_new_tokens:
             self._finish(track, "length", None, resolved)
             return True
@@ -473,18 +661,22 @@ class Driver:
             return True
         return False
 
-    def _finish(self, track: _Track, reason: str, stop, resolved: list) -> None:
+    def _finish(self, track: Track, reason: str, stop, resolved: list) -> None:
         request = track.request
         session = request.session
-        if session is not None:
-            length = track.kv_start + len(track.tokens) - 1
-            session.prefix = self.engine.extract_prefix(
-                self._state, track.slot, length=length, generated=track.generated_base + len(track.tokens)
-            )
-            session.length = length
+        if session is not None and not session.closed:
+            session.pages = self.engine.release_slot(track.slot, keep_pages=True)
+            session.shard = self.engine.shard_of(track.slot)
+            session.history = track.context + request.prompt.tolist() + track.tokens[:-1]
             session.pending_token = track.tokens[-1]
-        self._state = self.engine.free_resource(track.slot, self._state)
+            session.key, session.generated = track.key, track.generated_base + len(track.tokens)
+            session.touch()
+            if session.pages:
+                self._sessions.add(session)
+        else:
+            self.engine.release_slot(track.slot)
         del self._slots[track.slot]
+        track.slot = None
         request.completions[track.index] = Completion(
             token_ids=track.tokens,
             logprobs=track.logprobs,
