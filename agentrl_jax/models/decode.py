@@ -12,7 +12,9 @@ module is the rollout engine's forward instead:
   one matrix ``[D, KV, G + 2, K]`` (per kv head: its G query heads, its key, its value),
   gate and up one ``[D, 2, F]``; both keep whole heads / MLP columns on one tensor shard.
 - `LayerCache`: L separate k and v buffers ``[B, KV, S, K]``, donated through the
-  engine's jitted calls and updated in place.
+  engine's jitted calls and updated in place; or, with a page table, L pools of pages
+  ``[N, KV, P, K]`` (the rollout engine's paged cache: row b's entry t lives at entry
+  ``t % P`` of page ``page_table[b, t // P]``, `paged_xla_attend_and_write`).
 - `forward`: T tokens per row written at ``[write_index[b], write_index[b] + T)``, query t
   attending to entries ``j <= write_index[b] + t`` among the first ``attend_len`` entries
   (a static window: the caller picks a bucket above every live length). With

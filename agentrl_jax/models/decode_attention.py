@@ -25,6 +25,11 @@ cores with the G heads padded to a 16-row tile; the faster one on H200) and ``"v
 (elementwise multiply and reduce on the CUDA cores, one query head at a time, probabilities
 kept in float32). Logits, softmax and accumulation are float32.
 
+Paged caches: with a ``page_table`` the k/v buffers are pools of pages ``[N, KV, P, K]``
+and each program reads its row's blocks (``block_k`` divides P, so a block never crosses a
+page) and writes the new entry through the table; the loop, masks and softmax are the
+same.
+
 Off GPU the kernel runs in Pallas's interpreter (tests).
 """
 

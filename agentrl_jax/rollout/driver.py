@@ -42,7 +42,6 @@ group larger than a shard's slots) fails alone with a ValueError naming the limi
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import dataclasses
 import itertools
@@ -53,12 +52,12 @@ from typing import Any
 
 import numpy as np
 
-from agentrl_jax.rollout.engine import Admission, Engine, PrefillRow
-from agentrl_jax.rollout.pages import OutOfPages, pages_for
-from agentrl_jax.rollout.sampling import SamplingParams, request_key
-from agentrl_jax.rollout.scheduler import Pending, Session
+from agentrl_jax.rollout.engine import Engine
+from agentrl_jax.rollout.pages import pages_for
+from agentrl_jax.rollout.sampling import SamplingParams
+from agentrl_jax.rollout.scheduler import Scheduler, Session
 from agentrl_jax.rollout.scheduler import Sequence as Track
-from agentrl_jax.rollout.stops import StopMatcher
+from agentrl_jax.rollout.stops import StopMatcher, TokenTexts
 
 logger = logging.getLogger(__name__)
 
@@ -148,16 +147,15 @@ class Driver:
         self._version = params_version
         self._eos = frozenset(int(t) for t in eos_token_ids)
         self._detokenize = detokenize
+        self._texts = TokenTexts(detokenize) if detokenize is not None else None
         self._steps = steps_per_dispatch
         self._budget = budget
         self._seeds = itertools.count(seed * 1_000_003 + 1)
         self._state = None
-        self._waiting: collections.deque[Pending] = collections.deque()
+        self._sched = Scheduler(engine, steps_per_dispatch, budget)
         self._inbox: list[_Request] = []
-        self._slots: dict[int, Track] = {}
-        self._sessions: set[Session] = set()  # sessions holding pages between turns
-        self._closing: list[Session] = []
-        self._admitted = itertools.count()
+        # the last decode dispatch, read one tick later: (results, {slot: (track, admission)}, params version)
+        self._in_flight: tuple[Any, dict, int] | None = None
         self._pending_update: tuple[Any, int, bool, asyncio.Future] | None = None
         self._failure: BaseException | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
@@ -169,9 +167,6 @@ class Driver:
         # work (no slot active, nothing admitted: the rollout devices idle).
         self.busy_seconds = 0.0
         self.idle_seconds = 0.0
-        self.preemptions = 0  # decoding sequences whose pages were taken back (re-prefilled later)
-        self.evictions = 0  # idle sessions whose pages were taken back
-        self.shared_prefills = 0  # samples that shared another sample's prompt prefill
 
     # ---- public API -------------------------------------------------------------------
 
@@ -179,9 +174,24 @@ class Driver:
     def params_version(self) -> int:
         return self._version
 
+    @property
+    def preemptions(self) -> int:
+        """Decoding sequences whose pages were taken back (and re-prefilled later)."""
+        return self._sched.preemptions
+
+    @property
+    def evictions(self) -> int:
+        """Idle sessions whose pages were taken back (their next turn re-prefills the history)."""
+        return self._sched.evictions
+
+    @property
+    def shared_prefills(self) -> int:
+        """Samples that decoded from another sample's prompt prefill (shared pages)."""
+        return self._sched.shared_prefills
+
     def session(self) -> Session:
         """A new multi-turn session handle."""
-        return Session(self)
+        return Session(self._sched)
 
     async def generate(
         self,
@@ -241,7 +251,7 @@ class Driver:
         self._release_requested = True
         if self._task is not None and not self._task.done():
             self._wakeup.set()
-        elif not self._slots and not self._waiting:
+        elif not self._sched.slots and not self._sched.waiting:
             self._drop_state()
 
     async def close(self) -> None:
@@ -325,7 +335,7 @@ class Driver:
             prompt=prompt,
             sampling=sampling,
             stop_token_ids=frozenset(int(t) for t in stop_token_ids) | self._eos,
-            stops=StopMatcher(tuple(stop_strings), self._detokenize) if stop_strings else None,
+            stops=StopMatcher(tuple(stop_strings), self._texts) if stop_strings else None,
             max_new_tokens=max_new_tokens,
             num_samples=n,
             session=session,
@@ -376,7 +386,7 @@ class Driver:
                     future.set_exception(value)
                 else:
                     future.set_result(value)
-            if not self._slots and not self._waiting and not self._inbox and self._pending_update is None:
+            if not self._sched.slots and not self._sched.waiting and not self._inbox and self._pending_update is None:
                 if self._release_requested:
                     self._drop_state()
                 started = time.perf_counter()
@@ -386,13 +396,14 @@ class Driver:
     def _drop_state(self) -> None:
         """Forget the decode state and every page (open sessions will re-prefill their history)."""
         self._state, self._release_requested = None, False
-        for session in self._sessions:
+        for session in self._sched.sessions:
             session.pages, session.shard = [], None
-        self._sessions.clear()
+        self._sched.sessions.clear()
 
     def _fail_all(self, exc: BaseException, extra: Sequence[_Request] = ()) -> None:
-        requests = [*extra, *self._inbox, *(s.request for p in self._waiting for s in p.sequences),
-                    *(t.request for t in self._slots.values())]
+        sched = self._sched
+        requests = [*extra, *self._inbox, *(s.request for p in sched.waiting for s in p.sequences),
+                    *(t.request for t in sched.slots.values())]
         for request in {id(r): r for r in requests}.values():
             if not request.future.done():
                 request.future.set_exception(exc)
@@ -400,251 +411,73 @@ class Driver:
                 request.session.broken = f"the driver failed: {exc!r}"
         if self._pending_update is not None and not self._pending_update[3].done():
             self._pending_update[3].set_exception(exc)
-        self._inbox, self._slots = [], {}
-        self._waiting.clear()
+        self._inbox = []
+        sched.slots.clear()
+        sched.waiting.clear()
 
     def _tick(self, inbox: list[_Request], update) -> tuple[list, bool]:
-        """One boundary: releases, weight swap, one batched prefill, one N-step dispatch, stop checks."""
+        """One boundary: releases, weight swap, one batched prefill, one N-step dispatch, then the
+        previous dispatch's results (read while this one runs) and stop checks."""
+        sched = self._sched
         if self._state is None:
             self._state = self.engine.init_decode_state()
         resolved: list = []
-        self._release_closed()
-        self._drop_cancelled()
+        sched.release_closed()
+        sched.drop_cancelled()
         for request in inbox:
-            self._enqueue(request)
+            sched.enqueue(request)
         update_done = False
-        if update is not None and (not update[2] or not self._slots):
+        if update is not None and (not update[2] or not sched.slots):
             self._params, self._version = update[0], update[1]
             update_done = True
-        if self._slots:  # pages for the next dispatch of every decoding slot (may preempt)
-            self._reserve_pages(resolved)
-        prefill = None
-        if self._waiting and not (update is not None and not update_done):
-            prefill = self._prefill(resolved)
-        generated = None
-        if self._slots:
+        if sched.slots:  # pages for the next dispatch of every decoding slot (may preempt)
+            sched.reserve_pages(lambda track: self._finish(track, "capacity", None, resolved))
+        rows, admitted = [], []
+        if sched.waiting and not (update is not None and not update_done):
+            rows, admitted = sched.plan_prefill(resolved)
+        if rows:
+            self._state, first = self.engine.prefill_insert(self._params, self._state, rows)
+        previous, self._in_flight = self._in_flight, None
+        if sched.slots:  # queued before the host reads anything: the device never waits on the host
             self._state, generated = self.engine.generate(self._params, self._state, num_steps=self._steps)
-        if prefill is not None:  # first tokens, read after the decode dispatch is queued
-            result, admitted = prefill
-            result = result.convert_to_numpy()
+            generated.copy_to_host_async()
+            self._in_flight = (generated, {s: (t, t.admitted) for s, t in sched.slots.items()}, self._version)
+        if previous is not None:
+            self._read_dispatch(*previous, resolved)
+        if rows:  # first tokens come after every token of the previous dispatch
+            first = first.convert_to_numpy()
             for m, track in enumerate(admitted):
-                if result.valid[m] and track.slot is not None:
-                    lp, tlp = float(result.log_prob[m]), float(result.truncated_log_prob[m])
-                    self._accept(track, int(result.tokens[m]), lp, tlp, resolved)
-        if generated is not None:
-            generated = generated.convert_to_numpy()
-            for slot, track in list(self._slots.items()):
-                for step in range(self._steps):
-                    if not generated.valid[step, slot]:
-                        self._finish(track, "capacity", None, resolved)
-                        break
-                    token = int(generated.tokens[step, slot])
-                    lp, tlp = float(generated.log_prob[step, slot]), float(generated.truncated_log_prob[step, slot])
-                    if self._accept(track, token, lp, tlp, resolved):
-                        break
+                if first.valid[m] and track.slot is not None:
+                    lp, tlp = float(first.log_prob[m]), float(first.truncated_log_prob[m])
+                    self._accept(track, int(first.tokens[m]), lp, tlp, self._version, resolved)
+        if not sched.slots:
+            self._in_flight = None  # nobody left to read it
         return resolved, update_done
 
-    # ---- releases -----------------------------------------------------------------------
-
-    def _release_closed(self) -> None:
-        closing, self._closing = self._closing, []
-        for session in closing:
-            if session.pages:
-                self.engine.pages.release(session.shard, session.pages)
-            session.pages, session.shard, session.history = [], None, []
-            self._sessions.discard(session)
-
-    def _drop_cancelled(self) -> None:
-        """Requests whose caller gave up: free their slots, pages and waiting work."""
-        for slot, track in list(self._slots.items()):
-            if track.request.future.cancelled():
-                self.engine.release_slot(slot)
-                del self._slots[slot]
-                self._break_session(track.request.session, "its turn was cancelled")
-        for pending in list(self._waiting):
-            pending.sequences = [s for s in pending.sequences if not s.request.future.cancelled()]
-            if not pending.sequences:
-                self._waiting.remove(pending)
-                if pending.pages:
-                    self.engine.pages.release(pending.shard, pending.pages)
-                self._break_session(pending.session, "its turn was cancelled")
-
-    def _break_session(self, session: Session | None, why: str) -> None:
-        if session is not None:
-            session.broken = why
-
-    # ---- admission ----------------------------------------------------------------------
-
-    def _enqueue(self, request: _Request) -> None:
-        """A request becomes pending KV work (a session's turn takes over the session's pages)."""
-        session = request.session
-        context = list(session.history) if session is not None and session.started else []
-        if session is not None and session.started:
-            key, base = session.key, session.generated
-            keys = [key]
-        else:
-            base = 0
-            keys = [np.asarray(request_key(request.sampling.seed, g)) for g in range(request.num_samples)]
-        sequences = [Track(request, g, keys[g], base, context) for g in range(request.num_samples)]
-        pending = Pending(tokens=context + request.prompt.tolist(), sequences=sequences, session=session)
-        if session is not None and session.pages:
-            pending.pages, pending.shard, pending.done = session.pages, session.shard, len(session.history)
-            session.pages, session.shard = [], None
-            self._sessions.discard(session)
-        if pending.fresh:  # identical prompts waiting together share one prefill
-            for other in self._waiting:
-                if other.fresh and other.tokens == pending.tokens:
-                    other.sequences += sequences
-                    return
-        self._waiting.append(pending)
-
-    def _prefill(self, resolved: list):
-        """Build and run this tick's batched prefill. Returns (results, admitted tracks) or None."""
-        engine, P = self.engine, self.engine.page_size
-        budget = self._budget
-        free_slots = {d: [s for s in engine.shard_slots(d) if s not in self._slots] for d in range(engine.num_shards)}
-        rows, admitted, finished = [], [], []
-        for pending in list(self._waiting):
-            if budget <= 0:
-                break
-            remaining = len(pending.tokens) - pending.done
-            chunk = min(remaining, engine.max_prefill_length, budget)
-            final = chunk == remaining
-            G = len(pending.sequences)
-            shard = pending.shard
-            if shard is None:
-                shard = max(range(engine.num_shards), key=lambda d: (len(free_slots[d]) >= G, engine.pages.num_free(d)))
-            if final and len(free_slots[shard]) < G:
-                continue
-            end = pending.done + chunk
-            need = pages_for(end, P) - len(pending.pages)
-            if final:  # one copy of the last partial page per extra sample, and room for the first dispatch
-                need += (G - 1) * (end % P > 0) + G * pages_for(self._steps + 1, P)
-            if not self._free_pages(shard, need):
-                continue
-            pending.shard = shard
-            pending.pages += engine.pages.alloc(shard, max(pages_for(end, P) - len(pending.pages), 0))
-            row = PrefillRow(shard=shard, pages=list(pending.pages), start=pending.done,
-                             tokens=np.asarray(pending.tokens[pending.done:end], np.int32))
-            pending.done = end
-            budget -= chunk
-            if final:
-                self._admit(pending, row, free_slots[shard])
-                admitted += pending.sequences
-                finished.append(pending)
-            rows.append(row)
-        for pending in finished:
-            self._waiting.remove(pending)
-        if not rows and not self._slots:
-            self._unblock(resolved)
-        if not rows:
-            return None
-        self._state, result = engine.prefill_insert(self._params, self._state, rows)
-        return result, [a for a in admitted]
-
-    def _admit(self, pending: Pending, row: PrefillRow, free: list[int]) -> None:
-        """Fill G slots from a complete pending prefill: shared full pages, copied partial page."""
-        engine, P = self.engine, self.engine.page_size
-        length = len(pending.tokens)
-        full = length // P
-        shared, last = pending.pages[:full], pending.pages[full:]
-        self.shared_prefills += len(pending.sequences) - 1
-        for g, track in enumerate(pending.sequences):
-            slot = free.pop(0)
-            if g == 0:
-                pages = shared + last  # takes over the pending's references
-            else:
-                engine.pages.incref(pending.shard, shared)
-                own = engine.pages.alloc(pending.shard, len(last))
-                row.copies += list(zip(last[:1], own[:1]))
-                pages = shared + own
-            track.slot, track.admitted = slot, next(self._admitted)
-            self._slots[slot] = track
-            key, generated = track.key, track.generated_base + len(track.tokens)
-            # the pages of its first dispatch (checked free with the prefill's)
-            reach = min(length + self._steps, engine.max_target_length)
-            pages = pages + engine.pages.alloc(pending.shard, max(pages_for(reach, P) - len(pages), 0))
-            row.admissions.append(Admission(slot, pages, key, generated, track.request.sampling, pending.forced))
-
-    def _unblock(self, resolved: list) -> None:
-        """Nothing decodes and nothing could be admitted: waiting sequences hold pages each other need.
-
-        Every waiting sequence but the first gives its pages back (it re-prefills later); if
-        the first cannot fit even into an otherwise empty shard, it fails alone.
-        """
-        head, *rest = self._waiting
-        freed = False
-        for pending in rest:
-            if pending.pages:
-                self.engine.pages.release(pending.shard, pending.pages)
-                pending.pages, pending.shard, pending.done = [], None, 0
-                freed = True
-        if freed:
-            return  # the next tick admits the head
-        needed = len(head.tokens) - head.done
-        self._waiting.popleft()
-        if head.pages:
-            self.engine.pages.release(head.shard, head.pages)
-        error = ValueError(
-            f"generate: {len(head.sequences)} sample(s) of a {len(head.tokens)}-token sequence ({needed} to prefill) "
-            f"do not fit the KV pages of one shard ({self.engine.memory_plan.describe()}); raise "
-            "rollout.kv_cache_bytes / rollout.kv_cache_memory_fraction or shorten the prompt"
-        )
-        for track in head.sequences:
-            resolved.append((track.request.future, error))
-        self._break_session(head.session, "its turn did not fit the KV budget")
-
-    def _free_pages(self, shard: int, need: int) -> bool:
-        """Make ``need`` pages free in ``shard`` by evicting idle sessions (oldest first)."""
-        pages = self.engine.pages
-        while pages.num_free(shard) < need:
-            idle = [s for s in self._sessions if s.shard == shard]
-            if not idle:
-                return False
-            victim = min(idle, key=lambda s: s.last_used)
-            pages.release(shard, victim.pages)
-            victim.pages, victim.shard = [], None
-            self._sessions.discard(victim)
-            self.evictions += 1
-        return True
-
-    def _reserve_pages(self, resolved: list) -> None:
-        """Pages for every decoding slot's next dispatch, oldest first; when a shard runs out, evict
-        an idle session, else preempt the newest sequence of that shard."""
-        engine = self.engine
-        for track in sorted(self._slots.values(), key=lambda t: t.admitted):
-            while track.slot is not None:
-                try:
-                    engine.reserve(track.slot, self._steps)
+    def _read_dispatch(self, generated, tracks: dict, version: int, resolved: list) -> None:
+        """Accept one dispatch's tokens for the sequences that are still in the slots they had then."""
+        generated = generated.convert_to_numpy()
+        for slot, (track, admitted) in tracks.items():
+            if self._sched.slots.get(slot) is not track or track.admitted != admitted:
+                continue  # finished or preempted (and maybe resumed) since: these tokens are dropped
+            for step in range(self._steps):
+                if not generated.valid[step, slot]:
+                    self._finish(track, "capacity", None, resolved)
                     break
-                except OutOfPages:
-                    shard = engine.shard_of(track.slot)
-                    if self._free_pages(shard, engine.pages.num_free(shard) + 1):
-                        continue
-                    victims = [t for t in self._slots.values() if t is not track and engine.shard_of(t.slot) == shard]
-                    if not victims:  # alone in its shard and still too long: the budget cannot hold it
-                        self._finish(track, "capacity", None, resolved)
-                        break
-                    self._preempt(max(victims, key=lambda t: t.admitted))
-
-    def _preempt(self, track: Track) -> None:
-        """Free a decoding sequence's slot and pages; it waits (first in line) to be re-prefilled."""
-        self.engine.release_slot(track.slot)
-        del self._slots[track.slot]
-        track.slot = None
-        tokens, forced = track.resume_tokens()
-        self._waiting.appendleft(Pending(tokens=tokens, sequences=[track], forced=forced))
-        self.preemptions += 1
+                token = int(generated.tokens[step, slot])
+                lp, tlp = float(generated.log_prob[step, slot]), float(generated.truncated_log_prob[step, slot])
+                if self._accept(track, token, lp, tlp, version, resolved):
+                    break
 
     # ---- results ------------------------------------------------------------------------
 
-    def _accept(self, track: Track, token: int, lp: float, tlp: float, resolved: list) -> bool:
+    def _accept(self, track: Track, token: int, lp: float, tlp: float, version: int, resolved: list) -> bool:
         """Append one token; finish the track if it stops. Returns True when finished."""
         request = track.request
         track.tokens.append(token)
         track.logprobs.append(lp)
         track.truncated.append(tlp)
-        track.versions.append(self._version)
+        track.versions.append(version)
         if token in request.stop_token_ids:
             self._finish(track, "stop", token, resolved)
             return True
@@ -663,20 +496,7 @@ class Driver:
 
     def _finish(self, track: Track, reason: str, stop, resolved: list) -> None:
         request = track.request
-        session = request.session
-        if session is not None and not session.closed:
-            session.pages = self.engine.release_slot(track.slot, keep_pages=True)
-            session.shard = self.engine.shard_of(track.slot)
-            session.history = track.context + request.prompt.tolist() + track.tokens[:-1]
-            session.pending_token = track.tokens[-1]
-            session.key, session.generated = track.key, track.generated_base + len(track.tokens)
-            session.touch()
-            if session.pages:
-                self._sessions.add(session)
-        else:
-            self.engine.release_slot(track.slot)
-        del self._slots[track.slot]
-        track.slot = None
+        self._sched.end_turn(track)
         request.completions[track.index] = Completion(
             token_ids=track.tokens,
             logprobs=track.logprobs,

@@ -46,7 +46,6 @@ recompiles anything.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -62,19 +61,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from agentrl_jax.models import Decoder, param_shardings, split_params
 from agentrl_jax.models.decode import (
     DecodeParams,
-    LayerCache,
     decode_params_axes,
     forward,
     to_decode_params,
 )
-from agentrl_jax.rollout.pages import (
-    TRASH_PAGE,
-    MemoryPlan,
-    OutOfPages,
-    PageAllocator,
-    free_device_bytes,
-    pages_for,
-)
+from agentrl_jax.rollout.dense_prefix import extract_step, insert_step, prefill_step
+from agentrl_jax.rollout.paged_prefill import PrefillRow, pack_rows, prefill_insert_step
+from agentrl_jax.rollout.pages import TRASH_PAGE, MemoryPlan, OutOfPages, PageAllocator, pages_for, plan_memory
 from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.sampling import (
     SamplingParams,
@@ -93,67 +86,13 @@ from agentrl_jax.rollout.state import (
     prefill_bucket,
     prefix_shardings,
 )
+from agentrl_jax.rollout.slot_table import SlotTable
 from agentrl_jax.sharding import Rules, inference_rules, logical_to_spec, make_mesh, tree_shardings
 
 logger = logging.getLogger(__name__)
 
 DECODE_ATTENTION = ("xla", "pallas")
 DEFAULT_MEMORY_FRACTION = 0.8  # of the free device memory, for the KV pool, when nothing else is set
-
-
-@dataclasses.dataclass
-class Admission:
-    """A decode slot filled from a `PrefillRow` (see `Engine.prefill_insert`).
-
-    Attributes:
-      slot: the slot (in the row's shard).
-      pages: the slot's page table; the slot takes over one reference to each page.
-      key: [2] uint32, the request's key (`request_key(seed, sample)`).
-      generated: tokens this sample has sampled before (the fold-in index of the next one).
-      sampling: its sampling parameters.
-      forced_token: >= 0 to feed this (already sampled) token instead of sampling one: a
-        preempted sequence resuming.
-    """
-
-    slot: int
-    pages: Sequence[int]
-    key: np.ndarray
-    generated: int
-    sampling: SamplingParams
-    forced_token: int = -1
-
-
-@dataclasses.dataclass
-class PrefillRow:
-    """New tokens of one sequence, written into its pages by `Engine.prefill_insert`.
-
-    Attributes:
-      shard: the data shard that owns ``pages``.
-      pages: local page ids covering entries ``[0, start + len(tokens))``.
-      start: entries already in the pages (earlier turns, a shared prompt).
-      tokens: the new tokens (at most ``max_prefill_length``).
-      admissions: slots to fill from this row's last position (none for a middle chunk).
-      copies: ``(src, dst)`` pages of the shard to copy after the write (copy-on-write).
-    """
-
-    shard: int
-    pages: Sequence[int]
-    start: int
-    tokens: np.ndarray
-    admissions: list[Admission] = dataclasses.field(default_factory=list)
-    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-
-
-def _resize_row(cache: LayerCache, capacity: int) -> LayerCache:
-    """Keep the first `capacity` entries of a cache row, zero-padding when it is shorter."""
-
-    def one(x):
-        have = x.shape[2]
-        if have >= capacity:
-            return x[:, :, :capacity]
-        return jnp.pad(x, ((0, 0), (0, 0), (0, capacity - have), (0, 0)))
-
-    return cache.map(one)
 
 
 class Engine:
@@ -274,7 +213,7 @@ class Engine:
         self._paged_prefill_fns: dict[tuple, Any] = {}
         self._insert_fns: dict[int, Any] = {}
         self._extract_fns: dict[int, Any] = {}
-        self._reset_slots()
+        self.slots: SlotTable | None = None
 
     # ---- JetStream properties -------------------------------------------------------
 
@@ -344,65 +283,30 @@ class Engine:
         bytes_per_page = 2 * cfg.num_layers * cfg.num_kv_heads * P * cfg.head_dim * jnp.dtype(self.cache_dtype).itemsize
         heads = logical_to_spec(("kv_heads",), self._rules, shape=(cfg.num_kv_heads,), mesh=self._mesh)[0]
         heads = () if heads is None else ((heads,) if isinstance(heads, str) else tuple(heads))
-        per_device_page = bytes_per_page // math.prod(self._mesh.shape[a] for a in heads)
-        full = self._slots_per_shard * self.table_width + 1  # every slot at full length, plus the trash page
-        num_pages, kv_bytes, fraction = self._budget
-        if num_pages is not None:
-            per_shard, source = -(-num_pages // self.num_shards) + 1, f"num_pages={num_pages}"
-        elif kv_bytes is not None:
-            per_shard, source = kv_bytes // per_device_page, f"kv_cache_bytes={kv_bytes:,}"
-        else:
-            free = free_device_bytes(list(self._mesh.devices.flat))
-            if free is None:
-                per_shard, source = full, "the default (devices report no free memory): slots x max length"
-            else:
-                fraction = DEFAULT_MEMORY_FRACTION if fraction is None else fraction
-                per_shard = min(full, int(fraction * free) // per_device_page)
-                source = f"kv_cache_memory_fraction={fraction:g} of {free / 2**30:.2f} GiB free"
-        per_shard = min(per_shard, full)
-        smallest = pages_for(min(self._max_prefill, self.max_target_length - 1) + 1, P)
-        if per_shard - 1 < smallest:
-            raise ValueError(
-                f"Engine: the KV budget ({source}) gives {max(per_shard - 1, 0)} pages of {P} tokens per shard; "
-                f"one prompt chunk of max_prefill_length={self._max_prefill} needs {smallest}. Raise "
-                "rollout.kv_cache_bytes or rollout.kv_cache_memory_fraction, or lower rollout.page_size / "
-                "rollout.max_prompt_length"
-            )
-        if per_shard - 1 < self._slots_per_shard:
-            logger.warning(
-                "KV budget: %d pages per shard for %d slots per shard; at most %d sequences can hold a page at "
-                "once (rollout.max_concurrent is higher than the budget allows)",
-                per_shard - 1, self._slots_per_shard, per_shard - 1,
-            )
-        self.memory_plan = MemoryPlan(
-            page_size=P, bytes_per_page=bytes_per_page, num_shards=self.num_shards, pages_per_shard=per_shard,
-            bytes_per_device=per_shard * per_device_page * (self.num_shards if self._rows_spec is None else 1),
-            source=source, max_concurrent=self._slots, max_target_length=self.max_target_length,
+        plan = plan_memory(
+            bytes_per_page=bytes_per_page,
+            per_device_page=bytes_per_page // math.prod(self._mesh.shape[a] for a in heads),
+            num_shards=self.num_shards, slots_per_shard=self._slots_per_shard, table_width=self.table_width,
+            page_size=P, smallest_sequence=min(self._max_prefill, self.max_target_length - 1) + 1,
+            budget=self._budget, devices=list(self._mesh.devices.flat), default_fraction=DEFAULT_MEMORY_FRACTION,
+            max_concurrent=self._slots, max_target_length=self.max_target_length,
+            replicated_over_data=self._rows_spec is None,
         )
-        logger.info("%s", self.memory_plan.describe())
+        logger.info("%s", plan.describe())
+        num_pages = self.num_shards * plan.pages_per_shard
         self.state_shardings = decode_state_shardings(
-            self.config, self._slots, self.num_shards * per_shard, P, self.table_width, self.cache_dtype,
-            self._mesh, self._rules,
+            self.config, self._slots, num_pages, P, self.table_width, self.cache_dtype, self._mesh, self._rules
         )
         make = functools.partial(
-            init_decode_state, self.config, self._slots, self.num_shards * per_shard, P, self.table_width,
-            self.cache_dtype,
+            init_decode_state, self.config, self._slots, num_pages, P, self.table_width, self.cache_dtype
         )
         self._init_state = jax.jit(make, out_shardings=self.state_shardings)
         self._deactivate = jax.jit(
             lambda state, slots: state.replace(active=state.active.at[slots].set(False, mode="drop")),
             donate_argnums=(0,), out_shardings=self.state_shardings,
         )
-        return self.memory_plan
-
-    def _reset_slots(self) -> None:
-        """Host mirrors of the slots: page lists, table rows, length bounds (all free)."""
-        self._slot_pages: list[list[int]] = [[] for _ in range(self._slots)]
-        self._table = np.zeros((self._slots, self.table_width), np.int32)
-        self._slot_bound = np.zeros((self._slots,), np.int64)  # >= the slot's length on the device
-        self._live = np.zeros((self._slots,), bool)
-        self._to_deactivate: set[int] = set()
-        self._table_dirty = False
+        self.memory_plan = plan
+        return plan
 
     def init_decode_state(self) -> DecodeState:
         """All slots free and every page free, materialized directly in the decode-state sharding.
@@ -411,7 +315,7 @@ class Engine:
         """
         plan = self._plan()
         self.pages = PageAllocator(plan.num_shards, plan.pages_per_shard)
-        self._reset_slots()
+        self.slots = SlotTable(self.pages, self._slots, self.table_width, self.page_size, self.max_target_length)
         return self._init_state()
 
     def shard_of(self, slot: int) -> int:
@@ -424,60 +328,32 @@ class Engine:
     def _global(self, shard: int, pages: Sequence[int]) -> list[int]:
         return [shard * self.memory_plan.pages_per_shard + p for p in pages]
 
+    # the host side of inserts and frees (see `SlotTable`); the device sees them at the next call
+
     def slot_pages(self, slot: int) -> list[int]:
-        return list(self._slot_pages[slot])
+        return self.slots.slot_pages(slot)
 
     def assign_slot(self, slot: int, pages: Sequence[int], length: int) -> None:
-        """Host side of an insert: `slot` reads `pages` (taking over one reference to each)."""
-        if len(pages) > self.table_width:
-            raise ValueError(f"assign_slot: {len(pages)} pages exceed the table width {self.table_width}")
-        self.release_slot(slot)
-        self._to_deactivate.discard(slot)
-        self._slot_pages[slot] = list(pages)
-        self._table[slot, : len(pages)] = pages
-        self._slot_bound[slot] = length
-        self._live[slot] = True
-        self._table_dirty = True
+        """`slot` reads `pages` (taking over one reference to each) and holds `length` entries."""
+        self.slots.assign(slot, pages, length)
 
     def release_slot(self, slot: int, *, keep_pages: bool = False) -> list[int]:
-        """Free `slot` (deactivated on the device by the next call that takes the state).
-
-        Its page references are dropped, or with ``keep_pages`` handed to the caller (a
-        session keeping its pages across a tool call), and returned.
-        """
-        pages, self._slot_pages[slot] = self._slot_pages[slot], []
-        if self._live[slot]:
-            self._to_deactivate.add(slot)
-        self._live[slot] = False
-        self._table[slot] = TRASH_PAGE
-        self._table_dirty = True
-        if not keep_pages and pages:
-            self.pages.release(self.shard_of(slot), pages)
-        return pages if keep_pages else []
+        """Free `slot`; its page references are dropped, or with ``keep_pages`` handed to the caller
+        (a session keeping its pages across a tool call) and returned."""
+        return self.slots.release(slot, keep_pages=keep_pages)
 
     def reserve(self, slot: int, steps: int) -> None:
         """Give `slot` the pages its next ``steps`` tokens need (OutOfPages if its shard has too few)."""
-        bound = min(int(self._slot_bound[slot]) + steps, self.max_target_length)
-        need, have = pages_for(bound, self.page_size), len(self._slot_pages[slot])
-        if need > have:
-            new = self.pages.alloc(self.shard_of(slot), need - have)
-            self._table[slot, have:need] = new
-            self._slot_pages[slot] += new
-            self._table_dirty = True
-
-    def live_slots(self) -> list[int]:
-        return [int(s) for s in np.flatnonzero(self._live)]
+        self.slots.reserve(slot, steps)
 
     def _sync(self, state: DecodeState) -> DecodeState:
         """Apply the host's pending slot frees (one call) and page-table changes (one upload)."""
-        if self._to_deactivate:
-            slots = sorted(self._to_deactivate)
-            slots += [self._slots] * (_bucket(len(slots)) - len(slots))  # out of range: dropped
+        slots = self.slots.take_deactivations()
+        if slots:
             state = self._deactivate(state, jnp.asarray(slots, jnp.int32))
-            self._to_deactivate.clear()
-        if self._table_dirty:
-            state = state.replace(page_table=jax.device_put(self._table, self.state_shardings.page_table))
-            self._table_dirty = False
+        if self.slots.dirty:
+            state = state.replace(page_table=jax.device_put(self.slots.table, self.state_shardings.page_table))
+            self.slots.dirty = False
         return state
 
     def get_prefix_destination_sharding(self, capacity: int | None = None, num_samples: int = 1) -> Prefix:
@@ -545,41 +421,14 @@ class Engine:
         key = (bucket, capacity, None if old_cache is None else old_cache.max_len, num_samples)
         if key not in self._prefill_fns:
             self._prefill_fns[key] = jax.jit(
-                functools.partial(self._prefill_impl, capacity=capacity),
+                functools.partial(prefill_step, capacity=capacity, config=self.config, cache_dtype=self.cache_dtype,
+                                  dtype=self._dtype),
                 out_shardings=(self.get_prefix_destination_sharding(capacity, num_samples), None),
             )
         sampling = SlotSampling.from_params(sampler, num_samples)
         return self._prefill_fns[key](
             params, old_cache, jnp.int32(start), jnp.asarray(tokens), jnp.int32(true_length), keys, generated, sampling
         )
-
-    def _prefill_impl(self, params, old_cache, start, tokens, true_length, keys, generated, sampling, *, capacity):
-        if old_cache is None:
-            cache = LayerCache.init(self.config, 1, capacity, self.cache_dtype)
-        else:
-            cache = _resize_row(old_cache, capacity)
-        positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        hidden, cache = forward(
-            params, tokens[None], positions[None], cache, start[None],
-            config=self.config, attend_len=capacity, dtype=self._dtype,
-        )
-        last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, keepdims=True)
-        logits = next_token_logits(last, *params.output_embedding())
-        num_samples = keys.shape[0]
-        logits = jnp.broadcast_to(logits, (num_samples, logits.shape[-1]))
-        first, log_prob, truncated = sample(logits, step_keys(keys, generated), sampling)
-        prefix = Prefix(
-            cache=cache,
-            length=start + true_length,
-            first_tokens=first,
-            log_prob=log_prob,
-            truncated_log_prob=truncated,
-            keys=keys,
-            generated=generated + 1,
-            sampling=sampling,
-        )
-        ones = jnp.ones((num_samples,), jnp.int32)
-        return prefix, ResultTokens.pack(first, ones, generated + 1, log_prob, truncated)
 
     # ---- insert (JetStream: a dense prefix into pages) ----------------------------------
 
@@ -630,39 +479,14 @@ class Engine:
             for slot in mine:
                 pages = shared + self.pages.alloc(shard, n - full)
                 self.assign_slot(slot, pages, length)
-        tables = [self._global(self.shard_of(s), self._slot_pages[s]) for s in slots]
+        tables = [self._global(self.shard_of(s), self.slots.slot_pages(s)) for s in slots]
         state = self._sync(state)
         if n not in self._insert_fns:
             self._insert_fns[n] = jax.jit(
-                functools.partial(self._insert_impl, num_pages=n), donate_argnums=(1,),
+                functools.partial(insert_step, num_pages=n), donate_argnums=(1,),
                 out_shardings=self.state_shardings,
             )
         return self._insert_fns[n](prefix, state, jnp.asarray(slots, jnp.int32), jnp.asarray(tables, jnp.int32))
-
-    def _insert_impl(self, prefix: Prefix, state: DecodeState, slots, pages, *, num_pages):
-        P, K = self.page_size, self.config.head_dim
-
-        def write(pool, row):  # row [1, KV, C, K] -> num_pages pages [n, KV, P, K]
-            need = num_pages * P
-            row = row[0, :, :need]
-            row = jnp.pad(row, ((0, 0), (0, need - row.shape[1]), (0, 0)))
-            blocks = row.reshape(row.shape[0], num_pages, P, K).transpose(1, 0, 2, 3).astype(pool.dtype)
-            for g in range(slots.shape[0]):
-                pool = pool.at[pages[g]].set(blocks)
-            return pool
-
-        def put(field, values):
-            return field.at[slots].set(values)
-
-        return state.replace(
-            cache=jax.tree.map(write, state.cache, prefix.cache),
-            lengths=put(state.lengths, jnp.broadcast_to(prefix.length, slots.shape)),
-            last_tokens=put(state.last_tokens, prefix.first_tokens),
-            generated=put(state.generated, prefix.generated),
-            keys=put(state.keys, prefix.keys),
-            sampling=jax.tree.map(put, state.sampling, prefix.sampling),
-            active=put(state.active, True),
-        )
 
     def free_resource(self, slot: int, decode_state: DecodeState | None = None) -> DecodeState | None:
         """Release `slot` and its pages (JetStream API).
@@ -687,35 +511,16 @@ class Engine:
             raise ValueError(f"extract_prefix: length={length} must be in (0, {self.max_target_length})")
         capacity = min(prefill_bucket(length, self._min_bucket, 1 << 62), self.max_target_length)
         n = pages_for(capacity, self.page_size)
-        pages = self._global(self.shard_of(slot), self._slot_pages[slot])[:n]
+        pages = self._global(self.shard_of(slot), self.slots.slot_pages(slot))[:n]
         pages += [TRASH_PAGE] * (n - len(pages))
         decode_state = self._sync(decode_state)
         if capacity not in self._extract_fns:
             self._extract_fns[capacity] = jax.jit(
-                functools.partial(self._extract_impl, capacity=capacity),
+                functools.partial(extract_step, capacity=capacity),
                 out_shardings=self.get_prefix_destination_sharding(capacity, 1),
             )
         return self._extract_fns[capacity](
             decode_state, jnp.asarray(pages, jnp.int32), jnp.int32(slot), jnp.int32(length), jnp.int32(generated)
-        )
-
-    @staticmethod
-    def _extract_impl(state: DecodeState, pages, slot, length, generated, *, capacity):
-        def gather(pool):  # [n, KV, P, K] -> [1, KV, capacity, K]
-            blocks = pool[pages]
-            row = blocks.transpose(1, 0, 2, 3).reshape(blocks.shape[1], -1, blocks.shape[3])
-            return row[None, :, :capacity]
-
-        one = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)
-        return Prefix(
-            cache=state.cache.map(gather),
-            length=length,
-            first_tokens=one(state.last_tokens),
-            log_prob=jnp.zeros((1,), jnp.float32),
-            truncated_log_prob=jnp.zeros((1,), jnp.float32),
-            keys=one(state.keys),
-            generated=generated[None],
-            sampling=jax.tree.map(one, state.sampling),
         )
 
     # ---- batched prefill straight into pages (the Driver's path) -----------------------
@@ -727,11 +532,9 @@ class Engine:
 
         Row r writes the KV of ``rows[r].tokens`` at entries ``[start, start + len)`` of its
         pages (earlier entries, e.g. a session's previous turns or a shared prompt, are read,
-        not recomputed); then ``copies`` duplicate pages (copy-on-write of a group's last
+        not recomputed); then its ``copies`` duplicate pages (copy-on-write of a group's last
         partial page); then each admission samples its first token from the row's last
-        position (or takes its forced token) and fills its slot. Rows are spread over the
-        data shards that own their pages; the call's shapes are bucketed (rows per shard,
-        tokens, attention window, admissions, copies) so few variants compile.
+        position (or takes its forced token) and fills its slot. See `paged_prefill`.
 
         Returns:
           the new decode state and `ResultTokens` with one row per admission, in order
@@ -739,101 +542,38 @@ class Engine:
         """
         if not rows:
             raise ValueError("prefill_insert: no rows")
-        P, D = self.page_size, self.num_shards
-        per_shard = [[r for r in rows if r.shard == d] for d in range(D)]
-        rows_per_shard = _bucket(max(len(x) for x in per_shard))
-        longest = max(len(r.tokens) for r in rows)
-        T = prefill_bucket(longest, self._min_bucket, self._max_prefill)
+        P = self.page_size
         reach = max(r.start + len(r.tokens) for r in rows)
         window = min(pages_for(attend_bucket(reach, self.max_target_length, self._attend_granule), P),
                      self.table_width)
-        R = D * rows_per_shard
-        tokens = np.zeros((R, T), np.int32)
-        starts = np.zeros((R,), np.int32)
-        lengths = np.ones((R,), np.int32)
-        tables = np.zeros((R, window), np.int32)
-        admissions = [(d * rows_per_shard + j, a) for d in range(D) for j, r in enumerate(per_shard[d])
-                      for a in r.admissions]
-        M = _bucket(len(admissions))
-        adm_row = np.zeros((M,), np.int32)
-        adm_slot = np.full((M,), self._slots, np.int32)
-        adm_key = np.zeros((M, 2), np.uint32)
-        adm_generated = np.zeros((M,), np.int32)
-        adm_forced = np.full((M,), -1, np.int32)
-        adm_length = np.zeros((M,), np.int32)
-        temperature, top_k, top_p = np.zeros((M,), np.float32), np.zeros((M,), np.int32), np.ones((M,), np.float32)
-        copies = [(self._global(r.shard, [s])[0], self._global(r.shard, [t])[0]) for r in rows for s, t in r.copies]
-        C = _bucket(len(copies))
-        copy_src = np.zeros((C,), np.int32)
-        copy_dst = np.zeros((C,), np.int32)
-        for i, (s, t) in enumerate(copies):
-            copy_src[i], copy_dst[i] = s, t
-        for d in range(D):
-            for j, r in enumerate(per_shard[d]):
-                i, n = d * rows_per_shard + j, len(r.tokens)
-                if not 1 <= n <= self._max_prefill:
-                    raise ValueError(f"prefill_insert: {n} tokens in a row; 1 to max_prefill_length={self._max_prefill}")
-                if r.start + n >= self.max_target_length or len(r.pages) < pages_for(r.start + n, P):
-                    raise ValueError(
-                        f"prefill_insert: a row of {r.start} + {n} tokens with {len(r.pages)} pages of {P} "
-                        f"(max_target_length={self.max_target_length})"
-                    )
-                tokens[i, :n], starts[i], lengths[i] = r.tokens, r.start, n
-                tables[i, : min(len(r.pages), window)] = r.pages[:window]
-        for m, (i, a) in enumerate(admissions):
-            if self.shard_of(a.slot) != per_shard_of(rows_per_shard, i):
-                raise ValueError(f"prefill_insert: slot {a.slot} is not in the shard of its row's pages")
-            adm_row[m], adm_slot[m], adm_key[m], adm_generated[m] = i, a.slot, a.key, a.generated
-            adm_forced[m] = a.forced_token
-            adm_length[m] = starts[i] + lengths[i]
-            temperature[m], top_k[m], top_p[m] = a.sampling.temperature, a.sampling.top_k, a.sampling.top_p
-            self.assign_slot(a.slot, a.pages, int(adm_length[m]))
+        packed = pack_rows(
+            rows, num_shards=self.num_shards, num_slots=self._slots, slots_per_shard=self._slots_per_shard,
+            pages_per_shard=self.memory_plan.pages_per_shard, page_size=P,
+            tokens_bucket=prefill_bucket(max(len(r.tokens) for r in rows), self._min_bucket, self._max_prefill),
+            window=window, max_prefill=self._max_prefill, max_length=self.max_target_length,
+        )
+        for m, a in enumerate(packed.admitted):
+            self.slots.assign(a.slot, a.pages, int(packed.adm_length[m]))
         decode_state = self._sync(decode_state)
-        key = (R, T, window, M, C)
+        key = (packed.tokens.shape, window, packed.adm_row.shape[0], packed.copy_src.shape[0])
         if key not in self._paged_prefill_fns:
-            self._paged_prefill_fns[key] = jax.jit(
-                self._prefill_insert_impl, donate_argnums=(1,), out_shardings=(self.state_shardings, None)
+            step = functools.partial(
+                prefill_insert_step, config=self.config, dtype=self._dtype, page_size=P,
+                cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh,
             )
+            self._paged_prefill_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None))
         by_row = NamedSharding(self._mesh, PartitionSpec(self._rows_spec))
         by_row2 = NamedSharding(self._mesh, PartitionSpec(self._rows_spec, None))
-        placed = jax.device_put((tokens, tables, starts, lengths), (by_row2, by_row2, by_row, by_row))
-        sampling = SlotSampling(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p))
+        placed = jax.device_put(
+            (packed.tokens, packed.tables, packed.starts, packed.lengths), (by_row2, by_row2, by_row, by_row)
+        )
+        device = lambda x: jnp.asarray(x)  # noqa: E731
+        arrays = (packed.adm_row, packed.adm_slot, packed.adm_key, packed.adm_generated, packed.adm_forced,
+                  packed.adm_length)
         return self._paged_prefill_fns[key](
-            params, decode_state, *placed, jnp.asarray(adm_row), jnp.asarray(adm_slot), jnp.asarray(adm_key),
-            jnp.asarray(adm_generated), jnp.asarray(adm_forced), jnp.asarray(adm_length), sampling,
-            jnp.asarray(copy_src), jnp.asarray(copy_dst),
+            params, decode_state, *placed, *map(device, arrays), SlotSampling(*map(device, packed.sampling)),
+            device(packed.copy_src), device(packed.copy_dst),
         )
-
-    def _prefill_insert_impl(self, params, state: DecodeState, tokens, tables, starts, lengths, adm_row, adm_slot,
-                             adm_key, adm_generated, adm_forced, adm_length, sampling, copy_src, copy_dst):
-        positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-        hidden, cache = forward(
-            params, tokens, positions, state.cache, starts, config=self.config,
-            attend_len=tables.shape[1] * self.page_size, dtype=self._dtype, page_table=tables,
-            cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh,
-        )
-        cache = cache.map(lambda pool: pool.at[copy_dst].set(pool[copy_src]))
-        last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
-        logits = next_token_logits(last[adm_row], *params.output_embedding())
-        sampled, log_prob, truncated = sample(logits, step_keys(adm_key, adm_generated), sampling)
-        forced = adm_forced >= 0
-        first = jnp.where(forced, adm_forced, sampled)
-        generated = jnp.where(forced, adm_generated, adm_generated + 1)
-
-        def put(field, values):
-            return field.at[adm_slot].set(values, mode="drop")
-
-        state = state.replace(
-            cache=cache,
-            lengths=put(state.lengths, adm_length),
-            last_tokens=put(state.last_tokens, first),
-            generated=put(state.generated, generated),
-            keys=put(state.keys, adm_key),
-            sampling=jax.tree.map(put, state.sampling, sampling),
-            active=put(state.active, True),
-        )
-        valid = ~forced & (adm_slot < self._slots)
-        return state, ResultTokens.pack(first, valid, generated, log_prob, truncated)
 
     # ---- generate ---------------------------------------------------------------------
 
@@ -902,8 +642,8 @@ class Engine:
         if num_steps is not None and num_steps < 1:
             raise ValueError(f"generate: num_steps must be >= 1, got {num_steps}")
         steps = 1 if num_steps is None else num_steps
-        for slot in self.live_slots():
-            self.reserve(slot, steps)
+        for slot in self.slots.live_slots():
+            self.slots.reserve(slot, steps)
         if self.decode_attention == "pallas":
             attend_len = self.table_width * self.page_size  # the kernel bounds each slot's reads by its length
         elif attend_len is None:
@@ -919,23 +659,12 @@ class Engine:
                 out_shardings=(self.state_shardings, None),
             )
         out = self._generate_fns[key](params, decode_state)
-        live = self._live
-        self._slot_bound[live] = np.minimum(self._slot_bound[live] + steps, self.max_target_length)
+        self.slots.advance(steps)
         return out
 
     def attend_window(self, decode_state: DecodeState | None = None, num_steps: int = 1) -> int:
         """The "xla" attention window W for `num_steps` steps (see `generate`): whole pages
         covering the longest live slot's length bound + the steps."""
-        live = self._live
-        longest = int(self._slot_bound[live].max()) if live.any() else 0
+        longest = self.slots.longest() if self.slots is not None else 0
         window = attend_bucket(longest + num_steps, self.max_target_length, self._attend_granule)
         return min(pages_for(window, self.page_size), self.table_width) * self.page_size
-
-
-def per_shard_of(rows_per_shard: int, row: int) -> int:
-    return row // rows_per_shard
-
-
-def _bucket(n: int) -> int:
-    """The next power of two >= max(n, 1): few compiled shapes for batched calls."""
-    return 1 << max(n - 1, 0).bit_length()

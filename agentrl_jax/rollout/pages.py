@@ -150,3 +150,47 @@ def free_device_bytes(devices: Sequence) -> int | None:
             return None
         free.append(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)))
     return min(free) if free else None
+
+
+def plan_memory(
+    *, bytes_per_page: int, per_device_page: int, num_shards: int, slots_per_shard: int, table_width: int,
+    page_size: int, smallest_sequence: int, budget: tuple, devices: Sequence, default_fraction: float,
+    max_concurrent: int, max_target_length: int, replicated_over_data: bool,
+) -> MemoryPlan:
+    """Pages per shard from the budget (the first of num_pages, kv_cache_bytes, memory fraction given).
+
+    Never more pages than every slot at full length needs. Raises a ValueError naming the
+    config fields when the budget cannot hold one sequence of ``smallest_sequence`` tokens.
+    """
+    full = slots_per_shard * table_width + 1  # every slot at full length, plus the trash page
+    num_pages, kv_bytes, fraction = budget
+    if num_pages is not None:
+        per_shard, source = -(-num_pages // num_shards) + 1, f"num_pages={num_pages}"
+    elif kv_bytes is not None:
+        per_shard, source = kv_bytes // per_device_page, f"kv_cache_bytes={kv_bytes:,}"
+    else:
+        free = free_device_bytes(devices)
+        if free is None:
+            per_shard, source = full, "the default (devices report no free memory): slots x max length"
+        else:
+            fraction = default_fraction if fraction is None else fraction
+            per_shard = int(fraction * free) // per_device_page
+            source = f"kv_cache_memory_fraction={fraction:g} of {free / 2**30:.2f} GiB free"
+    per_shard = min(per_shard, full)
+    need = pages_for(smallest_sequence, page_size)
+    if per_shard - 1 < need:
+        raise ValueError(
+            f"KV budget ({source}) gives {max(per_shard - 1, 0)} pages of {page_size} tokens per shard; one "
+            f"prompt chunk needs {need}. Raise rollout.kv_cache_bytes or rollout.kv_cache_memory_fraction, or "
+            "lower rollout.page_size / rollout.max_prompt_length"
+        )
+    if per_shard - 1 < slots_per_shard:
+        logger.warning(
+            "KV budget: %d pages per shard for %d slots per shard; at most %d sequences can hold a page at once "
+            "(rollout.max_concurrent is higher than the budget allows)", per_shard - 1, slots_per_shard, per_shard - 1,
+        )
+    return MemoryPlan(
+        page_size=page_size, bytes_per_page=bytes_per_page, num_shards=num_shards, pages_per_shard=per_shard,
+        bytes_per_device=per_shard * per_device_page * (num_shards if replicated_over_data else 1),
+        source=source, max_concurrent=max_concurrent, max_target_length=max_target_length,
+    )

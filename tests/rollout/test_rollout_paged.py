@@ -10,7 +10,8 @@ import pytest
 from rollout_helpers import ENGINE_KW, make_model, teacher_forced
 
 from agentrl_jax.rollout.driver import Driver
-from agentrl_jax.rollout.engine import Admission, Engine, PrefillRow
+from agentrl_jax.rollout.engine import Engine
+from agentrl_jax.rollout.paged_prefill import Admission, PrefillRow
 from agentrl_jax.rollout.pages import TRASH_PAGE, OutOfPages, PageAllocator
 from agentrl_jax.rollout.sampling import SamplingParams, request_key
 from agentrl_jax.sharding import make_mesh
@@ -180,8 +181,13 @@ def test_session_keeps_its_pages_and_equals_prefill_from_scratch(paged, tiny_mod
     assert used == 0
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_preempted_sequences_equal_uninterrupted_ones(tiny_model, temperature):
+@pytest.fixture(scope="module")
+def tight_and_roomy(tiny_model):
+    return one_device_engine(tiny_model, page_size=3, num_pages=12), one_device_engine(tiny_model, page_size=3)
+
+
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.slow)])
+def test_preempted_sequences_equal_uninterrupted_ones(tiny_model, tight_and_roomy, temperature):
     """A pool of 12 pages of 3 tokens cannot hold 4 sequences of 7 + 20 tokens: the driver preempts
     and re-prefills; tokens and logprobs equal an engine with room for all."""
     prompts = [PROMPT, [1, 2, 3, 4], [9, 8, 7, 6, 5, 4, 3, 2], [50, 51]]
@@ -194,8 +200,8 @@ def test_preempted_sequences_equal_uninterrupted_ones(tiny_model, temperature):
 
         return drive(engine, tiny_model, run)
 
-    tight, preemptions, used = run_on(one_device_engine(tiny_model, page_size=3, num_pages=12))
-    roomy, none, _ = run_on(one_device_engine(tiny_model, page_size=3))
+    tight, preemptions, used = run_on(tight_and_roomy[0])
+    roomy, none, _ = run_on(tight_and_roomy[1])
     assert preemptions > 0 and none == 0 and used == 0
     for a, b in zip(tight, roomy):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason == "length"
@@ -238,6 +244,7 @@ def test_budget_errors_name_the_field_and_the_plan_is_logged(tiny_model, caplog)
     assert engine.memory_plan.pages_per_shard == 20
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_sharded_paged_driver_equals_single_device(tiny_model):
     """Slots and pages over data=4 (one slot per shard), kv heads over tensor=2; a group, a session
@@ -310,3 +317,54 @@ def test_randomized_no_leaks(tiny_model):
     assert used == 0
     assert sum(outcomes.values()) == 14 and outcomes["done"] > 0
     assert pressure > 0, "the pool never ran short: the test does not exercise preemption"
+
+
+def test_rollout_config_page_fields_are_validated():
+    from agentrl_jax.config import Config, ConfigError, apply_overrides
+
+    with pytest.raises(ConfigError, match="rollout.page_size"):
+        apply_overrides(Config(), ["rollout.page_size=24"])
+    with pytest.raises(ConfigError, match="rollout.kv_cache_memory_fraction"):
+        apply_overrides(Config(), ["rollout.kv_cache_memory_fraction=1.5"])
+    with pytest.raises(ConfigError, match="rollout.prefill_token_budget"):
+        apply_overrides(Config(), ["rollout.prefill_token_budget=10"])
+    rollout = apply_overrides(Config(), ["rollout.page_size=32", "rollout.kv_cache_bytes=1000000"]).rollout
+    assert rollout.engine_kwargs() == {"page_size": 32, "kv_cache_bytes": 1000000, "kv_cache_memory_fraction": None}
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton decode kernel runs on GPU only")
+def test_pallas_paged_driver_matches_the_xla_one_on_gpu():
+    """The fused kernel reading K/V through page tables (pages of 16, sessions, a group, preemption)
+    decodes what the XLA paged attention decodes (float32 weights: the kernel's dots are TF32)."""
+    import dataclasses
+
+    from flax import nnx
+    from rollout_helpers import TINY
+
+    from agentrl_jax.models import Decoder
+
+    model = Decoder(dataclasses.replace(TINY, head_dim=16), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    state = jax.tree_util.tree_map_with_path(
+        lambda path, x: x if "norm" in jax.tree_util.keystr(path) else x * 15.0, state)
+    model = nnx.merge(graphdef, state)
+    kw = {**ENGINE_KW, "page_size": 16, "num_pages": 12}
+
+    async def run(driver):
+        session = driver.session()
+        first = await driver.generate(PROMPT, GREEDY, max_new_tokens=9, session=session)
+        rest = await asyncio.gather(
+            driver.generate([70, 71, 72], GREEDY, max_new_tokens=20, session=session),
+            driver.generate_group(list(range(20, 40)), 2, GREEDY, max_new_tokens=25),
+        )
+        session.close()
+        return [first, rest[0], *rest[1]], driver.preemptions
+
+    outs = {}
+    for attention in ("pallas", "xla"):
+        engine = one_device_engine(model, decode_attention=attention, **kw)
+        outs[attention] = drive(engine, model, run)
+    (got, _), (want, _) = outs["pallas"], outs["xla"]
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-2)
