@@ -205,7 +205,7 @@ class RolloutConfig(_Section):
     top_k: int = _f(0, "Top-k sampling (0: off).")
     steps_per_dispatch: int = _f(8, "Decode steps per jitted call (host stop checks in between).")
     cache_dtype: DType = _f("bfloat16", "KV-cache dtype.")
-    page_size: int = _f(16, "Tokens per KV-cache page (a power of two; >= 16 for the GPU decode kernel).")
+    page_size: int = _f(32, "Tokens per KV-cache page (a power of two; >= 16 for the GPU decode kernel).")
     kv_cache_bytes: int = _f(0, "KV page pool bytes per device (0: use kv_cache_memory_fraction).")
     kv_cache_memory_fraction: float = _f(
         0.0, "KV page pool as this fraction of the free device memory when the rollout state is built "

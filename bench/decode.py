@@ -65,7 +65,7 @@ def kv_bytes_per_token(size: str, dtype_bytes: int = 2) -> int:
 
 
 def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int, attention: str,
-                profile: bool = False, page_size: int = 16) -> list[dict]:
+                profile: bool = False, page_size: int = 32) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -320,7 +320,7 @@ def main(argv=None) -> None:
     parser.add_argument("--hf-batches", help="batches of the transformers baseline (default: --batches)")
     parser.add_argument("--decode-attention", choices=("default", "xla", "pallas"), default="default",
                         help="the engine's decode attention (Engine(decode_attention=...); default: its own choice)")
-    parser.add_argument("--page-size", type=int, default=16, help="KV page size (Engine(page_size=...))")
+    parser.add_argument("--page-size", type=int, default=32, help="KV page size (Engine(page_size=...))")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--kernel", default="", help="override the Pallas kernel's settings, e.g. "
                         "method=dot,block_k=32,warps=4,stages=3,min_programs=1024 (models/decode.py PALLAS_*)")

@@ -139,7 +139,7 @@ class Engine:
         rules: Rules | None = None,
         attend_granule: int = 256,
         decode_attention: str | None = None,
-        page_size: int = 16,
+        page_size: int = 32,
         num_pages: int | None = None,
         kv_cache_bytes: int | None = None,
         kv_cache_memory_fraction: float | None = None,

@@ -3,7 +3,7 @@
 `Engine.prefill_insert` takes `PrefillRow`s (one per sequence: its new tokens, where they
 start, its pages) and `Admission`s (the decode slots to fill from a row's last position).
 `pack_rows` lays them out as fixed, bucketed arrays (rows per data shard, tokens,
-attention window in pages, admissions, page copies), each row in the data shard that owns
+attention window in pages; admissions and page copies are padded to the slot count), each row in the data shard that owns
 its pages so the prefill's attention and cache writes stay on its devices;
 `prefill_insert_step` is the traced body.
 """
@@ -94,19 +94,20 @@ def pack_rows(
 ) -> PackedRows:
     """Lay the rows out in bucketed arrays, each row in its shard's block of rows."""
     per_shard = [[r for r in rows if r.shard == d] for d in range(num_shards)]
-    rows_per_shard = bucket(max(len(x) for x in per_shard))
+    most = max(len(x) for x in per_shard)
+    rows_per_shard = 1 << (2 * -(-max(most - 1, 0).bit_length() // 2))  # powers of 4: few compiled shapes
     R = num_shards * rows_per_shard
     tokens = np.zeros((R, tokens_bucket), np.int32)
     tables = np.full((R, window), TRASH_PAGE, np.int32)
     starts, lengths = np.zeros((R,), np.int32), np.ones((R,), np.int32)
-    admitted = [(d * rows_per_shard + j, a) for d in range(num_shards) for j, r in enumerate(per_shard[d])
-                for a in r.admissions]
-    M = bucket(len(admitted))
+    index = {id(r): d * rows_per_shard + j for d in range(num_shards) for j, r in enumerate(per_shard[d])}
+    admitted = [(index[id(r)], a) for r in rows for a in r.admissions]  # results in the caller's order
+    M = max(num_slots, len(admitted))  # fixed: one compiled shape fewer per prefill call
     out = PackedRows(
         tokens, tables, starts, lengths, np.zeros((M,), np.int32), np.full((M,), num_slots, np.int32),
         np.zeros((M, 2), np.uint32), np.zeros((M,), np.int32), np.full((M,), -1, np.int32), np.zeros((M,), np.int32),
         (np.zeros((M,), np.float32), np.zeros((M,), np.int32), np.ones((M,), np.float32)),
-        *_copies(rows, pages_per_shard), admitted=[a for _, a in admitted],
+        *_copies(rows, pages_per_shard, num_slots), admitted=[a for _, a in admitted],
     )
     for d in range(num_shards):
         for j, r in enumerate(per_shard[d]):
@@ -130,9 +131,10 @@ def pack_rows(
     return out
 
 
-def _copies(rows: Sequence[PrefillRow], pages_per_shard: int) -> tuple[np.ndarray, np.ndarray]:
+def _copies(rows: Sequence[PrefillRow], pages_per_shard: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     pairs = [(r.shard * pages_per_shard + s, r.shard * pages_per_shard + t) for r in rows for s, t in r.copies]
-    src, dst = np.zeros((bucket(len(pairs)),), np.int32), np.zeros((bucket(len(pairs)),), np.int32)
+    size = max(size, len(pairs))
+    src, dst = np.zeros((size,), np.int32), np.zeros((size,), np.int32)
     for i, (s, t) in enumerate(pairs):
         src[i], dst[i] = s, t
     return src, dst  # padding copies the trash page of shard 0 onto itself

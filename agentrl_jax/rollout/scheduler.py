@@ -87,8 +87,9 @@ class Pending:
 
     @property
     def fresh(self) -> bool:
-        """A new prompt: nothing prefilled, no session, nothing forced (may merge with an identical one)."""
-        return self.done == 0 and self.forced < 0 and self.session is None and not self.pages
+        """A new prompt: nothing prefilled, no history, nothing forced (may merge with an identical one)."""
+        first_turn = self.session is None or not self.session.started
+        return self.done == 0 and self.forced < 0 and first_turn and not self.pages
 
 
 class Session:
@@ -198,12 +199,14 @@ class Scheduler:
                 del self.slots[slot]
                 self.break_session(track.request.session, "its turn was cancelled")
         for pending in list(self.waiting):
-            pending.sequences = [s for s in pending.sequences if not s.request.future.cancelled()]
+            cancelled = [s for s in pending.sequences if s.request.future.cancelled()]
+            pending.sequences = [s for s in pending.sequences if s not in cancelled]
             if not pending.sequences:
                 self.waiting.remove(pending)
                 if pending.pages:
                     self.engine.pages.release(pending.shard, pending.pages)
-                self.break_session(pending.session, "its turn was cancelled")
+            for track in cancelled:
+                self.break_session(track.request.session, "its turn was cancelled")
 
     def break_session(self, session: Session | None, why: str) -> None:
         if session is not None:
@@ -225,12 +228,27 @@ class Scheduler:
             pending.pages, pending.shard, pending.done = session.pages, session.shard, len(session.history)
             session.pages, session.shard = [], None
             self.sessions.discard(session)
-        if pending.fresh:  # identical prompts waiting together share one prefill
+        if pending.fresh:  # identical prompts waiting together share one prefill (if one shard can hold them)
             for other in self.waiting:
-                if other.fresh and other.tokens == pending.tokens:
+                if other.fresh and other.tokens == pending.tokens and self.fits(other, len(sequences)):
                     other.sequences += sequences
                     return
         self.waiting.append(pending)
+
+    def pages_needed(self, pending: Pending, samples: int) -> int:
+        """Pages a complete prefill of ``pending`` for ``samples`` sequences takes, with their first
+        dispatch: shared full pages, then per sample its partial page and the pages of its next steps."""
+        P = self.engine.page_size
+        length = len(pending.tokens)
+        full = length // P
+        reach = min(length + self.steps, self.engine.max_target_length)
+        return full + samples * (pages_for(reach, P) - full)
+
+    def fits(self, pending: Pending, extra: int) -> bool:
+        """Whether ``extra`` more samples can join ``pending`` (one shard's slots and pages)."""
+        samples = len(pending.sequences) + extra
+        return (samples <= self.engine.max_concurrent_decodes // self.engine.num_shards
+                and self.pages_needed(pending, samples) <= self.engine.pages.usable_pages)
 
     def plan_prefill(self, resolved: list) -> tuple[list[PrefillRow], list[Sequence]]:
         """This tick's prefill rows under the token budget, and the sequences they admit to slots."""
@@ -252,8 +270,8 @@ class Scheduler:
                 continue
             end = pending.done + chunk
             need = pages_for(end, P) - len(pending.pages)
-            if final:  # one copy of the last partial page per extra sample, and room for the first dispatch
-                need += (G - 1) * (end % P > 0) + G * pages_for(self.steps + 1, P)
+            if final:  # every sample's partial page and first dispatch, minus what the pending holds
+                need = self.pages_needed(pending, G) - len(pending.pages)
             if not self.free_pages(shard, need):
                 continue
             pending.shard = shard
@@ -323,7 +341,7 @@ class Scheduler:
         )
         for track in head.sequences:
             resolved.append((track.request.future, error))
-        self.break_session(head.session, "its turn did not fit the KV budget")
+            self.break_session(track.request.session, "its turn did not fit the KV budget")
 
     def free_pages(self, shard: int, need: int) -> bool:
         """Make ``need`` pages free in ``shard`` by evicting idle sessions (oldest first)."""
