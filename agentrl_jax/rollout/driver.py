@@ -16,9 +16,13 @@ keeps serving tool calls while the device works):
    shard runs out: evict an idle session's pages, else preempt the newest decoding
    sequence (its pages are freed and it is re-prefilled later from its kept tokens, with
    its key and sample counter: exact), counted in `preemptions`;
-5. run `generate(num_steps=steps_per_dispatch)` for all slots in one dispatch;
-6. on the host, walk each slot's new tokens and stop at eos / stop ids / stop strings /
-   `max_new_tokens` / `max_target_length`; tokens after a stop are dropped.
+5. queue `generate(num_steps=steps_per_dispatch)` for all slots in one dispatch, and only
+   then read the PREVIOUS dispatch's results (copied to the host asynchronously), so the
+   device never waits on the host;
+6. on the host, walk each slot's new tokens and stop at eos / stop ids / stop strings
+   (`stops.StopMatcher`: detokenizes only when a token can complete one) /
+   `max_new_tokens` / `max_target_length`; tokens after a stop are dropped (a stopped
+   sequence decodes one dispatch too many, which is discarded).
 
 Multi-turn (`Session`): when a turn ends, the session takes over the slot's pages (no
 copy) and the slot is freed. The next turn's `generate(observation_ids, session=s)`
