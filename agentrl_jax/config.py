@@ -205,9 +205,42 @@ class RolloutConfig(_Section):
     top_k: int = _f(0, "Top-k sampling (0: off).")
     steps_per_dispatch: int = _f(8, "Decode steps per jitted call (host stop checks in between).")
     cache_dtype: DType = _f("bfloat16", "KV-cache dtype.")
+    page_size: int = _f(32, "Tokens per KV-cache page (a power of two; >= 16 for the GPU decode kernel).")
+    kv_cache_bytes: int = _f(0, "KV page pool bytes per device (0: use kv_cache_memory_fraction).")
+    kv_cache_memory_fraction: float = _f(
+        0.0, "KV page pool as this fraction of the free device memory when the rollout state is built "
+        "(0: the engine's default, 0.8; devices that report no memory, e.g. CPU, get every slot at full length)."
+    )
+    prefill_token_budget: int = _f(0, "New tokens prefilled per driver tick (0: 4 x max_prompt_length).")
+
+    def engine_kwargs(self) -> dict:
+        """The paged-cache arguments of `rollout.Engine` from this section."""
+        return {
+            "page_size": self.page_size,
+            "kv_cache_bytes": self.kv_cache_bytes or None,
+            "kv_cache_memory_fraction": self.kv_cache_memory_fraction or None,
+        }
 
     def validate(self) -> None:
         _require(self.max_concurrent >= 1, self._path("max_concurrent"), "must be >= 1")
+        _require(
+            self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
+            self._path("page_size"), f"must be a power of two, got {self.page_size}",
+        )
+        _require(
+            self.page_size <= self.max_sequence_length, self._path("page_size"),
+            f"({self.page_size}) must be <= rollout.max_sequence_length ({self.max_sequence_length})",
+        )
+        _require(self.kv_cache_bytes >= 0, self._path("kv_cache_bytes"), "must be >= 0 (0: use the fraction)")
+        _require(
+            0 <= self.kv_cache_memory_fraction <= 1, self._path("kv_cache_memory_fraction"),
+            f"must be in [0, 1] (0: the default), got {self.kv_cache_memory_fraction}",
+        )
+        _require(
+            self.prefill_token_budget == 0 or self.prefill_token_budget >= self.max_prompt_length,
+            self._path("prefill_token_budget"),
+            f"({self.prefill_token_budget}) must be 0 or >= rollout.max_prompt_length ({self.max_prompt_length})",
+        )
         _require(self.temperature > 0, self._path("temperature"), "must be > 0 for RL (logprobs are tempered)")
         _require(0 < self.top_p <= 1, self._path("top_p"), f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= 0, self._path("top_k"), "must be >= 0 (0: off)")

@@ -65,7 +65,7 @@ def kv_bytes_per_token(size: str, dtype_bytes: int = 2) -> int:
 
 
 def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int, attention: str,
-                profile: bool = False) -> list[dict]:
+                profile: bool = False, page_size: int = 32) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -90,9 +90,9 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
         row = {"impl": "agentrl_jax", "size": size, "batch": batch, "device": device.device_kind, "jax": jax.__version__}
         try:
             engine = Engine(model, mesh=mesh, max_concurrent_decodes=batch, max_target_length=prompt + gen + 1,
-                            max_prefill_length=prompt, cache_dtype=dtype,
+                            max_prefill_length=prompt, cache_dtype=dtype, page_size=page_size,
                             decode_attention=None if attention == "default" else attention)
-            row["impl"] = f"agentrl_jax ({engine.decode_attention} attention)"
+            row["impl"] = f"agentrl_jax ({engine.decode_attention} attention, pages of {page_size})"
             if engine.decode_attention == "pallas":
                 from agentrl_jax.models import decode
 
@@ -254,7 +254,8 @@ def _run_worker(kind: str, size: str, args) -> list[dict]:
     batches = args.hf_batches if kind == "hf" else args.batches
     cmd = [sys.executable, __file__, "--worker", kind, "--sizes", size, "--batches", batches,
            "--prompt", str(args.prompt), "--gen", str(args.gen), "--steps-per-dispatch", str(args.steps_per_dispatch),
-           "--hf-cache", args.hf_cache, "--decode-attention", args.decode_attention, "--kernel", args.kernel] + (
+           "--hf-cache", args.hf_cache, "--decode-attention", args.decode_attention, "--kernel", args.kernel,
+           "--page-size", str(args.page_size)] + (
                ["--profile"] if args.profile else [])
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -319,6 +320,7 @@ def main(argv=None) -> None:
     parser.add_argument("--hf-batches", help="batches of the transformers baseline (default: --batches)")
     parser.add_argument("--decode-attention", choices=("default", "xla", "pallas"), default="default",
                         help="the engine's decode attention (Engine(decode_attention=...); default: its own choice)")
+    parser.add_argument("--page-size", type=int, default=32, help="KV page size (Engine(page_size=...))")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--kernel", default="", help="override the Pallas kernel's settings, e.g. "
                         "method=dot,block_k=32,warps=4,stages=3,min_programs=1024 (models/decode.py PALLAS_*)")
@@ -338,7 +340,7 @@ def main(argv=None) -> None:
         size, batches = args.sizes, _ints(args.batches)
         if args.worker == "jax":
             rows = _jax_worker(size, batches, args.prompt, args.gen, args.steps_per_dispatch, args.decode_attention,
-                               args.profile)
+                               args.profile, args.page_size)
         else:
             rows = _hf_worker(size, batches, args.prompt, args.gen, args.hf_cache)
         for row in rows:

@@ -12,7 +12,9 @@ module is the rollout engine's forward instead:
   one matrix ``[D, KV, G + 2, K]`` (per kv head: its G query heads, its key, its value),
   gate and up one ``[D, 2, F]``; both keep whole heads / MLP columns on one tensor shard.
 - `LayerCache`: L separate k and v buffers ``[B, KV, S, K]``, donated through the
-  engine's jitted calls and updated in place.
+  engine's jitted calls and updated in place; or, with a page table, L pools of pages
+  ``[N, KV, P, K]`` (the rollout engine's paged cache: row b's entry t lives at entry
+  ``t % P`` of page ``page_table[b, t // P]``, `paged_xla_attend_and_write`).
 - `forward`: T tokens per row written at ``[write_index[b], write_index[b] + T)``, query t
   attending to entries ``j <= write_index[b] + t`` among the first ``attend_len`` entries
   (a static window: the caller picks a bucket above every live length). With
@@ -199,6 +201,7 @@ def forward(
     attention: str = "xla",
     cache_spec: PartitionSpec | None = None,
     mesh: Mesh | None = None,
+    page_table: jax.Array | None = None,
 ) -> tuple[jax.Array, LayerCache]:
     """Final hidden states of ``[B, T]`` new tokens and the cache with their keys/values.
 
@@ -214,9 +217,13 @@ def forward(
         have ``write_index[b] + T <= W`` for its result to be exact (``W <= S``).
       dtype: compute dtype.
       attention: "xla" (einsums) or "pallas" (GPU kernel; T must be 1).
-      cache_spec, mesh: with "pallas" on a mesh of several devices, the cache buffers'
-        ``PartitionSpec`` and the mesh: the kernel then runs per shard (`jax.shard_map`),
-        slots and kv heads being independent.
+      cache_spec, mesh: on a mesh of several devices, the cache buffers' ``PartitionSpec``
+        and the mesh: the kernel ("pallas") or, with a page table, the paged cache write and
+        attention run per shard (`jax.shard_map`), rows and kv heads being independent and
+        every row's pages lying in its own shard of the pool.
+      page_table: ``[B, T]`` int32 local page ids: the cache buffers are then pools of pages
+        ``[N, KV, P, K]`` and row b's entry t lives at entry ``t % P`` of page
+        ``page_table[b, t // P]`` (`paged_xla_attend_and_write`); ``attend_len <= T * P``.
 
     Returns:
       ``(hidden [B, T, D] in dtype, new cache)``.
@@ -229,23 +236,30 @@ def forward(
         raise ValueError(f"forward: attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
     if attention == "pallas" and T != 1:
         raise ValueError(f"forward: the pallas decode attention takes one token per row, got T={T}")
-    if not 0 < attend_len <= cache.max_len:
-        raise ValueError(f"forward: attend_len={attend_len} must be in [1, {cache.max_len}]")
+    capacity = cache.max_len if page_table is None else page_table.shape[1] * cache.k[0].shape[2]
+    if not 0 < attend_len <= capacity:
+        raise ValueError(f"forward: attend_len={attend_len} must be in [1, {capacity}]")
     write_pos = write_index[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
     inv_freq = rope_frequencies(config)
     KV, K = config.num_kv_heads, config.head_dim
     R = config.num_heads // KV + 2
+    sharded = mesh is not None and mesh.size > 1
+    rows, heads = (cache_spec[0], cache_spec[1]) if sharded else (None, None)
+    per_row = PartitionSpec(rows)
+    out_specs = (PartitionSpec(rows, None, heads), cache_spec, cache_spec)
     if attention == "pallas":
         # the QKV split-K sum, bias, QK-norm, RoPE, the cache write and attention all happen in the kernel
-        attend = functools.partial(pallas_attend_and_write, inv_freq=inv_freq, eps=config.rms_norm_eps, dtype=dtype)
-        if mesh is not None and mesh.size > 1:  # slots and kv heads are independent: the kernel runs per shard
-            rows, heads = cache_spec[0], cache_spec[1]
-            per_row = PartitionSpec(rows)
+        def kernel(table, *args):
+            return pallas_attend_and_write(
+                *args, inv_freq=inv_freq, eps=config.rms_norm_eps, dtype=dtype, page_table=table
+            )
+
+        attend = kernel
+        if sharded:  # rows and kv heads are independent (a row's pages are in its shard): the kernel runs per shard
             attend = jax.shard_map(
-                attend, mesh=mesh, check_vma=False,
-                in_specs=(per_row, per_row, PartitionSpec(None, rows, heads), PartitionSpec(heads), PartitionSpec(),
-                          cache_spec, cache_spec),
-                out_specs=(PartitionSpec(rows, None, heads), cache_spec, cache_spec),
+                kernel, mesh=mesh, check_vma=False, out_specs=out_specs,
+                in_specs=(PartitionSpec(rows, None), per_row, per_row, PartitionSpec(None, rows, heads),
+                          PartitionSpec(heads), PartitionSpec(), cache_spec, cache_spec),
             )
 
         def attend_fn(x, w, k_cache, v_cache):
@@ -258,9 +272,18 @@ def forward(
             ).reshape(splits, B, KV, R, K)
             bias = w["bqkv"] if config.attention_bias else None
             norms = (w["q_norm"], w["k_norm"]) if config.qk_norm else ()
-            return attend(write_pos[:, 0], positions[:, 0], partials, bias, norms, k_cache, v_cache)
+            return attend(page_table, write_pos[:, 0], positions[:, 0], partials, bias, norms, k_cache, v_cache)
     else:
-        visible = jnp.arange(attend_len)[None, None, :] <= write_pos[:, :, None]  # [B, T, W]
+        if page_table is None:
+            window = functools.partial(xla_attend_and_write, attend_len=attend_len, dtype=dtype)
+        else:
+            window = functools.partial(paged_xla_attend_and_write, attend_len=attend_len, dtype=dtype)
+            if sharded:  # the pool's pages are split like the rows: gathers and scatters stay local
+                window = jax.shard_map(
+                    window, mesh=mesh, check_vma=False, out_specs=out_specs,
+                    in_specs=(PartitionSpec(rows, None), PartitionSpec(rows, None, heads), cache_spec, cache_spec,
+                              PartitionSpec(rows, None)),
+                )
 
         def attend_fn(x, w, k_cache, v_cache):
             D = x.shape[-1]
@@ -268,8 +291,10 @@ def forward(
             if config.attention_bias:
                 qkv = qkv + w["bqkv"]
             qkv = _rotate_and_norm(qkv, w, positions, config=config, inv_freq=inv_freq)
-            return xla_attend_and_write(write_pos, visible, qkv, k_cache, v_cache, attend_len=attend_len, dtype=dtype)
-
+            if page_table is None:
+                visible = jnp.arange(attend_len)[None, None, :] <= write_pos[:, :, None]  # [B, T, W]
+                return window(write_pos, visible, qkv, k_cache, v_cache)
+            return window(write_pos, qkv, k_cache, v_cache, page_table)
     layer = functools.partial(_layer, config=config, dtype=dtype, attend_and_write=attend_fn)
     hidden = jnp.take(params.embed, tokens, axis=0).astype(dtype)
     new_k, new_v = [], []
@@ -364,6 +389,41 @@ def xla_attend_and_write(write_pos, visible, qkv, k_cache, v_cache, *, attend_le
     return grouped_attention(q, *window, visible), k_cache, v_cache
 
 
+def paged_xla_attend_and_write(write_pos, qkv, k_pool, v_pool, page_table, *, attend_len, dtype):
+    """`xla_attend_and_write` over a pool of pages: scatter the new keys/values through the page
+    table, gather each row's first ``ceil(attend_len / P)`` pages into a window, attend.
+
+    Args:
+      write_pos: ``[B, T]`` cache index of each new token.
+      qkv: ``[B, T, KV, G + 2, K]``.
+      k_pool, v_pool: ``[N, KV, P, K]`` pages (local to this shard).
+      page_table: ``[B, Tp]`` int32 page ids; entries past a row's pages point at the trash
+        page (`rollout.pages.TRASH_PAGE`), and so do writes past the table's end.
+
+    Returns:
+      ``(out [B, T, KV, G, K], k_pool, v_pool)``.
+    """
+    B, T, KV, R, K = qkv.shape
+    G = R - 2
+    P, Tp = k_pool.shape[2], page_table.shape[1]
+    q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
+    index = write_pos // P
+    page = jnp.take_along_axis(page_table, jnp.minimum(index, Tp - 1), axis=1)
+    page = jnp.where(index < Tp, page, TRASH_PAGE)  # [B, T]
+    offset = write_pos % P
+    k_pool = k_pool.at[page, :, offset].set(k.astype(k_pool.dtype))
+    v_pool = v_pool.at[page, :, offset].set(v.astype(v_pool.dtype))
+    n = -(-attend_len // P)
+    pages = page_table[:, :n]
+
+    def window(pool):  # [B, n, KV, P, K] -> [B, KV, n * P, K]
+        return pool[pages].transpose(0, 2, 1, 3, 4).reshape(B, KV, n * P, K).astype(dtype)
+
+    visible = jnp.arange(n * P)[None, None, :] <= write_pos[:, :, None]
+    return grouped_attention(q, window(k_pool), window(v_pool), visible), k_pool, v_pool
+
+
+TRASH_PAGE = 0  # see rollout.pages: the page every write that must go nowhere lands on
 PALLAS_BLOCK = 32  # cache entries per kernel iteration
 PALLAS_METHOD = "dot"
 PALLAS_WARPS = 4
@@ -380,7 +440,7 @@ def kernel_chunks(programs: int, blocks: int, min_programs: int) -> int:
 
 def pallas_attend_and_write(
     positions, rope_positions, partials, bias, norms, k_cache, v_cache, *, inv_freq, eps, dtype,
-    min_programs: int | None = None,
+    min_programs: int | None = None, page_table=None,
 ):
     """One token per row through `decode_attention.decode_attention`: the QKV split-K sum, bias,
     QK-norm, RoPE, the cache write and attention in one kernel.
@@ -396,20 +456,25 @@ def pallas_attend_and_write(
         compute dtype.
       min_programs: split each row's entries into the fewest chunks (a divisor of the
         cache's blocks) that give at least this many (row, kv head, chunk) programs.
+      page_table: ``[B, Tp]`` page ids: the caches are then pools ``[N, KV, P, K]`` (see
+        `paged_xla_attend_and_write`); the kernel reads in blocks of min(P, `PALLAS_BLOCK`).
 
     Returns:
       ``(out [B, 1, KV, G, K], k_cache, v_cache)``.
     """
     _, B, KV, _, K = partials.shape
-    S = k_cache.shape[2]
-    if S % PALLAS_BLOCK:
-        raise ValueError(f"pallas decode attention: the cache length {S} must be a multiple of {PALLAS_BLOCK}")
+    if page_table is None:
+        S, block = k_cache.shape[2], PALLAS_BLOCK
+    else:
+        S, block = page_table.shape[1] * k_cache.shape[2], min(k_cache.shape[2], PALLAS_BLOCK)
+    if S % block:
+        raise ValueError(f"pallas decode attention: the cache length {S} must be a multiple of {block}")
     min_programs = PALLAS_MIN_PROGRAMS if min_programs is None else min_programs
-    chunks = kernel_chunks(B * KV, S // PALLAS_BLOCK, min_programs)
+    chunks = kernel_chunks(B * KV, S // block, min_programs)
     q_norm, k_norm = (x.astype(dtype) for x in norms) if norms else (None, None)
     out, k_cache, v_cache = decode_attention(
         partials, positions, k_cache, v_cache, bias=bias, rope_positions=rope_positions,
         inv_freq=jnp.asarray(inv_freq, jnp.float32), q_norm=q_norm, k_norm=k_norm, eps=eps, dtype=dtype,
-        block_k=PALLAS_BLOCK, chunks=chunks, method=PALLAS_METHOD, num_warps=PALLAS_WARPS, num_stages=PALLAS_STAGES,
+        page_table=page_table, block_k=block, chunks=chunks, method=PALLAS_METHOD, num_warps=PALLAS_WARPS, num_stages=PALLAS_STAGES,
     )
     return out[:, None], k_cache, v_cache

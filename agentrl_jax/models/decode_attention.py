@@ -25,6 +25,11 @@ cores with the G heads padded to a 16-row tile; the faster one on H200) and ``"v
 (elementwise multiply and reduce on the CUDA cores, one query head at a time, probabilities
 kept in float32). Logits, softmax and accumulation are float32.
 
+Paged caches: with a ``page_table`` the k/v buffers are pools of pages ``[N, KV, P, K]``
+and each program reads its row's blocks (``block_k`` divides P, so a block never crosses a
+page) and writes the new entry through the table; the loop, masks and softmax are the
+same.
+
 Off GPU the kernel runs in Pallas's interpreter (tests).
 """
 
@@ -44,22 +49,24 @@ METHODS = ("vector", "dot")
 _DOT_ROWS = 16  # the smallest M of a tensor-core tile
 
 
-def _kernel(*refs, G, block_k, chunk, method, normalize, partials, bias, rope, norm, eps, dtype):
+def _kernel(*refs, G, block_k, chunk, method, normalize, partials, bias, rope, norm, eps, dtype, page_size, length):
     """One (row, kv head, chunk) program.
 
     Refs, in order: qkv [G + 2, K] (G query rows, the new key, the new value; with
-    ``partials`` P float32 partial sums [P, G + 2, K]), pos [], then with ``bias`` bias
-    [G + 2, K], with ``rope`` rope_pos [] and freq [K], with ``norm`` q_norm [K] and
-    k_norm [K], then k/v [S, K] (read), k/v [S, K] (the same buffers, written) and the
-    outputs.
+    ``partials`` P float32 partial sums [P, G + 2, K]), pos [], with ``page_size`` the
+    row's page table [T], then with ``bias`` bias [G + 2, K], with ``rope`` rope_pos []
+    and freq [K], with ``norm`` q_norm [K] and k_norm [K], then k/v (read), k/v (the same
+    buffers, written) and the outputs. k/v are the row's [S, K] entries, or with
+    ``page_size`` every page of this kv head [N, P, K], entry t at page table[t // P].
     """
     refs = list(refs)
     qkv_ref, pos_ref = refs.pop(0), refs.pop(0)
+    table_ref = refs.pop(0) if page_size else None
     bias_ref = refs.pop(0) if bias else None
     rope_pos_ref, freq_ref = (refs.pop(0), refs.pop(0)) if rope else (None, None)
     q_norm_ref, k_norm_ref = (refs.pop(0), refs.pop(0)) if norm else (None, None)
     k_ref, v_ref, k_out, v_out, *outs = refs
-    S, K = k_ref.shape
+    S, K = length, k_ref.shape[-1]
     c = pl.program_id(2)
     pos = pos_ref[...]
     start = c * chunk
@@ -112,18 +119,22 @@ def _kernel(*refs, G, block_k, chunk, method, normalize, partials, bias, rope, n
     k_new = prepare(one + G, one == 0, True, k_norm_ref)  # [1, K]
     v_new = prepare(one + G + 1, one == 0, False)
 
+    def entries(ref, index, size):  # ``size`` entries from cache index ``index`` (one page at most)
+        if not page_size:
+            return ref.at[pl.ds(index, size), :]
+        return ref.at[table_ref[index // page_size], pl.ds(index % page_size, size), :]
+
     @pl.when(first & (pos < S))
     def _write():
-        row = pl.ds(pos, 1)
-        k_out[row, :] = k_new.astype(k_out.dtype)
-        v_out[row, :] = v_new.astype(v_out.dtype)
+        entries(k_out, pos, 1)[...] = k_new.astype(k_out.dtype)
+        entries(v_out, pos, 1)[...] = v_new.astype(v_out.dtype)
 
     offsets = jnp.arange(block_k)
     num_blocks = jnp.maximum(pl.cdiv(end - start, block_k), 0)
 
     def load(ref, i):
         index = start + i * block_k + offsets
-        block = plgpu.load(ref.at[pl.ds(start + i * block_k, block_k), :], mask=(index < end)[:, None], other=0.0)
+        block = plgpu.load(entries(ref, start + i * block_k, block_k), mask=(index < end)[:, None], other=0.0)
         return block, index < end
 
     neg = jnp.float32(-1e30)  # finite: exp(neg - m) underflows to 0 without inf - inf
@@ -203,6 +214,7 @@ def decode_attention(
     k_cache: jax.Array,
     v_cache: jax.Array,
     *,
+    page_table: jax.Array | None = None,
     bias: jax.Array | None = None,
     rope_positions: jax.Array | None = None,
     inv_freq: jax.Array | None = None,
@@ -226,6 +238,10 @@ def decode_attention(
       positions: ``[B]`` int32; the new entry goes to index ``positions[b]`` (dropped if
         ``>= S``) and row b attends over entries ``[0, positions[b]]``.
       k_cache, v_cache: ``[B, KV, S, K]``, donated; S a multiple of ``block_k * chunks``.
+        With ``page_table``: pools of pages ``[N, KV, P, K]`` (P a multiple of ``block_k``).
+      page_table: ``[B, T]`` int32, row b's cache entry t lives at entry ``t % P`` of page
+        ``page_table[b, t // P]``; S = T * P. Rows that must not write anywhere real point
+        every entry at a scratch page (the engine's trash page).
       bias: ``[KV, G + 2, K]`` added to the projection (attention bias), or None.
       rope_positions: ``[B]`` RoPE positions (default: ``positions``); used with inv_freq.
       inv_freq: ``[K / 2]`` float32 RoPE inverse frequencies: queries and key are rotated
@@ -252,11 +268,20 @@ def decode_attention(
         raise ValueError(f"decode_attention: method must be one of {METHODS}, got {method!r}")
     B, KV, R, K = qkv.shape[-4:]
     G = R - 2
-    S = k_cache.shape[2]
-    if G < 1 or k_cache.shape != (B, KV, S, K) or v_cache.shape != k_cache.shape or positions.shape != (B,):
+    if page_table is None:
+        page_size, S = 0, k_cache.shape[2]
+        cache_shape_ok = k_cache.shape == (B, KV, S, K)
+    else:
+        page_size = k_cache.shape[2]
+        S = page_table.shape[-1] * page_size
+        cache_shape_ok = k_cache.ndim == 4 and k_cache.shape[1:] == (KV, page_size, K) and page_table.shape[0] == B
+        if page_size % block_k:
+            raise ValueError(f"decode_attention: the page size {page_size} must be a multiple of block_k={block_k}")
+    if G < 1 or not cache_shape_ok or v_cache.shape != k_cache.shape or positions.shape != (B,):
         raise ValueError(
             f"decode_attention: qkv {qkv.shape} ([B, KV, G + 2, K]), positions {positions.shape}, caches "
-            f"{k_cache.shape}, {v_cache.shape} ([B, KV, S, K]) do not fit together"
+            f"{k_cache.shape}, {v_cache.shape} ([B, KV, S, K], or pages [N, KV, P, K] with a page table) "
+            "do not fit together"
         )
     if bias is not None and bias.shape != (KV, R, K):
         raise ValueError(f"decode_attention: bias {bias.shape} must be [KV, G + 2, K] = {(KV, R, K)}")
@@ -281,17 +306,23 @@ def decode_attention(
         return pl.BlockSpec((None, None, None, *tail), lambda b, h, c: (c, b, h) + (0,) * len(tail))
 
     cache_shape = jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype)
+    if page_size:  # every page of one kv head: the program finds its row's entries through the page table
+        num_pages = k_cache.shape[0]
+        cache_spec = pl.BlockSpec((num_pages, None, page_size, K), lambda b, h, c: (0, h, 0, 0))
+    else:
+        cache_spec = head(S, K)
     if normalize:
-        out_specs = [head(S, K), head(S, K), head(rows, K)]
+        out_specs = [cache_spec, cache_spec, head(rows, K)]
         out_shape = [cache_shape, cache_shape, jax.ShapeDtypeStruct((B, KV, G, K), dtype)]
     else:
-        out_specs = [head(S, K), head(S, K), part(rows, K), part(rows), part(rows)]
+        out_specs = [cache_spec, cache_spec, part(rows, K), part(rows), part(rows)]
         out_shape = [cache_shape, cache_shape] + [
             jax.ShapeDtypeStruct((chunks, B, KV, G, *tail), jnp.float32) for tail in ((K,), (), ())
         ]
     rope, norm = inv_freq is not None, q_norm is not None
     kernel = functools.partial(_kernel, G=G, block_k=block_k, chunk=chunk, method=method, normalize=normalize,
-                               partials=partials, bias=bias is not None, rope=rope, norm=norm, eps=eps, dtype=dtype)
+                               partials=partials, bias=bias is not None, rope=rope, norm=norm, eps=eps, dtype=dtype,
+                               page_size=page_size, length=S)
     per_row = pl.BlockSpec((None,), lambda b, h, c: (b,))
     whole = pl.BlockSpec((K,), lambda b, h, c: (0,))
     if partials:
@@ -299,6 +330,9 @@ def decode_attention(
     else:
         qkv_spec = head(R, K)
     inputs, in_specs = [qkv, positions.astype(jnp.int32)], [qkv_spec, per_row]
+    if page_size:
+        inputs.append(page_table.astype(jnp.int32))
+        in_specs.append(pl.BlockSpec((None, page_table.shape[-1]), lambda b, h, c: (b, 0)))
     if bias is not None:
         inputs.append(bias)
         in_specs.append(pl.BlockSpec((None, R, K), lambda b, h, c: (h, 0, 0)))
@@ -314,7 +348,7 @@ def decode_attention(
     outs = pl.pallas_call(
         kernel,
         grid=(B, KV, chunks),
-        in_specs=in_specs + [head(S, K), head(S, K)],
+        in_specs=in_specs + [cache_spec, cache_spec],
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases={cache_index: 0, cache_index + 1: 1},

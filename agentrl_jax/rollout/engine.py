@@ -1,37 +1,54 @@
-"""The rollout engine: JetStream's Engine API (prefill -> insert -> generate over slots), natively.
+"""The rollout engine: JetStream's Engine API (prefill -> insert -> generate over slots) over a paged KV cache.
 
 JetStream (AI-Hypercomputer/JetStream) defined the interface that MaxText's MaxEngine
 implements; this class has the same method names and argument shapes (newest version:
 keyword-only `prefill` with `existing_prefix`, `bulk_insert` for one prefill into G slots)
 without importing `jetstream`.
 
-- `prefill` runs the prompt (or a continuation of an `existing_prefix`) through the decoder
-  with a batch-1 cache row and samples the first token(s) from its last position.
-- `insert` / `bulk_insert` copy a prefix's KV row into decode slot(s) of the `DecodeState`.
-- `generate` feeds every slot's last token, writes its k/v at the slot's length, samples
-  the next token per slot; with `num_steps=N` it runs N steps inside one jitted
-  `lax.fori_loop` and returns [N, S] results (stop checks happen on the host).
-- `extract_prefix` copies a slot's live KV row back into a `Prefix`, so a multi-turn
-  trajectory can free its slot while a tool runs and later continue with
-  `prefill(existing_prefix=...)` of only the observation tokens.
+KV memory is paged (`rollout.state`, `rollout.pages`): per layer a pool of fixed-size
+pages ``[N, KV, P, K]``, per slot a page table, a host allocator with reference counts, and
+a budget in bytes or as a fraction of free device memory, turned into pages and logged as
+a memory plan when the first decode state is built. How pages map onto the JetStream calls:
+
+- `prefill` runs a prompt (or a continuation of an `existing_prefix`) into a dense,
+  batch-1 KV row outside the pool (JetStream's prefill takes no decode state) and samples
+  the first token(s).
+- `insert` / `bulk_insert` allocate the slot's pages and copy the row in; the G slots of a
+  `bulk_insert` share the prompt's full pages and each own a copy of the last partial page.
+- `generate` first gives every live slot the pages its next tokens need, then decodes:
+  each slot writes its new k/v through its page table and attends over its own pages.
+  With `num_steps=N` it runs N steps inside one jitted `lax.fori_loop` and returns [N, S]
+  results (stop checks happen on the host).
+- `free_resource` returns a slot's pages; without the decode state the device-side
+  deactivation is deferred to the next call (frees are batched).
+
+The `Driver` uses the paged path directly: `prefill_insert` prefills many sequences' new
+tokens straight into their pages in one call and fills their slots (sessions keep their
+pages across turns, a group's prompt is prefilled once with its pages shared), and
+`assign_slot` / `release_slot` / `reserve` move pages between slots, sessions and the
+free list. Pages and slots are split over the mesh's data axes alike: a slot only uses
+pages of its own shard, so attention and cache writes stay on the device (`shard_map`).
 
 The model runs through `agentrl_jax.models.decode.forward`, not the trainer's layer scan:
 `load_params` re-lays the weights out once per update (`DecodeParams`: one dict per layer,
-fused QKV and gate/up), the cache is one `[S, KV, M, K]` buffer per layer updated in place,
-and a decode step's attention reads only the filled entries: a window of the first W
-entries (W bucketed by `attend_bucket`, a few compiles) with the "xla" attention, or
-each slot's own length with our Pallas GPU kernel ("pallas", the default on GPU), which
-also finishes the QKV projection, applies QK-norm and RoPE and writes the cache.
+fused QKV and gate/up). A decode step's attention reads only filled entries: the pages of
+a window of the first W entries (W bucketed by `attend_bucket`, a few compiles) with the
+"xla" attention, or each slot's own entries with our Pallas GPU kernel ("pallas", the
+default on GPU), which also finishes the QKV projection, applies QK-norm and RoPE and
+writes the cache.
 
 All state is sharded on the mesh with the inference rule table (kv heads over `tensor`,
-slots over the data axes, weights with tensor parallelism only) and is donated through
-every jitted call. Prompt chunks are padded to power-of-two buckets; slot indices,
-lengths and sampling parameters are arrays, so none of them recompiles anything.
+slots and pages over the data axes, weights with tensor parallelism only) and is donated
+through every jitted call. Prompt chunks are padded to power-of-two buckets; slot
+indices, lengths, page tables and sampling parameters are arrays, so none of them
+recompiles anything.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,16 +56,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentrl_jax.models import Decoder, param_shardings, split_params
 from agentrl_jax.models.decode import (
     DecodeParams,
-    LayerCache,
     decode_params_axes,
     forward,
     to_decode_params,
 )
+from agentrl_jax.rollout.dense_prefix import extract_step, insert_step, prefill_step
+from agentrl_jax.rollout.paged_prefill import PrefillRow, pack_rows, prefill_insert_step
+from agentrl_jax.rollout.pages import TRASH_PAGE, MemoryPlan, OutOfPages, PageAllocator, pages_for, plan_memory
 from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.sampling import (
     SamplingParams,
@@ -67,44 +86,44 @@ from agentrl_jax.rollout.state import (
     prefill_bucket,
     prefix_shardings,
 )
-from agentrl_jax.sharding import Rules, inference_rules, make_mesh, tree_shardings
+from agentrl_jax.rollout.slot_table import SlotTable
+from agentrl_jax.sharding import Rules, inference_rules, logical_to_spec, make_mesh, tree_shardings
+
+logger = logging.getLogger(__name__)
 
 DECODE_ATTENTION = ("xla", "pallas")
-
-
-def _resize_row(cache: LayerCache, capacity: int) -> LayerCache:
-    """Keep the first `capacity` entries of a cache row, zero-padding when it is shorter."""
-
-    def one(x):
-        have = x.shape[2]
-        if have >= capacity:
-            return x[:, :, :capacity]
-        return jnp.pad(x, ((0, 0), (0, 0), (0, capacity - have), (0, 0)))
-
-    return cache.map(one)
+DEFAULT_MEMORY_FRACTION = 0.8  # of the free device memory, for the KV pool, when nothing else is set
 
 
 class Engine:
-    """Slot-based decoding of a `Decoder` on a mesh.
+    """Slot-based decoding of a `Decoder` over a paged KV cache on a mesh.
 
     Args:
       model: the decoder (its graph and config are used; params are passed per call).
       mesh: the device mesh (default: all devices on `data`).
       max_concurrent_decodes: S, the number of decode slots.
-      max_target_length: M, cache entries per slot (prompt + every turn + generated).
+      max_target_length: M, the longest sequence (prompt + every turn + generated).
       max_prefill_length: the largest prompt chunk one prefill takes.
       min_prefill_bucket: the smallest padded prefill length.
       cache_dtype: dtype of the KV cache (default: the model's compute dtype).
       rules: logical-axis rule table (default: `inference_rules()`).
-      attend_granule: decode attention reads a window of the first W cache entries, W
-        rounded up from the longest live slot (+ the dispatch's steps) in steps of at
-        least this many entries (`attend_bucket`); each W compiles once.
-      decode_attention: "xla" (einsums over the window) or "pallas" (the Pallas GPU
-        kernel of `models.decode_attention`, run per shard, which reads each slot's
-        filled entries only; elsewhere than on GPU it runs interpreted, for tests). Default: "pallas" on
-        GPU meshes with a 16-bit compute dtype and a power-of-two head dim, else "xla"
-        (the kernel's float32 dots would run in TF32, loosening the engine/trainer
-        logprob match).
+      attend_granule: the "xla" decode attention reads a window of the first W entries of
+        every slot, W rounded up from the longest live slot (+ the dispatch's steps) in
+        steps of at least this many entries (`attend_bucket`); each W compiles once.
+      decode_attention: "xla" (gather the window's pages, einsums) or "pallas" (the Pallas
+        GPU kernel of `models.decode_attention`, run per shard, which reads each slot's
+        own entries through its page table; elsewhere than on GPU it runs interpreted, for
+        tests). Default: "pallas" on GPU meshes with a 16-bit compute dtype, a power-of-two
+        head dim and page size >= 16, else "xla" (the kernel's float32 dots would run in
+        TF32, loosening the engine/trainer logprob match).
+      page_size: P, tokens per KV page.
+      num_pages: usable pages over all shards (overrides the byte budget; tests).
+      kv_cache_bytes: pool bytes per device.
+      kv_cache_memory_fraction: pool bytes as this fraction of the free memory of the
+        fullest device, measured when the first decode state is built (after the weights
+        are placed). Default `DEFAULT_MEMORY_FRACTION` on devices that report memory.
+        With none of the three, and on devices that report no memory (CPU), the pool holds
+        every slot at full length. Never more pages than that are made.
     """
 
     def __init__(
@@ -120,6 +139,10 @@ class Engine:
         rules: Rules | None = None,
         attend_granule: int = 256,
         decode_attention: str | None = None,
+        page_size: int = 32,
+        num_pages: int | None = None,
+        kv_cache_bytes: int | None = None,
+        kv_cache_memory_fraction: float | None = None,
     ):
         for name, value in (
             ("max_concurrent_decodes", max_concurrent_decodes),
@@ -127,17 +150,31 @@ class Engine:
             ("max_prefill_length", max_prefill_length),
             ("min_prefill_bucket", min_prefill_bucket),
             ("attend_granule", attend_granule),
+            ("page_size", page_size),
         ):
             if value < 1:
                 raise ValueError(f"Engine: {name} must be >= 1, got {value}")
+        if num_pages is not None and num_pages < 1:
+            raise ValueError(f"Engine: num_pages must be >= 1, got {num_pages}")
+        if kv_cache_bytes is not None and kv_cache_bytes < 1:
+            raise ValueError(f"Engine: kv_cache_bytes must be >= 1, got {kv_cache_bytes}")
+        if kv_cache_memory_fraction is not None and not 0 < kv_cache_memory_fraction <= 1:
+            raise ValueError(f"Engine: kv_cache_memory_fraction must be in (0, 1], got {kv_cache_memory_fraction}")
         self._mesh = mesh if mesh is not None else make_mesh({"data": -1})
+        kernel_pages = page_size >= 16 and page_size & (page_size - 1) == 0
         if decode_attention is None:
             on_gpu = all(d.platform == "gpu" for d in self._mesh.devices.flat)
             head_dim = model.config.head_dim
             kernel_fits = head_dim >= 16 and head_dim & (head_dim - 1) == 0  # Triton blocks: powers of two
-            decode_attention = "pallas" if on_gpu and jnp.dtype(model.dtype).itemsize == 2 and kernel_fits else "xla"
+            fits = on_gpu and jnp.dtype(model.dtype).itemsize == 2 and kernel_fits and kernel_pages
+            decode_attention = "pallas" if fits else "xla"
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"Engine: decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
+        if decode_attention == "pallas" and not kernel_pages:
+            raise ValueError(
+                f"Engine: page_size={page_size} does not suit the pallas decode attention (it reads pages in "
+                "blocks of a power of two >= 16); use such a page size or decode_attention='xla'"
+            )
         self.config = model.config
         _, abstract = split_params(model)
         self._param_dtype = model.param_dtype
@@ -147,11 +184,18 @@ class Engine:
         self._rules = rules if rules is not None else inference_rules()
         self._slots = max_concurrent_decodes
         self.max_target_length = max_target_length
-        # the Pallas kernel walks the cache in blocks (and splits it into chunks for few slots)
-        self._cache_len = -(-max_target_length // 256) * 256 if decode_attention == "pallas" else max_target_length
+        self.page_size = page_size
+        self.table_width = pages_for(max_target_length, page_size)
         self._max_prefill = max_prefill_length
         self._min_bucket = min(min_prefill_bucket, max_prefill_length)
         self.cache_dtype = cache_dtype if cache_dtype is not None else model.dtype
+        # the pool's pages are split over the data axes exactly like the slots
+        self._rows_spec = logical_to_spec(("slots",), self._rules, shape=(self._slots,), mesh=self._mesh)[0]
+        rows_axes = () if self._rows_spec is None else (
+            (self._rows_spec,) if isinstance(self._rows_spec, str) else tuple(self._rows_spec))
+        self.num_shards = math.prod(self._mesh.shape[a] for a in rows_axes)
+        self._slots_per_shard = self._slots // self.num_shards
+        self._budget = (num_pages, kv_cache_bytes, kv_cache_memory_fraction)
         self.param_shardings = param_shardings(abstract, self._mesh, self._rules)
         self._reshard: dict[Any, Any] = {}
         layout = jax.eval_shape(functools.partial(to_decode_params, self.config), abstract)
@@ -161,19 +205,15 @@ class Engine:
         self._to_decode_params = jax.jit(
             functools.partial(to_decode_params, self.config), out_shardings=self.decode_param_shardings
         )
-        self.state_shardings = decode_state_shardings(
-            self.config, self._slots, self._cache_len, self.cache_dtype, self._mesh, self._rules
-        )
+        self.memory_plan: MemoryPlan | None = None
+        self.pages: PageAllocator | None = None
+        self.state_shardings: DecodeState | None = None
         self._generate_fns: dict[tuple[int | None, int], Any] = {}
-        self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self.state_shardings)
-        self._deactivate = jax.jit(
-            lambda state, slots: state.replace(active=state.active.at[slots].set(False)),
-            donate_argnums=(0,),
-            out_shardings=self.state_shardings,
-        )
         self._prefill_fns: dict[tuple, Any] = {}
-        self._init_state = None
+        self._paged_prefill_fns: dict[tuple, Any] = {}
+        self._insert_fns: dict[int, Any] = {}
         self._extract_fns: dict[int, Any] = {}
+        self.slots: SlotTable | None = None
 
     # ---- JetStream properties -------------------------------------------------------
 
@@ -193,7 +233,7 @@ class Engine:
     def mesh(self) -> Mesh:
         return self._mesh
 
-    # ---- params and state -------------------------------------------------------------
+    # ---- params -------------------------------------------------------------------------
 
     def load_params(self, params: nnx.State | Decoder | DecodeParams, *, dtype: Any = None) -> DecodeParams:
         """The engine's copy of the weights: `DecodeParams` (per-layer, fused QKV and gate/up).
@@ -233,21 +273,95 @@ class Engine:
             return self._reshard[key](params)
         return jax.device_put(jax.tree.map(cast, params), self.param_shardings)
 
+    # ---- the page pool ------------------------------------------------------------------
+
+    def _plan(self) -> MemoryPlan:
+        """Turn the budget into pages per shard (once), log the plan, build the state's shardings."""
+        if self.memory_plan is not None:
+            return self.memory_plan
+        cfg, P = self.config, self.page_size
+        bytes_per_page = 2 * cfg.num_layers * cfg.num_kv_heads * P * cfg.head_dim * jnp.dtype(self.cache_dtype).itemsize
+        heads = logical_to_spec(("kv_heads",), self._rules, shape=(cfg.num_kv_heads,), mesh=self._mesh)[0]
+        heads = () if heads is None else ((heads,) if isinstance(heads, str) else tuple(heads))
+        plan = plan_memory(
+            bytes_per_page=bytes_per_page,
+            per_device_page=bytes_per_page // math.prod(self._mesh.shape[a] for a in heads),
+            num_shards=self.num_shards, slots_per_shard=self._slots_per_shard, table_width=self.table_width,
+            page_size=P, smallest_sequence=min(self._max_prefill, self.max_target_length - 1) + 1,
+            budget=self._budget, devices=list(self._mesh.devices.flat), default_fraction=DEFAULT_MEMORY_FRACTION,
+            max_concurrent=self._slots, max_target_length=self.max_target_length,
+            replicated_over_data=self._rows_spec is None,
+        )
+        logger.info("%s", plan.describe())
+        num_pages = self.num_shards * plan.pages_per_shard
+        self.state_shardings = decode_state_shardings(
+            self.config, self._slots, num_pages, P, self.table_width, self.cache_dtype, self._mesh, self._rules
+        )
+        make = functools.partial(
+            init_decode_state, self.config, self._slots, num_pages, P, self.table_width, self.cache_dtype
+        )
+        self._init_state = jax.jit(make, out_shardings=self.state_shardings)
+        self._deactivate = jax.jit(
+            lambda state, slots: state.replace(active=state.active.at[slots].set(False, mode="drop")),
+            donate_argnums=(0,), out_shardings=self.state_shardings,
+        )
+        self.memory_plan = plan
+        return plan
+
     def init_decode_state(self) -> DecodeState:
-        """All slots free, materialized directly in the decode-state sharding."""
-        if self._init_state is None:
-            make = functools.partial(
-                init_decode_state, self.config, self._slots, self._cache_len, self.cache_dtype
-            )
-            self._init_state = jax.jit(make, out_shardings=self.state_shardings)
+        """All slots free and every page free, materialized directly in the decode-state sharding.
+
+        The engine keeps one decode state: a new one resets the page allocator.
+        """
+        plan = self._plan()
+        self.pages = PageAllocator(plan.num_shards, plan.pages_per_shard)
+        self.slots = SlotTable(self.pages, self._slots, self.table_width, self.page_size, self.max_target_length)
         return self._init_state()
+
+    def shard_of(self, slot: int) -> int:
+        """The data shard whose pages `slot` uses."""
+        return slot // self._slots_per_shard
+
+    def shard_slots(self, shard: int) -> range:
+        return range(shard * self._slots_per_shard, (shard + 1) * self._slots_per_shard)
+
+    def _global(self, shard: int, pages: Sequence[int]) -> list[int]:
+        return [shard * self.memory_plan.pages_per_shard + p for p in pages]
+
+    # the host side of inserts and frees (see `SlotTable`); the device sees them at the next call
+
+    def slot_pages(self, slot: int) -> list[int]:
+        return self.slots.slot_pages(slot)
+
+    def assign_slot(self, slot: int, pages: Sequence[int], length: int) -> None:
+        """`slot` reads `pages` (taking over one reference to each) and holds `length` entries."""
+        self.slots.assign(slot, pages, length)
+
+    def release_slot(self, slot: int, *, keep_pages: bool = False) -> list[int]:
+        """Free `slot`; its page references are dropped, or with ``keep_pages`` handed to the caller
+        (a session keeping its pages across a tool call) and returned."""
+        return self.slots.release(slot, keep_pages=keep_pages)
+
+    def reserve(self, slot: int, steps: int) -> None:
+        """Give `slot` the pages its next ``steps`` tokens need (OutOfPages if its shard has too few)."""
+        self.slots.reserve(slot, steps)
+
+    def _sync(self, state: DecodeState) -> DecodeState:
+        """Apply the host's pending slot frees (one call) and page-table changes (one upload)."""
+        slots = self.slots.take_deactivations()
+        if slots:
+            state = self._deactivate(state, jnp.asarray(slots, jnp.int32))
+        if self.slots.dirty:
+            state = state.replace(page_table=jax.device_put(self.slots.table, self.state_shardings.page_table))
+            self.slots.dirty = False
+        return state
 
     def get_prefix_destination_sharding(self, capacity: int | None = None, num_samples: int = 1) -> Prefix:
         """The sharding of a `Prefix` of `capacity` cache entries (JetStream API)."""
         capacity = self._max_prefill if capacity is None else capacity
         return prefix_shardings(self.config, capacity, num_samples, self.cache_dtype, self._mesh, self._rules)
 
-    # ---- prefill ----------------------------------------------------------------------
+    # ---- prefill (JetStream: a prompt's KV as a dense prefix row) ----------------------
 
     def prefill(
         self,
@@ -260,6 +374,10 @@ class Engine:
         num_samples: int = 1,
     ) -> tuple[Prefix, ResultTokens]:
         """Prefill a prompt (or extend `existing_prefix` with new tokens) and sample G first tokens.
+
+        The prefix is a dense KV row outside the page pool (JetStream's prefill takes no
+        decode state); `insert` moves it into pages. The `Driver` instead prefills straight
+        into pages (`prefill_insert`).
 
         Args:
           params: params from `load_params`.
@@ -303,7 +421,8 @@ class Engine:
         key = (bucket, capacity, None if old_cache is None else old_cache.max_len, num_samples)
         if key not in self._prefill_fns:
             self._prefill_fns[key] = jax.jit(
-                functools.partial(self._prefill_impl, capacity=capacity),
+                functools.partial(prefill_step, capacity=capacity, config=self.config, cache_dtype=self.cache_dtype,
+                                  dtype=self._dtype),
                 out_shardings=(self.get_prefix_destination_sharding(capacity, num_samples), None),
             )
         sampling = SlotSampling.from_params(sampler, num_samples)
@@ -311,61 +430,10 @@ class Engine:
             params, old_cache, jnp.int32(start), jnp.asarray(tokens), jnp.int32(true_length), keys, generated, sampling
         )
 
-    def _prefill_impl(self, params, old_cache, start, tokens, true_length, keys, generated, sampling, *, capacity):
-        if old_cache is None:
-            cache = LayerCache.init(self.config, 1, capacity, self.cache_dtype)
-        else:
-            cache = _resize_row(old_cache, capacity)
-        positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
-        hidden, cache = forward(
-            params, tokens[None], positions[None], cache, start[None],
-            config=self.config, attend_len=capacity, dtype=self._dtype,
-        )
-        last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, keepdims=True)
-        logits = next_token_logits(last, *params.output_embedding())
-        num_samples = keys.shape[0]
-        logits = jnp.broadcast_to(logits, (num_samples, logits.shape[-1]))
-        first, log_prob, truncated = sample(logits, step_keys(keys, generated), sampling)
-        prefix = Prefix(
-            cache=cache,
-            length=start + true_length,
-            first_tokens=first,
-            log_prob=log_prob,
-            truncated_log_prob=truncated,
-            keys=keys,
-            generated=generated + 1,
-            sampling=sampling,
-        )
-        ones = jnp.ones((num_samples,), jnp.int32)
-        return prefix, ResultTokens.pack(first, ones, generated + 1, log_prob, truncated)
-
-    # ---- insert -----------------------------------------------------------------------
-
-    def _insert_impl(self, prefix: Prefix, state: DecodeState, slots: jax.Array) -> DecodeState:
-        row = _resize_row(prefix.cache, min(prefix.capacity, self.max_target_length))
-
-        def copy_into(whole, part):
-            for g in range(slots.shape[0]):
-                whole = jax.lax.dynamic_update_slice(whole, part.astype(whole.dtype), (slots[g], 0, 0, 0))
-            return whole
-
-        cache = jax.tree.map(copy_into, state.cache, row)
-
-        def put(field, values):
-            return field.at[slots].set(values)
-
-        return DecodeState(
-            cache=cache,
-            lengths=put(state.lengths, jnp.broadcast_to(prefix.length, slots.shape)),
-            last_tokens=put(state.last_tokens, prefix.first_tokens),
-            generated=put(state.generated, prefix.generated),
-            keys=put(state.keys, prefix.keys),
-            sampling=jax.tree.map(put, state.sampling, prefix.sampling),
-            active=put(state.active, True),
-        )
+    # ---- insert (JetStream: a dense prefix into pages) ----------------------------------
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-        """Copy sample 0 of `prefix` into `slot` (the decode state is donated)."""
+        """Move sample 0 of `prefix` into `slot`'s fresh pages (the decode state is donated)."""
         first = lambda x: x[:1]
         single = prefix.replace(
             first_tokens=first(prefix.first_tokens),
@@ -375,10 +443,14 @@ class Engine:
             generated=first(prefix.generated),
             sampling=jax.tree.map(first, prefix.sampling),
         )
-        return self._insert(single, decode_state, jnp.asarray([slot], jnp.int32))
+        return self._insert_dense(single, decode_state, [slot])
 
     def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
-        """Copy the G samples of one prefill into G slots: one prompt, G rollouts (GRPO)."""
+        """The G samples of one prefill into G slots: one prompt, G rollouts (GRPO).
+
+        Slots of one shard share the prompt's full pages (one copy, G references); each
+        slot gets its own copy of the last, partial page, which it goes on writing.
+        """
         if len(slots) != prefix.num_samples:
             raise ValueError(
                 f"bulk_insert: {len(slots)} slots for a prefix with {prefix.num_samples} samples; "
@@ -386,24 +458,50 @@ class Engine:
             )
         if len(set(slots)) != len(slots):
             raise ValueError(f"bulk_insert: slots must be distinct, got {list(slots)}")
-        return self._insert(prefix, decode_state, jnp.asarray(slots, jnp.int32))
+        return self._insert_dense(prefix, decode_state, list(slots))
+
+    def _insert_dense(self, prefix: Prefix, state: DecodeState, slots: list[int]) -> DecodeState:
+        length = int(prefix.length)
+        P = self.page_size
+        full, n = length // P, pages_for(length, P)
+        for slot in slots:
+            self.release_slot(slot)
+        tables = []
+        for shard in sorted({self.shard_of(s) for s in slots}):
+            mine = [s for s in slots if self.shard_of(s) == shard]
+            if self.pages.num_free(shard) < full + (n - full) * len(mine):
+                raise OutOfPages(
+                    f"insert: a prefix of {length} tokens into {len(mine)} slot(s) of shard {shard} needs "
+                    f"{full + (n - full) * len(mine)} pages, {self.pages.num_free(shard)} are free"
+                )
+            shared = self.pages.alloc(shard, full)
+            self.pages.incref(shard, shared * (len(mine) - 1))
+            for slot in mine:
+                pages = shared + self.pages.alloc(shard, n - full)
+                self.assign_slot(slot, pages, length)
+        tables = [self._global(self.shard_of(s), self.slots.slot_pages(s)) for s in slots]
+        state = self._sync(state)
+        if n not in self._insert_fns:
+            self._insert_fns[n] = jax.jit(
+                functools.partial(insert_step, num_pages=n), donate_argnums=(1,),
+                out_shardings=self.state_shardings,
+            )
+        return self._insert_fns[n](prefix, state, jnp.asarray(slots, jnp.int32), jnp.asarray(tables, jnp.int32))
 
     def free_resource(self, slot: int, decode_state: DecodeState | None = None) -> DecodeState | None:
-        """Release `slot` (JetStream API). With the decode state, mark the slot inactive.
+        """Release `slot` and its pages (JetStream API).
 
-        Nothing needs freeing on the device: a slot's cache row is overwritten by the next
-        insert. Marking it inactive stops it from reporting valid tokens.
+        Without the decode state the slot is deactivated on the device by the next engine
+        call that takes the state (frees are batched into one call per tick).
         """
-        if decode_state is None:
-            return None
-        return self._deactivate(decode_state, jnp.asarray([slot], jnp.int32))
+        self.release_slot(slot)
+        return None if decode_state is None else self._sync(decode_state)
 
     def extract_prefix(self, decode_state: DecodeState, slot: int, *, length: int, generated: int) -> Prefix:
-        """A copy of `slot`'s first `length` cache entries as a 1-sample `Prefix`.
+        """A dense copy of `slot`'s first `length` cache entries as a 1-sample `Prefix`.
 
-        Used between turns of a trajectory: the caller keeps the prefix (device memory of
-        `length` tokens) and frees the slot; the next turn calls `prefill(existing_prefix=
-        ..., padded_tokens=[last sampled token] + observation)`.
+        For JetStream-style callers that continue a trajectory with `prefill(existing_prefix=...)`;
+        the `Driver` keeps a session's pages instead (no copy).
 
         Args:
           length: valid entries to keep (tokens whose k/v are already in the cache).
@@ -412,26 +510,69 @@ class Engine:
         if not 0 < length < self.max_target_length:
             raise ValueError(f"extract_prefix: length={length} must be in (0, {self.max_target_length})")
         capacity = min(prefill_bucket(length, self._min_bucket, 1 << 62), self.max_target_length)
+        n = pages_for(capacity, self.page_size)
+        pages = self._global(self.shard_of(slot), self.slots.slot_pages(slot))[:n]
+        pages += [TRASH_PAGE] * (n - len(pages))
+        decode_state = self._sync(decode_state)
         if capacity not in self._extract_fns:
             self._extract_fns[capacity] = jax.jit(
-                functools.partial(self._extract_impl, capacity=capacity),
+                functools.partial(extract_step, capacity=capacity),
                 out_shardings=self.get_prefix_destination_sharding(capacity, 1),
             )
-        return self._extract_fns[capacity](decode_state, jnp.int32(slot), jnp.int32(length), jnp.int32(generated))
+        return self._extract_fns[capacity](
+            decode_state, jnp.asarray(pages, jnp.int32), jnp.int32(slot), jnp.int32(length), jnp.int32(generated)
+        )
 
-    @staticmethod
-    def _extract_impl(state: DecodeState, slot, length, generated, *, capacity):
-        row = state.cache.map(lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)[:, :, :capacity])
-        one = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=0)
-        return Prefix(
-            cache=row,
-            length=length,
-            first_tokens=one(state.last_tokens),
-            log_prob=jnp.zeros((1,), jnp.float32),
-            truncated_log_prob=jnp.zeros((1,), jnp.float32),
-            keys=one(state.keys),
-            generated=generated[None],
-            sampling=jax.tree.map(one, state.sampling),
+    # ---- batched prefill straight into pages (the Driver's path) -----------------------
+
+    def prefill_insert(
+        self, params: DecodeParams, decode_state: DecodeState, rows: Sequence[PrefillRow]
+    ) -> tuple[DecodeState, ResultTokens]:
+        """Prefill several sequences' new tokens into their pages and fill decode slots, in one call.
+
+        Row r writes the KV of ``rows[r].tokens`` at entries ``[start, start + len)`` of its
+        pages (earlier entries, e.g. a session's previous turns or a shared prompt, are read,
+        not recomputed); then its ``copies`` duplicate pages (copy-on-write of a group's last
+        partial page); then each admission samples its first token from the row's last
+        position (or takes its forced token) and fills its slot. See `paged_prefill`.
+
+        Returns:
+          the new decode state and `ResultTokens` with one row per admission, in order
+          (valid = 0 for forced tokens).
+        """
+        if not rows:
+            raise ValueError("prefill_insert: no rows")
+        P = self.page_size
+        reach = max(r.start + len(r.tokens) for r in rows)
+        window = min(pages_for(attend_bucket(reach, self.max_target_length, self._attend_granule), P),
+                     self.table_width)
+        packed = pack_rows(
+            rows, num_shards=self.num_shards, num_slots=self._slots, slots_per_shard=self._slots_per_shard,
+            pages_per_shard=self.memory_plan.pages_per_shard, page_size=P,
+            tokens_bucket=prefill_bucket(max(len(r.tokens) for r in rows), self._min_bucket, self._max_prefill),
+            window=window, max_prefill=self._max_prefill, max_length=self.max_target_length,
+        )
+        for m, a in enumerate(packed.admitted):
+            self.slots.assign(a.slot, a.pages, int(packed.adm_length[m]))
+        decode_state = self._sync(decode_state)
+        key = (packed.tokens.shape, window, packed.adm_row.shape[0], packed.copy_src.shape[0])
+        if key not in self._paged_prefill_fns:
+            step = functools.partial(
+                prefill_insert_step, config=self.config, dtype=self._dtype, page_size=P,
+                cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh,
+            )
+            self._paged_prefill_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None))
+        by_row = NamedSharding(self._mesh, PartitionSpec(self._rows_spec))
+        by_row2 = NamedSharding(self._mesh, PartitionSpec(self._rows_spec, None))
+        placed = jax.device_put(
+            (packed.tokens, packed.tables, packed.starts, packed.lengths), (by_row2, by_row2, by_row, by_row)
+        )
+        device = lambda x: jnp.asarray(x)  # noqa: E731
+        arrays = (packed.adm_row, packed.adm_slot, packed.adm_key, packed.adm_generated, packed.adm_forced,
+                  packed.adm_length)
+        return self._paged_prefill_fns[key](
+            params, decode_state, *placed, *map(device, arrays), SlotSampling(*map(device, packed.sampling)),
+            device(packed.copy_src), device(packed.copy_dst),
         )
 
     # ---- generate ---------------------------------------------------------------------
@@ -440,7 +581,7 @@ class Engine:
         hidden, cache = forward(
             params, state.last_tokens[:, None], state.lengths[:, None], state.cache, state.lengths,
             config=self.config, attend_len=attend_len, dtype=self._dtype, attention=self.decode_attention,
-            cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh,
+            cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh, page_table=state.page_table,
         )
         logits = next_token_logits(hidden[:, -1], *params.output_embedding())
         tokens, log_prob, truncated = sample(logits, step_keys(state.keys, state.generated), state.sampling)
@@ -487,24 +628,29 @@ class Engine:
     ) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot ([S] results), or `num_steps` steps in one dispatch ([N, S]).
 
-        The decode state is donated. A slot stops advancing (valid = 0) once it is inactive
-        or its cache is full; every other stop condition is checked by the caller.
+        The decode state is donated. Every live slot first gets the pages its new tokens
+        need (`reserve`; OutOfPages when a shard has too few: the `Driver` preempts before
+        that happens). A slot stops advancing (valid = 0) once it is inactive or at
+        `max_target_length`; every other stop condition is checked by the caller.
 
-        Attention reads the first W cache entries of every slot, W = `attend_bucket` of the
-        longest active slot's length + the dispatch's steps (read from the state: one small
-        device-to-host copy). A caller that tracks lengths itself may pass `attend_len`
-        (any value >= that bound, at most `max_target_length`; smaller values give wrong
-        results for the longer slots). With `decode_attention="pallas"` there is no window
-        (the kernel stops at each slot's length) and `attend_len` is ignored.
+        With the "xla" attention every slot reads the pages of the first W entries, W =
+        `attend_window` (from the host's length bounds: no device read). A caller may pass
+        `attend_len` (any value >= that bound; smaller values give wrong results for the
+        longer slots). With "pallas" there is no window (the kernel stops at each slot's
+        length) and `attend_len` is ignored.
         """
         if num_steps is not None and num_steps < 1:
             raise ValueError(f"generate: num_steps must be >= 1, got {num_steps}")
+        steps = 1 if num_steps is None else num_steps
+        for slot in self.slots.live_slots():
+            self.slots.reserve(slot, steps)
         if self.decode_attention == "pallas":
-            attend_len = self._cache_len  # the kernel bounds each slot's reads by its length itself
+            attend_len = self.table_width * self.page_size  # the kernel bounds each slot's reads by its length
         elif attend_len is None:
-            attend_len = self.attend_window(decode_state, 1 if num_steps is None else num_steps)
+            attend_len = self.attend_window(decode_state, steps)
         elif not 0 < attend_len <= self.max_target_length:
             raise ValueError(f"generate: attend_len={attend_len} must be in [1, {self.max_target_length}]")
+        decode_state = self._sync(decode_state)
         key = (num_steps, attend_len)
         if key not in self._generate_fns:
             self._generate_fns[key] = jax.jit(
@@ -512,10 +658,13 @@ class Engine:
                 donate_argnums=(1,),
                 out_shardings=(self.state_shardings, None),
             )
-        return self._generate_fns[key](params, decode_state)
+        out = self._generate_fns[key](params, decode_state)
+        self.slots.advance(steps)
+        return out
 
-    def attend_window(self, decode_state: DecodeState, num_steps: int = 1) -> int:
-        """The attention window W for `num_steps` steps of `decode_state` (see `generate`)."""
-        lengths, active = jax.device_get((decode_state.lengths, decode_state.active))
-        longest = int(lengths[active].max()) if active.any() else 0
-        return attend_bucket(longest + num_steps, self.max_target_length, self._attend_granule)
+    def attend_window(self, decode_state: DecodeState | None = None, num_steps: int = 1) -> int:
+        """The "xla" attention window W for `num_steps` steps (see `generate`): whole pages
+        covering the longest live slot's length bound + the steps."""
+        longest = self.slots.longest() if self.slots is not None else 0
+        window = attend_bucket(longest + num_steps, self.max_target_length, self._attend_granule)
+        return min(pages_for(window, self.page_size), self.table_width) * self.page_size

@@ -1,8 +1,10 @@
 """Device-side state of the rollout engine: the decode slots and prefilled prefixes.
 
-`DecodeState` holds S decode slots. Slot s owns row s of every layer's KV buffer (a
-`LayerCache`: L buffers ``[S, KV, M, K]``, updated in place by the decode step) plus
-per-slot scalars: how many cache entries are valid (`lengths`, which is also the
+`DecodeState` holds S decode slots over a paged KV cache: every layer's keys and values
+are a pool of N pages ``[N, KV, P, K]`` (a `LayerCache` of pools, updated in place by the
+decode step), and slot s reads and writes the pages listed in row s of `page_table`
+(token t at entry ``t % P`` of page ``page_table[s, t // P]``; `rollout.pages` decides
+which pages a slot gets). Per slot it also holds scalars: how many cache entries are valid (`lengths`, which is also the
 position of the next token fed), the token to feed next (`last_tokens`), how many tokens
 the request has sampled so far (`generated`, the fold-in index of its next random key), the
 request's own key, and its sampling parameters as arrays (so changing them never
@@ -34,7 +36,9 @@ class DecodeState:
     """S decode slots on the mesh.
 
     Attributes:
-      cache: KV cache, L k and v buffers ``[S, KV, M, K]``.
+      cache: KV pages, L k and v pools ``[N, KV, P, K]`` (pages split over the data axes
+        like the slots; page ids in `page_table` are local to a slot's shard).
+      page_table: [S, Tp] int32 each slot's pages (the trash page where it has none).
       lengths: [S] int32 valid cache entries = position of `last_tokens`.
       last_tokens: [S] int32 the sampled token that the next step feeds.
       generated: [S] int32 tokens the request has sampled so far (rng fold-in index).
@@ -44,12 +48,17 @@ class DecodeState:
     """
 
     cache: LayerCache
+    page_table: jax.Array
     lengths: jax.Array
     last_tokens: jax.Array
     generated: jax.Array
     keys: jax.Array
     sampling: SlotSampling
     active: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.k[0].shape[2]
 
 
 @struct.dataclass
@@ -90,6 +99,7 @@ def _slot_axes(config: DecoderConfig) -> DecodeState:
     per_slot = ("slots",)
     return DecodeState(
         cache=LayerCache.logical_axes(config),
+        page_table=("slots", None),
         lengths=per_slot,
         last_tokens=per_slot,
         generated=per_slot,
@@ -113,16 +123,19 @@ def _prefix_axes(config: DecoderConfig) -> Prefix:
     )
 
 
-def decode_state_shapes(config: DecoderConfig, slots: int, max_len: int, cache_dtype) -> DecodeState:
+def decode_state_shapes(
+    config: DecoderConfig, slots: int, num_pages: int, page_size: int, table_width: int, cache_dtype
+) -> DecodeState:
     """`jax.ShapeDtypeStruct` of every DecodeState leaf."""
-    return jax.eval_shape(lambda: init_decode_state(config, slots, max_len, cache_dtype))
+    return jax.eval_shape(lambda: init_decode_state(config, slots, num_pages, page_size, table_width, cache_dtype))
 
 
 def decode_state_shardings(
-    config: DecoderConfig, slots: int, max_len: int, cache_dtype, mesh: Mesh, rules: Rules
+    config: DecoderConfig, slots: int, num_pages: int, page_size: int, table_width: int, cache_dtype,
+    mesh: Mesh, rules: Rules,
 ) -> DecodeState:
     """NamedSharding of every DecodeState leaf (non-divisible dims replicated)."""
-    shapes = decode_state_shapes(config, slots, max_len, cache_dtype)
+    shapes = decode_state_shapes(config, slots, num_pages, page_size, table_width, cache_dtype)
     return tree_shardings(_slot_axes(config), mesh, rules, shapes=shapes)
 
 
@@ -145,11 +158,14 @@ def prefix_shardings(
     return tree_shardings(_prefix_axes(config), mesh, rules, shapes=shapes)
 
 
-def init_decode_state(config: DecoderConfig, slots: int, max_len: int, cache_dtype) -> DecodeState:
-    """All slots free: zero cache, greedy sampling, inactive."""
+def init_decode_state(
+    config: DecoderConfig, slots: int, num_pages: int, page_size: int, table_width: int, cache_dtype
+) -> DecodeState:
+    """All slots free: zero pages, every table entry on the trash page, greedy sampling, inactive."""
     zeros = jnp.zeros((slots,), jnp.int32)
     return DecodeState(
-        cache=LayerCache.init(config, slots, max_len, cache_dtype),
+        cache=LayerCache.init(config, num_pages, page_size, cache_dtype),  # [N, KV, P, K]: rows are pages
+        page_table=jnp.zeros((slots, table_width), jnp.int32),
         lengths=zeros,
         last_tokens=zeros,
         generated=zeros,

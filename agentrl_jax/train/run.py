@@ -143,6 +143,7 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
         max_target_length=r.max_sequence_length,
         max_prefill_length=r.max_prompt_length,
         cache_dtype=_DTYPES[r.cache_dtype],
+        **r.engine_kwargs(),
     )
     # Resuming at step s: the rows a killed run logged after its checkpoint (steps > s) go.
     writer = MetricsWriter(out / "metrics", total_steps=config.total_steps,
@@ -166,6 +167,7 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
             detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
             steps_per_dispatch=r.steps_per_dispatch,
             seed=config.seed,
+            prefill_token_budget=r.prefill_token_budget or None,
         )
         async with driver:
             if make_env is not None:

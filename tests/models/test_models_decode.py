@@ -254,3 +254,36 @@ def test_kernel_chunks_hand_values():
     assert kernel_chunks(128, 56, 512) == 4  # 4 divides 56 and 128 * 4 = 512
     assert kernel_chunks(48, 56, 512) == 14  # 8 would reach 384 only; 14 is the next divisor
     assert kernel_chunks(8, 56, 512) == 56  # none reaches it: every block its own chunk
+
+
+@pytest.mark.parametrize("method", decode_attention.METHODS)
+@pytest.mark.parametrize("page_size,chunks", [(16, 1), (32, 2), (64, 1)])
+def test_paged_decode_attention_kernel_equals_the_dense_one(method, page_size, chunks):
+    """The kernel reading and writing through a page table (pages shuffled, a trash page for a
+    row that writes nowhere) == the dense kernel on the rows gathered from the pages."""
+    rng = np.random.default_rng(page_size + chunks)
+    B, KV, G, K, T = 4, 2, 2, 16, 4  # T table entries per row: S = T * page_size
+    N = B * T + 1
+    pool_k, pool_v = (rng.normal(size=(N, KV, page_size, K)).astype(np.float32) for _ in range(2))
+    table = (1 + rng.permutation(B * T)).reshape(B, T).astype(np.int32)
+    S = T * page_size
+    positions = np.array([0, page_size + 3, S - 1, 2 * page_size], np.int32)
+    qkv = rng.normal(size=(B, KV, G + 2, K)).astype(np.float32)
+
+    def dense(pool):  # [B, KV, S, K] rows gathered through the table
+        return pool[table].transpose(0, 2, 1, 3, 4).reshape(B, KV, S, K)
+
+    want, want_k, want_v = decode_attention.decode_attention(
+        *map(jnp.asarray, (qkv, positions, dense(pool_k), dense(pool_v))), method=method, chunks=chunks
+    )
+    got, got_k, got_v = decode_attention.decode_attention(
+        *map(jnp.asarray, (qkv, positions, pool_k, pool_v)), page_table=jnp.asarray(table), method=method,
+        chunks=chunks, block_k=min(page_size, 32),
+    )
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    np.testing.assert_array_equal(dense(np.asarray(got_k)), np.asarray(want_k))
+    np.testing.assert_array_equal(dense(np.asarray(got_v)), np.asarray(want_v))
+    np.testing.assert_array_equal(np.asarray(got_k)[0], pool_k[0])  # the trash page: untouched here
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        decode_attention.decode_attention(*map(jnp.asarray, (qkv, positions, pool_k, pool_v)),
+                                          page_table=jnp.asarray(table), block_k=2 * page_size)

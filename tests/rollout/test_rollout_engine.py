@@ -219,7 +219,8 @@ def pallas_engine(pallas_model):
 
 def test_pallas_decode_attention_matches_teacher_forcing(pallas_engine, pallas_model):
     params = pallas_engine.load_params(pallas_model)
-    assert pallas_engine.init_decode_state().cache.k[0].shape[2] % 256 == 0
+    pool = pallas_engine.init_decode_state().cache.k[0]  # [N, KV, P, K]: pages of P entries
+    assert pool.shape[2] == pallas_engine.page_size
     [(tokens, logprobs)] = run_requests(pallas_engine, params, [PROMPT], [2], GREEDY)
     ref_logp, logits = trainer_logprobs(pallas_model, PROMPT, tokens, 1.0)
     np.testing.assert_array_equal(tokens, np.argmax(logits, -1)[len(PROMPT) - 1 : -1])

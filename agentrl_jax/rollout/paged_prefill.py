@@ -1,0 +1,173 @@
+"""Batched prefill straight into KV pages: the rows of one tick, packed into one jitted call.
+
+`Engine.prefill_insert` takes `PrefillRow`s (one per sequence: its new tokens, where they
+start, its pages) and `Admission`s (the decode slots to fill from a row's last position).
+`pack_rows` lays them out as fixed, bucketed arrays (rows per data shard, tokens,
+attention window in pages; admissions and page copies are padded to the slot count), each row in the data shard that owns
+its pages so the prefill's attention and cache writes stay on its devices;
+`prefill_insert_step` is the traced body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentrl_jax.models.decode import forward
+from agentrl_jax.rollout.pages import TRASH_PAGE, pages_for
+from agentrl_jax.rollout.result_tokens import ResultTokens
+from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, next_token_logits, sample, step_keys
+from agentrl_jax.rollout.slot_table import bucket
+from agentrl_jax.rollout.state import DecodeState
+
+
+@dataclasses.dataclass
+class Admission:
+    """A decode slot filled from a `PrefillRow`.
+
+    Attributes:
+      slot: the slot (in the row's shard).
+      pages: the slot's page table; the slot takes over one reference to each page.
+      key: [2] uint32, the request's key (`request_key(seed, sample)`).
+      generated: tokens this sample has sampled before (the fold-in index of the next one).
+      sampling: its sampling parameters.
+      forced_token: >= 0 to feed this (already sampled) token instead of sampling one: a
+        preempted sequence resuming.
+    """
+
+    slot: int
+    pages: Sequence[int]
+    key: np.ndarray
+    generated: int
+    sampling: SamplingParams
+    forced_token: int = -1
+
+
+@dataclasses.dataclass
+class PrefillRow:
+    """New tokens of one sequence, written into its pages.
+
+    Attributes:
+      shard: the data shard that owns ``pages``.
+      pages: local page ids covering entries ``[0, start + len(tokens))``.
+      start: entries already in the pages (earlier turns, a shared prompt).
+      tokens: the new tokens (at most ``max_prefill_length``).
+      admissions: slots to fill from this row's last position (none for a middle chunk).
+      copies: ``(src, dst)`` pages of the shard to copy after the write (copy-on-write).
+    """
+
+    shard: int
+    pages: Sequence[int]
+    start: int
+    tokens: np.ndarray
+    admissions: list[Admission] = dataclasses.field(default_factory=list)
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class PackedRows:
+    """`pack_rows`' arrays: R = D x rows-per-shard rows of T tokens, M admissions, C copies."""
+
+    tokens: np.ndarray  # [R, T]
+    tables: np.ndarray  # [R, window] local page ids
+    starts: np.ndarray  # [R]
+    lengths: np.ndarray  # [R] new tokens per row (1 for padding rows)
+    adm_row: np.ndarray  # [M]
+    adm_slot: np.ndarray  # [M], S for padding (dropped)
+    adm_key: np.ndarray  # [M, 2]
+    adm_generated: np.ndarray  # [M]
+    adm_forced: np.ndarray  # [M], -1 = sample
+    adm_length: np.ndarray  # [M] the slot's length after the prefill
+    sampling: tuple[np.ndarray, np.ndarray, np.ndarray]  # temperature, top_k, top_p [M]
+    copy_src: np.ndarray  # [C] global page ids
+    copy_dst: np.ndarray  # [C]
+    admitted: list[Admission]
+
+
+def pack_rows(
+    rows: Sequence[PrefillRow], *, num_shards: int, num_slots: int, slots_per_shard: int, pages_per_shard: int,
+    page_size: int, tokens_bucket: int, window: int, max_prefill: int, max_length: int,
+) -> PackedRows:
+    """Lay the rows out in bucketed arrays, each row in its shard's block of rows."""
+    per_shard = [[r for r in rows if r.shard == d] for d in range(num_shards)]
+    most = max(len(x) for x in per_shard)
+    rows_per_shard = 1 << (2 * -(-max(most - 1, 0).bit_length() // 2))  # powers of 4: few compiled shapes
+    R = num_shards * rows_per_shard
+    tokens = np.zeros((R, tokens_bucket), np.int32)
+    tables = np.full((R, window), TRASH_PAGE, np.int32)
+    starts, lengths = np.zeros((R,), np.int32), np.ones((R,), np.int32)
+    index = {id(r): d * rows_per_shard + j for d in range(num_shards) for j, r in enumerate(per_shard[d])}
+    admitted = [(index[id(r)], a) for r in rows for a in r.admissions]  # results in the caller's order
+    M = max(num_slots, len(admitted))  # fixed: one compiled shape fewer per prefill call
+    out = PackedRows(
+        tokens, tables, starts, lengths, np.zeros((M,), np.int32), np.full((M,), num_slots, np.int32),
+        np.zeros((M, 2), np.uint32), np.zeros((M,), np.int32), np.full((M,), -1, np.int32), np.zeros((M,), np.int32),
+        (np.zeros((M,), np.float32), np.zeros((M,), np.int32), np.ones((M,), np.float32)),
+        *_copies(rows, pages_per_shard, num_slots), admitted=[a for _, a in admitted],
+    )
+    for d in range(num_shards):
+        for j, r in enumerate(per_shard[d]):
+            i, n = d * rows_per_shard + j, len(r.tokens)
+            if not 1 <= n <= max_prefill:
+                raise ValueError(f"prefill_insert: {n} tokens in a row; 1 to max_prefill_length={max_prefill}")
+            if r.start + n >= max_length or len(r.pages) < pages_for(r.start + n, page_size):
+                raise ValueError(
+                    f"prefill_insert: a row of {r.start} + {n} tokens with {len(r.pages)} pages of {page_size} "
+                    f"(max_target_length={max_length})"
+                )
+            tokens[i, :n], starts[i], lengths[i] = r.tokens, r.start, n
+            tables[i, : min(len(r.pages), window)] = r.pages[:window]
+    for m, (i, a) in enumerate(admitted):
+        if a.slot // slots_per_shard != i // rows_per_shard:
+            raise ValueError(f"prefill_insert: slot {a.slot} is not in the shard of its row's pages")
+        out.adm_row[m], out.adm_slot[m], out.adm_key[m], out.adm_generated[m] = i, a.slot, a.key, a.generated
+        out.adm_forced[m], out.adm_length[m] = a.forced_token, starts[i] + lengths[i]
+        for field, value in zip(out.sampling, (a.sampling.temperature, a.sampling.top_k, a.sampling.top_p)):
+            field[m] = value
+    return out
+
+
+def _copies(rows: Sequence[PrefillRow], pages_per_shard: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    pairs = [(r.shard * pages_per_shard + s, r.shard * pages_per_shard + t) for r in rows for s, t in r.copies]
+    size = max(size, len(pairs))
+    src, dst = np.zeros((size,), np.int32), np.zeros((size,), np.int32)
+    for i, (s, t) in enumerate(pairs):
+        src[i], dst[i] = s, t
+    return src, dst  # padding copies the trash page of shard 0 onto itself
+
+
+def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, lengths, adm_row, adm_slot, adm_key,
+                        adm_generated, adm_forced, adm_length, sampling: SlotSampling, copy_src, copy_dst, *,
+                        config, dtype, page_size, cache_spec, mesh):
+    """Traced body of `Engine.prefill_insert`: write the rows' KV, copy pages, sample, fill slots."""
+    positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    hidden, cache = forward(
+        params, tokens, positions, state.cache, starts, config=config, attend_len=tables.shape[1] * page_size,
+        dtype=dtype, page_table=tables, cache_spec=cache_spec, mesh=mesh,
+    )
+    cache = cache.map(lambda pool: pool.at[copy_dst].set(pool[copy_src]))
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
+    logits = next_token_logits(last[adm_row], *params.output_embedding())
+    sampled, log_prob, truncated = sample(logits, step_keys(adm_key, adm_generated), sampling)
+    forced = adm_forced >= 0
+    first = jnp.where(forced, adm_forced, sampled)
+    generated = jnp.where(forced, adm_generated, adm_generated + 1)
+
+    def put(field, values):
+        return field.at[adm_slot].set(values, mode="drop")
+
+    state = state.replace(
+        cache=cache,
+        lengths=put(state.lengths, adm_length),
+        last_tokens=put(state.last_tokens, first),
+        generated=put(state.generated, generated),
+        keys=put(state.keys, adm_key),
+        sampling=jax.tree.map(put, state.sampling, sampling),
+        active=put(state.active, True),
+    )
+    valid = ~forced & (adm_slot < state.lengths.shape[0])
+    return state, ResultTokens.pack(first, valid, generated, log_prob, truncated)

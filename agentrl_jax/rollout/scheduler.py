@@ -1,0 +1,387 @@
+"""Who holds which KV pages between the driver's ticks: sequences waiting for prefill, sessions
+between turns, and the choices the driver makes when pages run out.
+
+Host-side bookkeeping only (no device calls); `driver.Driver` runs it inside its tick.
+
+- `Sequence` is one sample of a request (a track): its tokens so far, its key and sample
+  counter (so a re-prefill after preemption samples exactly what an uninterrupted run would).
+- `Pending` is KV work waiting for a prefill: the full token list whose KV must be in
+  pages, how much of it already is, the pages holding that part, and the sequences that
+  will decode from it (G for a prompt shared by a group or by identical prompts that
+  arrived in the same tick; the full pages are then shared, the last partial page copied).
+- `Session` keeps a multi-turn trajectory's pages while its tool runs, plus the token
+  history those pages hold, so an evicted session can be rebuilt exactly.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from collections.abc import Callable
+
+import numpy as np
+
+from agentrl_jax.rollout.paged_prefill import Admission, PrefillRow
+from agentrl_jax.rollout.pages import OutOfPages, pages_for
+from agentrl_jax.rollout.sampling import request_key
+
+_order = itertools.count()
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    """One sample of a request, from admission to its last token.
+
+    Attributes:
+      request: the driver's request (`driver._Request`).
+      index: the sample index within the request.
+      key: [2] uint32 request key of this sample.
+      generated_base: tokens the sample's key had sampled before this turn (sessions).
+      context: tokens whose KV precedes this turn's input (a session's history).
+      slot: the decode slot while decoding, else None.
+      admitted: admission order (preemption takes the newest first).
+    """
+
+    request: object
+    index: int
+    key: np.ndarray
+    generated_base: int
+    context: list[int]
+    slot: int | None = None
+    admitted: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    truncated: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def kv_start(self) -> int:
+        """Cache entries before this turn's first sampled token."""
+        return len(self.context) + len(self.request.prompt)
+
+    def resume_tokens(self) -> tuple[list[int], int]:
+        """(tokens whose KV a resumed sequence needs, the token it feeds next)."""
+        return self.context + list(self.request.prompt) + self.tokens[:-1], self.tokens[-1]
+
+
+@dataclasses.dataclass(eq=False)
+class Pending:
+    """KV work waiting for prefill (see the module docstring).
+
+    Attributes:
+      tokens: every token whose KV must be in pages before decoding starts.
+      done: how many of them already are (in ``pages``, of ``shard``).
+      sequences: who decodes from it once it is complete.
+      forced: the token a resumed sequence feeds next (no sampling), or -1.
+      session: the session whose history this continues (its pages moved here).
+    """
+
+    tokens: list[int]
+    sequences: list[Sequence]
+    done: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    shard: int | None = None
+    forced: int = -1
+    session: object | None = None
+
+    @property
+    def fresh(self) -> bool:
+        """A new prompt: nothing prefilled, no history, nothing forced (may merge with an identical one)."""
+        first_turn = self.session is None or not self.session.started
+        return self.done == 0 and self.forced < 0 and first_turn and not self.pages
+
+
+class Session:
+    """A multi-turn trajectory's handle: its KV pages between turns and the tokens they hold.
+
+    Create with `Driver.session()`, pass to every `generate` call of the trajectory, and
+    `close()` it when the episode ends to release its pages.
+
+    Attributes:
+      history: tokens whose KV the session's pages hold (every earlier turn except the
+        last sampled token, which the next turn feeds first).
+      pending_token: the last sampled token.
+      generated: tokens the session has sampled (its key's counter).
+    """
+
+    def __init__(self, scheduler=None):
+        self._scheduler = scheduler
+        self.history: list[int] = []
+        self.pages: list[int] = []
+        self.shard: int | None = None
+        self.pending_token: int | None = None
+        self.key: np.ndarray | None = None
+        self.generated = 0
+        self.busy = False
+        self.broken: str | None = None
+        self.closed = False
+        self.last_used = 0
+
+    def close(self) -> None:
+        """Release the session's pages (at the driver's next tick) and forget its history."""
+        self.closed = True
+        if self._scheduler is not None:
+            self._scheduler.closing.append(self)
+
+    @property
+    def started(self) -> bool:
+        return self.pending_token is not None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens of the trajectory whose KV the session's pages hold now."""
+        return len(self.history) if self.pages else 0
+
+    def touch(self) -> None:
+        self.last_used = next(_order)
+
+
+class Scheduler:
+    """The driver's page and slot policy (host side; the driver runs it inside its tick).
+
+    Args:
+      engine: the paged engine (its allocator and slot table).
+      steps: decode steps per dispatch (pages reserved ahead for them).
+      budget: new tokens prefilled per tick.
+
+    Attributes:
+      waiting: pending KV work in admission order (preempted sequences go first).
+      slots: the sequence decoding in each busy slot.
+      sessions: sessions holding pages between turns (evictable, oldest first).
+      closing: sessions closed since the last tick (their pages are released then).
+      preemptions, evictions, shared_prefills: counters (see `Driver`).
+    """
+
+    def __init__(self, engine, steps: int, budget: int):
+        self.engine = engine
+        self.steps = steps
+        self.budget = budget
+        self.waiting: collections.deque[Pending] = collections.deque()
+        self.slots: dict[int, Sequence] = {}
+        self.sessions: set[Session] = set()
+        self.closing: list[Session] = []
+        self._admitted = itertools.count()
+        self.preemptions = 0
+        self.evictions = 0
+        self.shared_prefills = 0
+
+    def end_turn(self, track: Sequence) -> None:
+        """A sequence stopped: free its slot; a session takes over its pages and its history."""
+        session = track.request.session
+        if session is None or session.closed:
+            self.engine.release_slot(track.slot)
+        else:
+            session.pages = self.engine.release_slot(track.slot, keep_pages=True)
+            session.shard = self.engine.shard_of(track.slot)
+            session.history = track.context + track.request.prompt.tolist() + track.tokens[:-1]
+            session.pending_token = track.tokens[-1]
+            session.key, session.generated = track.key, track.generated_base + len(track.tokens)
+            session.touch()
+            if session.pages:
+                self.sessions.add(session)
+        del self.slots[track.slot]
+        track.slot = None
+
+    def release_closed(self) -> None:
+        closing, self.closing = self.closing, []
+        for session in closing:
+            if session.pages:
+                self.engine.pages.release(session.shard, session.pages)
+            session.pages, session.shard, session.history = [], None, []
+            self.sessions.discard(session)
+
+    def drop_cancelled(self) -> None:
+        """Requests whose caller gave up: free their slots, pages and waiting work."""
+        for slot, track in list(self.slots.items()):
+            if track.request.future.cancelled():
+                self.engine.release_slot(slot)
+                del self.slots[slot]
+                self.break_session(track.request.session, "its turn was cancelled")
+        for pending in list(self.waiting):
+            cancelled = [s for s in pending.sequences if s.request.future.cancelled()]
+            pending.sequences = [s for s in pending.sequences if s not in cancelled]
+            if not pending.sequences:
+                self.waiting.remove(pending)
+                if pending.pages:
+                    self.engine.pages.release(pending.shard, pending.pages)
+            for track in cancelled:
+                self.break_session(track.request.session, "its turn was cancelled")
+
+    def break_session(self, session: Session | None, why: str) -> None:
+        if session is not None:
+            session.broken = why
+
+    def enqueue(self, request) -> None:
+        """A request becomes pending KV work (a session's turn takes over the session's pages)."""
+        session = request.session
+        context = list(session.history) if session is not None and session.started else []
+        if session is not None and session.started:
+            key, base = session.key, session.generated
+            keys = [key]
+        else:
+            base = 0
+            keys = [np.asarray(request_key(request.sampling.seed, g)) for g in range(request.num_samples)]
+        sequences = [Sequence(request, g, keys[g], base, context) for g in range(request.num_samples)]
+        pending = Pending(tokens=context + request.prompt.tolist(), sequences=sequences, session=session)
+        if session is not None and session.pages:
+            pending.pages, pending.shard, pending.done = session.pages, session.shard, len(session.history)
+            session.pages, session.shard = [], None
+            self.sessions.discard(session)
+        if pending.fresh:  # identical prompts waiting together share one prefill (if one shard can hold them)
+            for other in self.waiting:
+                if other.fresh and other.tokens == pending.tokens and self.fits(other, len(sequences)):
+                    other.sequences += sequences
+                    return
+        self.waiting.append(pending)
+
+    def pages_needed(self, pending: Pending, samples: int) -> int:
+        """Pages a complete prefill of ``pending`` for ``samples`` sequences takes, with their first
+        dispatch: shared full pages, then per sample its partial page and the pages of its next steps."""
+        P = self.engine.page_size
+        length = len(pending.tokens)
+        full = length // P
+        reach = min(length + self.steps, self.engine.max_target_length)
+        return full + samples * (pages_for(reach, P) - full)
+
+    def fits(self, pending: Pending, extra: int) -> bool:
+        """Whether ``extra`` more samples can join ``pending`` (one shard's slots and pages)."""
+        samples = len(pending.sequences) + extra
+        return (samples <= self.engine.max_concurrent_decodes // self.engine.num_shards
+                and self.pages_needed(pending, samples) <= self.engine.pages.usable_pages)
+
+    def plan_prefill(self, resolved: list) -> tuple[list[PrefillRow], list[Sequence]]:
+        """This tick's prefill rows under the token budget, and the sequences they admit to slots."""
+        engine, P = self.engine, self.engine.page_size
+        budget = self.budget
+        free_slots = {d: [s for s in engine.shard_slots(d) if s not in self.slots] for d in range(engine.num_shards)}
+        rows, admitted, finished = [], [], []
+        for pending in list(self.waiting):
+            if budget <= 0:
+                break
+            remaining = len(pending.tokens) - pending.done
+            chunk = min(remaining, engine.max_prefill_length, budget)
+            final = chunk == remaining
+            G = len(pending.sequences)
+            shard = pending.shard
+            if shard is None:
+                shard = max(range(engine.num_shards), key=lambda d: (len(free_slots[d]) >= G, engine.pages.num_free(d)))
+            if final and len(free_slots[shard]) < G:
+                continue
+            end = pending.done + chunk
+            need = pages_for(end, P) - len(pending.pages)
+            if final:  # every sample's partial page and first dispatch, minus what the pending holds
+                need = self.pages_needed(pending, G) - len(pending.pages)
+            if not self.free_pages(shard, need):
+                continue
+            pending.shard = shard
+            pending.pages += engine.pages.alloc(shard, max(pages_for(end, P) - len(pending.pages), 0))
+            row = PrefillRow(shard=shard, pages=list(pending.pages), start=pending.done,
+                             tokens=np.asarray(pending.tokens[pending.done:end], np.int32))
+            pending.done = end
+            budget -= chunk
+            if final:
+                self.admit(pending, row, free_slots[shard])
+                admitted += pending.sequences
+                finished.append(pending)
+            rows.append(row)
+        for pending in finished:
+            self.waiting.remove(pending)
+        if not rows and not self.slots:
+            self.unblock(resolved)
+        return rows, admitted
+
+    def admit(self, pending: Pending, row: PrefillRow, free: list[int]) -> None:
+        """Fill G slots from a complete pending prefill: shared full pages, copied partial page."""
+        engine, P = self.engine, self.engine.page_size
+        length = len(pending.tokens)
+        full = length // P
+        shared, last = pending.pages[:full], pending.pages[full:]
+        self.shared_prefills += len(pending.sequences) - 1
+        for g, track in enumerate(pending.sequences):
+            slot = free.pop(0)
+            if g == 0:
+                pages = shared + last  # takes over the pending's references
+            else:
+                engine.pages.incref(pending.shard, shared)
+                own = engine.pages.alloc(pending.shard, len(last))
+                row.copies += list(zip(last[:1], own[:1]))
+                pages = shared + own
+            track.slot, track.admitted = slot, next(self._admitted)
+            self.slots[slot] = track
+            key, generated = track.key, track.generated_base + len(track.tokens)
+            # the pages of its first dispatch (checked free with the prefill's)
+            reach = min(length + self.steps, engine.max_target_length)
+            pages = pages + engine.pages.alloc(pending.shard, max(pages_for(reach, P) - len(pages), 0))
+            row.admissions.append(Admission(slot, pages, key, generated, track.request.sampling, pending.forced))
+
+    def unblock(self, resolved: list) -> None:
+        """Nothing decodes and nothing could be admitted: waiting sequences hold pages each other need.
+
+        Every waiting sequence but the first gives its pages back (it re-prefills later); if
+        the first cannot fit even into an otherwise empty shard, it fails alone.
+        """
+        head, *rest = self.waiting
+        freed = False
+        for pending in rest:
+            if pending.pages:
+                self.engine.pages.release(pending.shard, pending.pages)
+                pending.pages, pending.shard, pending.done = [], None, 0
+                freed = True
+        if freed:
+            return  # the next tick admits the head
+        needed = len(head.tokens) - head.done
+        self.waiting.popleft()
+        if head.pages:
+            self.engine.pages.release(head.shard, head.pages)
+        error = ValueError(
+            f"generate: {len(head.sequences)} sample(s) of a {len(head.tokens)}-token sequence ({needed} to prefill) "
+            f"do not fit the KV pages of one shard ({self.engine.memory_plan.describe()}); raise "
+            "rollout.kv_cache_bytes / rollout.kv_cache_memory_fraction or shorten the prompt"
+        )
+        for track in head.sequences:
+            resolved.append((track.request.future, error))
+            self.break_session(track.request.session, "its turn did not fit the KV budget")
+
+    def free_pages(self, shard: int, need: int) -> bool:
+        """Make ``need`` pages free in ``shard`` by evicting idle sessions (oldest first)."""
+        pages = self.engine.pages
+        while pages.num_free(shard) < need:
+            idle = [s for s in self.sessions if s.shard == shard]
+            if not idle:
+                return False
+            victim = min(idle, key=lambda s: s.last_used)
+            pages.release(shard, victim.pages)
+            victim.pages, victim.shard = [], None
+            self.sessions.discard(victim)
+            self.evictions += 1
+        return True
+
+    def reserve_pages(self, finish: Callable[[Sequence], None]) -> None:
+        """Pages for every decoding slot's next dispatch, oldest first; when a shard runs out, evict
+        an idle session, else preempt the newest sequence of that shard."""
+        engine = self.engine
+        for track in sorted(self.slots.values(), key=lambda t: t.admitted):
+            while track.slot is not None:
+                try:
+                    engine.reserve(track.slot, self.steps)
+                    break
+                except OutOfPages:
+                    shard = engine.shard_of(track.slot)
+                    if self.free_pages(shard, engine.pages.num_free(shard) + 1):
+                        continue
+                    victims = [t for t in self.slots.values() if t is not track and engine.shard_of(t.slot) == shard]
+                    if not victims:  # alone in its shard and still too long: the budget cannot hold it
+                        finish(track)  # ends with "capacity"
+                        break
+                    self.preempt(max(victims, key=lambda t: t.admitted))
+
+    def preempt(self, track: Sequence) -> None:
+        """Free a decoding sequence's slot and pages; it waits (first in line) to be re-prefilled."""
+        self.engine.release_slot(track.slot)
+        del self.slots[track.slot]
+        track.slot = None
+        tokens, forced = track.resume_tokens()
+        self.waiting.appendleft(Pending(tokens=tokens, sequences=[track], forced=forced))
+        self.preemptions += 1
+

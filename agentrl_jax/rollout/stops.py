@@ -1,0 +1,75 @@
+"""Stop strings, checked on the host without detokenizing after every token.
+
+A stop string ends a turn when it appears in the text of the turn's tokens. Its last
+character has to come from the token that completes it, so a token whose own text does
+not contain that character cannot complete it, and nothing needs decoding. Token texts
+are cached per token id (`TokenTexts`: one `detokenize([id])` per distinct id, shared by
+every request of a driver), and only a token that could complete a stop string triggers
+the real check: decoding a bounded tail of the sequence in context.
+
+A single token's text can differ from its text in context (byte-fallback pieces of one
+UTF-8 character, SentencePiece's leading space), so tokens whose own text is empty or
+holds a replacement character always get the full check, and so does every token when a
+stop string ends in whitespace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+class TokenTexts:
+    """``detokenize([token])`` per token id, computed once each."""
+
+    def __init__(self, detokenize: Callable[[Sequence[int]], str]):
+        self.detokenize = detokenize
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.detokenize([token])
+        return text
+
+
+class StopMatcher:
+    """Finds the first stop string completed by a sequence's newest token.
+
+    Args:
+      stop_strings: the strings (non-empty).
+      texts: the driver's `TokenTexts`.
+      tail_tokens: tokens decoded per full check beyond the longest stop string's length
+        in characters (a token is at least one character except for byte-fallback pieces,
+        which the extra tokens cover).
+
+    Attributes:
+      full_checks: how many times a tail was detokenized (the rest were skipped).
+    """
+
+    def __init__(self, stop_strings: Sequence[str], texts: TokenTexts, tail_tokens: int = 4):
+        if any(not s for s in stop_strings):
+            raise ValueError("stop_strings: an empty stop string would stop at once")
+        self.stop_strings = tuple(stop_strings)
+        self._texts = texts
+        self._last_chars = frozenset(s[-1] for s in stop_strings)
+        self._always = any(c.isspace() for c in self._last_chars)
+        self._window = max(len(s) for s in stop_strings) + tail_tokens
+        self.full_checks = 0
+
+    def could_complete(self, token: int) -> bool:
+        """False only when ``token`` cannot be the one that completes a stop string."""
+        if self._always:
+            return True
+        text = self._texts(token)
+        return not text or "\ufffd" in text or any(c in text for c in self._last_chars)
+
+    def match(self, tokens: Sequence[int]) -> str | None:
+        """The stop string that the text of ``tokens`` contains near its end, or None."""
+        if not self.could_complete(tokens[-1]):
+            return None
+        self.full_checks += 1
+        tail = self._texts.detokenize(tokens[-self._window :])
+        for stop in self.stop_strings:
+            if stop in tail:
+                return stop
+        return None

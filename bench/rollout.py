@@ -1,0 +1,180 @@
+"""Agentic rollout throughput through the `Driver`, next to the same engine's raw decode.
+
+Usage (GPU):
+    python bench/rollout.py --size 1.7b --groups 8 --group-size 8 --turns 4 --turn-tokens 128
+    python bench/rollout.py --size 1.7b --groups 8 --group-size 8 --turns 1 --turn-tokens 512
+Quick check (CPU, < 1 min):
+    python bench/rollout.py --tiny
+
+Qwen3 shapes with random bf16 weights (no download; `bench/decode.py`'s table). The workload
+is `--groups` GRPO groups of `--group-size` episodes, all in flight at once (one decode slot
+each). Every episode of a group starts from the group's `--prompt`-token prompt (the driver
+prefills it once and shares its pages) and runs `--turns` turns in one session: a turn
+samples a length drawn uniformly from [turn_tokens / 2, 3 turn_tokens / 2] (random weights
+never stop by themselves, so `max_new_tokens` forces the ragged lengths), then the "tool"
+answers after `--tool-latency` seconds with `--observation` random tokens, which the next
+turn prefills into the session's pages. One untimed pass compiles the shapes it meets; two
+timed passes use other seeds and the last one is reported (with how many shapes the timed
+passes still had to compile).
+
+Reported: sampled tokens / wall time of the timed pass, and the raw decode rate of the
+same engine at the same concurrency (every slot filled, `steps_per_dispatch`-step
+dispatches at the workload's mean context, results read after every dispatch), and their
+ratio; plus preemptions, evictions and shared prefills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _model(size: str):
+    import jax.numpy as jnp
+    from decode import QWEN3
+    from flax import nnx
+
+    from agentrl_jax.models import Decoder, DecoderConfig
+
+    vocab, d, f, layers, heads, kv, k, tie = QWEN3[size]
+    config = DecoderConfig(
+        architecture="qwen3", vocab_size=vocab, hidden_size=d, intermediate_size=f, num_layers=layers,
+        num_heads=heads, num_kv_heads=kv, head_dim=k, qk_norm=True, tie_word_embeddings=tie,
+        rope_theta=1_000_000.0, max_position_embeddings=40960,
+    )
+    dtype = jnp.float32 if size == "tiny" else jnp.bfloat16
+    return Decoder(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)), dtype
+
+
+async def _rollout(driver, args, vocab: int, seed: int) -> dict:
+    import numpy as np
+
+    from agentrl_jax.rollout import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    low, high = args.turn_tokens // 2, 3 * args.turn_tokens // 2
+
+    async def episode(prompt: list[int], index: int) -> int:
+        session = driver.session()
+        sampled, pending = 0, prompt
+        try:
+            for _ in range(args.turns):
+                length = int(rng.integers(low, high + 1))
+                completion = await driver.generate(
+                    pending, SamplingParams(temperature=1.0, seed=seed * 100_003 + index), max_new_tokens=length,
+                    session=session,
+                )
+                sampled += len(completion.token_ids)
+                await asyncio.sleep(args.tool_latency)
+                pending = rng.integers(0, vocab, args.observation).tolist()
+        finally:
+            session.close()
+        return sampled
+
+    prompts = [rng.integers(0, vocab, args.prompt).tolist() for _ in range(args.groups)]
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(episode(prompts[i // args.group_size], i)
+                                    for i in range(args.groups * args.group_size)))
+    return {"sampled_tokens": sum(counts), "seconds": time.perf_counter() - t0}
+
+
+def _raw_decode(engine, params, args, vocab: int) -> float:
+    """Tokens/s of `engine.generate` with every slot holding a `--prompt`-token prompt (the
+    driver's decode loop without prefills, tools or stop checks)."""
+    import jax
+    import numpy as np
+
+    from agentrl_jax.rollout import SamplingParams
+
+    tokens = np.random.default_rng(1).integers(0, vocab, args.prompt).astype(np.int32)
+    prefix, _ = engine.prefill(params=params, padded_tokens=tokens, true_length=tokens.size,
+                               sampler=SamplingParams(temperature=1.0, seed=0))
+    dispatches = max(args.turns * args.turn_tokens // args.steps_per_dispatch, 2)
+    for _ in range(2):  # the first pass compiles
+        state = engine.init_decode_state()
+        state = _fill(engine, prefix, state)
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        for _ in range(dispatches):
+            state, result = engine.generate(params, state, num_steps=args.steps_per_dispatch)
+            result.convert_to_numpy()
+        seconds = time.perf_counter() - t0
+    return engine.max_concurrent_decodes * dispatches * args.steps_per_dispatch / seconds
+
+
+def _fill(engine, prefix, state):
+    for slot in range(engine.max_concurrent_decodes):
+        state = engine.insert(prefix, state, slot)
+    return state
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="1.7b")
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turn-tokens", type=int, default=128)
+    parser.add_argument("--observation", type=int, default=32)
+    parser.add_argument("--tool-latency", type=float, default=0.0)
+    parser.add_argument("--steps-per-dispatch", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=32)
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: a < 1 min smoke run")
+    parser.add_argument("--json", help="also write the result to this JSON file")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.size, args.groups, args.group_size, args.prompt, args.turns = "tiny", 2, 2, 16, 2
+        args.turn_tokens, args.observation, args.steps_per_dispatch, args.page_size = 16, 4, 4, 8
+
+    import jax
+
+    from agentrl_jax.rollout import Driver, Engine
+    from agentrl_jax.sharding import make_mesh
+
+    model, dtype = _model(args.size)
+    vocab = model.config.vocab_size
+    slots = args.groups * args.group_size
+    longest = args.prompt + args.turns * (3 * args.turn_tokens // 2 + args.observation + 1) + 1
+    engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=slots,
+                    max_target_length=longest, max_prefill_length=max(args.prompt, 16), cache_dtype=dtype,
+                    page_size=args.page_size)
+
+    async def run():
+        async with Driver(engine, model, steps_per_dispatch=args.steps_per_dispatch) as driver:
+            warm = await _rollout(driver, args, vocab, seed=1)
+            shapes = len(engine._paged_prefill_fns) + len(engine._generate_fns)
+            passes = [await _rollout(driver, args, vocab, seed=seed) for seed in (2, 3)]
+            counters = {"preemptions": driver.preemptions, "evictions": driver.evictions,
+                        "shared_prefills": driver.shared_prefills,
+                        "shapes_compiled_in_timed_passes": len(engine._paged_prefill_fns) + len(engine._generate_fns)
+                        - shapes}
+        return warm, passes, counters
+
+    warm, passes, counters = asyncio.run(run())
+    timed = passes[-1]
+    raw = _raw_decode(engine, engine.load_params(model), args, vocab)
+    rate = timed["sampled_tokens"] / timed["seconds"]
+    row = {
+        "device": jax.devices()[0].device_kind, "size": args.size, "episodes": slots, "turns": args.turns,
+        "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size,
+        "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": round(raw), "ratio": round(rate / raw, 3),
+        "warmup_s": round(warm["seconds"], 1), "sampled_tokens": timed["sampled_tokens"], **counters,
+        "compiled_prefill_shapes": len(engine._paged_prefill_fns), "compiled_decode_shapes": len(engine._generate_fns),
+        "memory_plan": engine.memory_plan.describe(),
+    }
+    print(json.dumps(row))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(row, f)
+
+
+if __name__ == "__main__":
+    main()
