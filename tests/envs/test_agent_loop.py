@@ -81,7 +81,7 @@ class NeverAnswers(ReToolEnv):
         super().__init__(pool=None, verifier=None, config=config)
         self.observation = observation
 
-    async def step(self, action_text: str, num_sampled_tokens: int = 0) -> StepResult:
+    async def step(self, action_text: str) -> StepResult:
         self.turns += 1
         self.response += action_text
         return StepResult(self.observation, 0.0, False, {})
@@ -102,9 +102,9 @@ class Scripted(Environment):
         if action == "raise":
             raise RuntimeError("scripted environment failure")
         if action == "answer":
-            return StepResult("", 1.0, True, {"finish_reason": "answer", "correct": True})
+            return StepResult("", 1.0, True, finish_reason="answer", correct=True)
         if action == "no_answer":
-            return StepResult("", -1.0, True, {"finish_reason": "no_answer", "correct": False})
+            return StepResult("", -1.0, True, finish_reason="no_answer", correct=False)
         return StepResult("ok", 0.0, False, {})
 
 

@@ -1,135 +1,22 @@
-"""Typed, frozen, validated experiment configuration.
+"""The sections of an experiment's Config: model, mesh, rollout, algorithm, ..., and Config.
 
-A config file is Python: ``configs/retool.py`` defines ``get_config() -> Config``. The
-command line overrides any field with ``--set section.field=value``; the value is
-converted to the field's declared type. Unknown keys, wrong types and impossible
-combinations fail at load time with a :class:`ConfigError` that names the field and
-what is allowed.
-
-Every field carries its documentation in ``metadata["doc"]``; ``describe(Config)``
-prints them.
+Each section is a frozen dataclass whose fields carry their documentation; the machinery
+(type checks, overrides, loading) is in ``config/core.py``, and the environment sections
+(one per environment, chosen by ``environment.name``) are in ``config/environments.py``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
-import json
-import sys
-import types
-import typing
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
-
-class ConfigError(ValueError):
-    """A configuration error; the message names the field and the allowed values."""
-
-
-def _f(default: Any, doc: str, **kw: Any) -> Any:
-    if isinstance(default, (list, dict, set)):
-        raise TypeError("use a tuple or a default_factory for mutable defaults")
-    return field(default=default, metadata={"doc": doc, **kw})
-
-
-def _section(default_factory: Any, doc: str) -> Any:
-    return field(default_factory=default_factory, metadata={"doc": doc})
-
-
-DType = Literal["float32", "bfloat16"]
-
-
-class _Section:
-    """Base of every config section: type checks every field after construction."""
-
-    def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            coerced = _check_type(value, hints[f.name], self._path(f.name))
-            if coerced is not value:
-                object.__setattr__(self, f.name, coerced)
-        self.validate()
-
-    def validate(self) -> None:
-        """Section-level checks; subclasses raise ConfigError naming the field."""
-
-    def _path(self, name: str) -> str:
-        return f"{_SECTION_NAMES.get(type(self).__name__, type(self).__name__)}.{name}"
-
-
-def _type_name(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    return getattr(tp, "__name__", str(tp))
-
-
-def _check_type(value: Any, tp: Any, path: str) -> Any:
-    """Check ``value`` against annotation ``tp``; return it (ints widen to floats)."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{path}: got {value!r}; allowed values are {', '.join(map(repr, args))}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        errors = []
-        for a in args:
-            if a is type(None):
-                if value is None:
-                    return value
-                continue
-            try:
-                return _check_type(value, a, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{path}: {value!r} matches none of {' | '.join(_type_name(a) for a in args)}")
-    if origin is tuple:
-        if not isinstance(value, (tuple, list)):
-            raise ConfigError(f"{path}: expected a tuple, got {type(value).__name__} {value!r}")
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_check_type(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
-        if len(args) != len(value):
-            raise ConfigError(f"{path}: expected {len(args)} items, got {len(value)}")
-        return tuple(_check_type(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a dict, got {type(value).__name__}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a float, got {type(value).__name__} {value!r}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an int, got {type(value).__name__} {value!r}")
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected a bool (true/false), got {value!r}")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {type(value).__name__} {value!r}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, tp):
-            raise ConfigError(f"{path}: expected a {tp.__name__} section, got {type(value).__name__}")
-        return value
-    return value
-
-
-def _require(cond: bool, path: str, msg: str) -> None:
-    if not cond:
-        sep = " " if msg.startswith("(") else ": "
-        raise ConfigError(f"{path}{sep}{msg}")
-
-
-# --------------------------------------------------------------------------- sections
+from agentrl_jax.config.core import SECTION_PATHS, ConfigError, DType, _f, _require, _section, _Section
+from agentrl_jax.config.environments import (  # noqa: F401  (re-exported by agentrl_jax.config)
+    TOOL_REWARD_CAP,
+    EnvironmentConfig,
+    SandboxConfig,
+    overlong_max_tokens,
+)
 
 
 @dataclass(frozen=True)
@@ -322,74 +209,6 @@ class DataConfig(_Section):
 
     def validate(self) -> None:
         _require(self.prompts_per_step >= 1, self._path("prompts_per_step"), "must be >= 1")
-
-
-@dataclass(frozen=True)
-class SandboxConfig(_Section):
-    backend: Literal["local", "remote"] = _f("local", "Local fork-server pool or a SandboxFusion server.")
-    url: str = _f("", "SandboxFusion base URL for the remote backend.")
-    workers: int = _f(8, "Concurrent executions.")
-    timeout_s: float = _f(5.0, "Wall-clock limit per execution.")
-    memory_mb: int = _f(1024, "Address-space limit (MB above the warm interpreter) per execution, and per "
-                              "stateful session (all cells of an episode).")
-    max_output_bytes: int = _f(16384, "Output cap; longer output is truncated with a marker.")
-    require_isolation: bool = _f(False, "Local backend: refuse to start unless cells get their own uid and "
-                                        "network and mount namespaces (root with CAP_SYS_ADMIN); by default "
-                                        "a missing protection is logged and counted (sandbox/protections_missing).")
-
-    def validate(self) -> None:
-        _require(self.workers >= 1, self._path("workers"), "must be >= 1")
-        _require(self.timeout_s > 0, self._path("timeout_s"), "must be > 0")
-        _require(self.memory_mb >= 1, self._path("memory_mb"), "must be >= 1")
-        _require(
-            self.backend != "remote" or bool(self.url),
-            self._path("url"),
-            "is required when environment.sandbox.backend='remote'",
-        )
-
-
-@dataclass(frozen=True)
-class EnvironmentConfig(_Section):
-    name: Literal["arithmetic", "retool", "search"] = _f("arithmetic", "Which environment runs the episodes.")
-    max_turns: int = _f(4, "Assistant turns per episode.")
-    max_tool_calls: int = _f(3, "Tool calls (interpreter runs, searches) per episode; a call past it is not "
-                                "run and asks for the final answer. 0: a no-tool baseline.")
-    max_observation_tokens: int = _f(256, "Tokens of one interpreter answer (truncated with a marker).")
-    system_prompt: str = _f("", "System message; empty: the environment's default.")
-    outcome_scheme: Literal["pm1", "binary"] = _f("pm1", "Outcome reward: +1/-1 (ReTool) or 1/0.")
-    format_weight: float = _f(0.0, "Weight of the format reward.")
-    tool_weight: float = _f(0.0, "Weight of the (capped) tool-call shaping.")
-    overlong_buffer: int = _f(0, "DAPO overlong shaping buffer in tokens (0: off).")
-    min_digits: int = _f(2, "arithmetic: smallest operand width of generated tasks.")
-    max_digits: int = _f(4, "arithmetic: largest operand width of generated tasks.")
-    num_train_tasks: int = _f(4000, "arithmetic: generated training tasks (when data.train_path is empty).")
-    num_eval_tasks: int = _f(200, "arithmetic: generated held-out tasks (when data.eval_path is empty).")
-    demo_tool_fraction: float = _f(0.5, "arithmetic SFT: fraction of demonstrations that call the tool.")
-    corpus_path: str = _f("", "search: JSONL corpus ({id, title, text} per line) for the local BM25 retriever.")
-    retriever_url: str = _f("", "search: a Search-R1 retrieval server endpoint (http://host:8000/retrieve) "
-                                "used instead of the local index.")
-    top_k: int = _f(3, "search: passages returned per query.")
-    answer_metric: Literal["em", "f1", "subem"] = _f(
-        "em", "search: answer score in the reward (exact match, token F1, substring match); "
-              "environment.format_weight is the weight of the format term.")
-    retriever_timeout_s: float = _f(10.0, "search: HTTP timeout of one retrieval request (retried 3 times).")
-    sandbox: SandboxConfig = _section(SandboxConfig, "The code-execution sandbox.")
-
-    def validate(self) -> None:
-        _require(self.max_turns >= 1, self._path("max_turns"), "must be >= 1")
-        _require(self.top_k >= 1, self._path("top_k"), "must be >= 1")
-        _require(self.retriever_timeout_s > 0, self._path("retriever_timeout_s"), "must be > 0")
-        _require(not self.retriever_url or self.retriever_url.startswith(("http://", "https://")),
-                 self._path("retriever_url"), f"must start with http:// or https://, got {self.retriever_url!r}")
-        _require(not (self.corpus_path and self.retriever_url), "environment.corpus_path/retriever_url",
-                 "set one retriever: a local corpus or a remote server, not both")
-        if self.name == "search":
-            _require(0 <= self.format_weight < 1, self._path("format_weight"),
-                     f"must be in [0, 1) for environment.name='search', got {self.format_weight}")
-        _require(self.max_tool_calls >= 0, self._path("max_tool_calls"), "must be >= 0")
-        _require(1 <= self.min_digits <= self.max_digits, "environment.min_digits/max_digits",
-                 f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
-        _require(0 <= self.demo_tool_fraction <= 1, self._path("demo_tool_fraction"), "must be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -614,50 +433,13 @@ class Config(_Section):
                      "policy is not the one that sampled the tokens, so the discrepancy old/mu must be corrected "
                      "(set algorithm.correction to 'tis', 'mis' or 'icepop'; or async_rl.old_logprobs='snapshot')")
 
-        self._validate_reward_shaping()
-
-    def _validate_reward_shaping(self) -> None:
-        """Shaping the chosen environment would ignore, or could not compute, fails here."""
-        env = self.environment
-        for key in ("format_weight", "tool_weight", "overlong_buffer"):
-            _require(getattr(env, key) >= 0, f"environment.{key}", f"must be >= 0, got {getattr(env, key)}")
-        if env.name == "search":
-            for key, value in (("overlong_buffer", env.overlong_buffer), ("tool_weight", env.tool_weight)):
-                _require(not value, f"environment.{key}",
-                         f"({value}) has no effect with environment.name='search' (its reward is the answer "
-                         "score and environment.format_weight only); set it to 0")
-            return
-        if env.overlong_buffer:
-            limit = overlong_max_tokens(self)
-            _require(env.overlong_buffer <= limit, "environment.overlong_buffer",
-                     f"({env.overlong_buffer}) must be <= the longest response ({limit} tokens: "
-                     "min(rollout.max_new_tokens_per_turn * environment.max_turns, rollout.max_sequence_length "
-                     "- rollout.max_prompt_length)); the soft overlong penalty starts that many tokens before it")
-        margin = 1.0 if env.outcome_scheme == "binary" else 2.0  # right minus wrong answer
-        _require(env.tool_weight * TOOL_REWARD_CAP < margin, "environment.tool_weight",
-                 f"({env.tool_weight}) times the tool bonus cap {TOOL_REWARD_CAP} must stay below the outcome "
-                 f"margin {margin}, or tool calls could outweigh a correct answer")
+        self.environment.validate_in(self)
 
     def _path(self, name: str) -> str:
         return name
 
 
-#: rewards.shaping.RewardWeights.tool_cap as the trainer builds it (train/setup.py).
-TOOL_REWARD_CAP = 0.3
-
-
-def overlong_max_tokens(config: Config) -> int:
-    """L_max of DAPO's overlong shaping: the most tokens the policy can write in one episode.
-
-    The per-turn budget times the turns, but never more than the context leaves after a
-    full-length prompt: with a 16k context and 16 turns of 4k tokens, the episode is cut by
-    the context long before 64k, and an L_max of 64k would never shape anything.
-    """
-    r = config.rollout
-    return min(r.max_new_tokens_per_turn * config.environment.max_turns, r.max_sequence_length - r.max_prompt_length)
-
-
-_SECTION_NAMES = {
+SECTION_PATHS.update({
     "ModelConfig": "model",
     "ScratchModelConfig": "model.scratch",
     "MeshConfig": "mesh",
@@ -665,266 +447,10 @@ _SECTION_NAMES = {
     "AlgorithmConfig": "algorithm",
     "OptimizerConfig": "optimizer",
     "DataConfig": "data",
-    "SandboxConfig": "environment.sandbox",
-    "EnvironmentConfig": "environment",
     "CheckpointConfig": "checkpoint",
     "LoggingConfig": "logging",
     "EvalConfig": "eval",
     "SFTConfig": "sft",
     "HybridConfig": "hybrid",
     "AsyncConfig": "async_rl",
-}
-
-
-# --------------------------------------------------------------------------- overrides
-
-
-def _parse_value(text: str, tp: Any, path: str) -> Any:
-    """Convert a command-line string to the field's type."""
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if text.lower() in ("none", "null") and type(None) in args:
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _parse_value(text, a, path)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{path}: cannot parse {text!r} as {tp}")
-    if origin is Literal:
-        for a in args:
-            if str(a) == text:
-                return a
-        raise ConfigError(f"{path}: got {text!r}; allowed values are {', '.join(map(repr, args))}")
-    if tp is bool:
-        low = text.lower()
-        if low in ("true", "1", "yes", "on"):
-            return True
-        if low in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"{path}: expected a bool (true/false), got {text!r}")
-    if tp is int:
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(f"{path}: expected an int, got {text!r}") from None
-    if tp is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise ConfigError(f"{path}: expected a float, got {text!r}") from None
-    if tp is str:
-        return text
-    if origin in (tuple, dict):
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError:
-            raise ConfigError(f"{path}: expected JSON for a {origin.__name__}, got {text!r}") from None
-    raise ConfigError(f"{path}: cannot be set from the command line (type {tp})")
-
-
-def _fields(cls: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}
-
-
-def apply_overrides(config: Config, overrides: Sequence[str]) -> Config:
-    """Return ``config`` with ``section.field=value`` overrides applied (and validated).
-
-    Raises:
-      ConfigError: naming the key for an unknown key, a malformed item or a bad value.
-    """
-    raw: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key=value, e.g. optimizer.learning_rate=1e-6")
-        key, text = item.split("=", 1)
-        key = key.strip()
-        parts = key.split(".")
-        cls: type = Config
-        for i, part in enumerate(parts):
-            fields = _fields(cls)
-            if part not in fields:
-                where = ".".join(parts[:i]) or "the top level"
-                raise ConfigError(
-                    f"override {key!r}: unknown key {part!r} in {where}; known keys: {', '.join(sorted(fields))}"
-                )
-            tp = typing.get_type_hints(cls)[part]
-            if i < len(parts) - 1:
-                if not dataclasses.is_dataclass(tp):
-                    raise ConfigError(f"override {key!r}: {'.'.join(parts[: i + 1])} is not a section")
-                cls = tp
-            else:
-                if dataclasses.is_dataclass(tp):
-                    raise ConfigError(f"override {key!r}: is a section; set one of its fields")
-                raw[key] = _parse_value(text.strip(), tp, key)
-    return _replace_nested(config, raw)
-
-
-def _replace_nested(obj: Any, updates: dict[str, Any]) -> Any:
-    direct = {k: v for k, v in updates.items() if "." not in k}
-    nested: dict[str, dict[str, Any]] = {}
-    for k, v in updates.items():
-        if "." in k:
-            head, rest = k.split(".", 1)
-            nested.setdefault(head, {})[rest] = v
-    for head, sub in nested.items():
-        direct[head] = _replace_nested(getattr(obj, head), sub)
-    return dataclasses.replace(obj, **direct) if direct else obj
-
-
-def from_dict(data: dict[str, Any], cls: type = Config, prefix: str = "") -> Any:
-    """Build a config from a nested dict (e.g. a checkpoint's saved config), strictly."""
-    fields = _fields(cls)
-    hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if key not in fields:
-            raise ConfigError(f"{path}: unknown key; known keys: {', '.join(sorted(fields))}")
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{path}: expected a section (dict), got {type(value).__name__}")
-            value = from_dict(value, tp, prefix=f"{path}.")
-        elif isinstance(value, list):
-            value = tuple(value)
-        kwargs[key] = value
-    return cls(**kwargs)
-
-
-def to_dict(config: Any) -> dict[str, Any]:
-    """The config as a JSON-serializable nested dict."""
-    return dataclasses.asdict(config)
-
-
-# --------------------------------------------------------------------------- loading
-
-
-_CONFIG_DIRS = (Path("configs"), Path(__file__).resolve().parent.parent / "configs")
-
-
-def resolve_config_path(name: str) -> Path:
-    """Find a config file: a path as given, or a bare name (``retool`` / ``retool.py``) in configs/."""
-    path = Path(name)
-    if path.is_file():
-        return path
-    candidates = [name] if name.endswith(".py") else [name, name + ".py"]
-    for d in _CONFIG_DIRS:
-        for c in candidates:
-            p = d / Path(c).name
-            if p.is_file():
-                return p
-    known = sorted({p.stem for d in _CONFIG_DIRS if d.is_dir() for p in d.glob("*.py")})
-    raise ConfigError(f"config file {name!r} not found; known configs: {', '.join(known) or '(none)'}")
-
-
-def load_config(name: str, overrides: Sequence[str] = ()) -> Config:
-    """Load ``get_config()`` from a Python config file, apply overrides, validate.
-
-    Names from the losses registry (``algorithm.loss``, ``algorithm.advantage``) are
-    checked after the file ran, so a config file may import a module that registers a
-    custom loss.
-    """
-    path = resolve_config_path(name)
-    spec = importlib.util.spec_from_file_location(f"agentrl_jax_config_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError(f"config file {path}: defines no get_config() function")
-    config = module.get_config()
-    if not isinstance(config, Config):
-        raise ConfigError(f"config file {path}: get_config() returned {type(config).__name__}, not Config")
-    config = apply_overrides(config, overrides)
-    check_registered_names(config)
-    check_required_paths(config)
-    return config
-
-
-def check_required_paths(config: Config) -> None:
-    """Paths a run needs but a config file may leave to the command line.
-
-    Checked after overrides (a config file cannot know where the data lives).
-    """
-    if config.environment.name == "arithmetic":
-        return
-    if config.environment.name == "search":
-        _require(bool(config.environment.corpus_path or config.environment.retriever_url),
-                 "environment.corpus_path", "is required for environment.name='search' (set it with "
-                 "--set environment.corpus_path=corpus.jsonl, or use a retrieval server with "
-                 "--set environment.retriever_url=http://host:8000/retrieve)")
-    for key, value in (
-        ("model.path", config.model.path),
-        ("data.train_path", config.data.train_path),
-        ("data.eval_path", config.data.eval_path),
-    ):
-        _require(bool(value), key, f"is required for environment.name={config.environment.name!r} "
-                                   f"(set it with --set {key}=...)")
-
-
-def check_registered_names(config: Config) -> None:
-    """Fail with the known names when the loss or advantage is not registered."""
-    try:
-        from agentrl_jax.losses import registry
-    except ImportError:  # the losses package is optional for config-only use
-        return
-    for key, value, known in (
-        ("algorithm.loss", config.algorithm.loss, registry.known_losses()),
-        ("algorithm.advantage", config.algorithm.advantage, registry.known_advantages()),
-    ):
-        if value not in known:
-            raise ConfigError(f"{key}: unknown name {value!r}; registered: {', '.join(sorted(known))}")
-    # The trainer calls the estimator and the loss with these arguments only
-    # (train/episodes.py compute_advantages, train/step.py); one that needs more (a critic's
-    # values, teacher logprobs, a hyper-parameter without default) would fail at the first update.
-    a = config.algorithm
-    needs = _required_parameters(registry.get_advantage(a.advantage), positional=3,
-                                 keywords={"num_groups", "sequence_ids"})
-    _require(not needs, "algorithm.advantage",
-             f"{a.advantage!r} requires {sorted(needs)}, which the RL trainer does not pass (it passes rewards, "
-             "group_ids, loss_mask, num_groups); use a sequence estimator (grpo, drgrpo, rloo, reinforce_pp)")
-    needs = _required_parameters(registry.get_loss(a.loss), positional=4,
-                                 keywords={"sequence_ids", "num_sequences", *dict(a.loss_hparams)})
-    _require(not needs, "algorithm.loss_hparams",
-             f"loss {a.loss!r} requires {sorted(needs)}, which have no defaults; set them with "
-             "--set 'algorithm.loss_hparams=[[\"name\", value]]'")
-
-
-def _required_parameters(fn: Any, *, positional: int, keywords: set[str]) -> set[str]:
-    """Parameters of ``fn`` without a default that a call with ``positional`` positional
-    arguments and the ``keywords`` does not fill."""
-    import inspect
-
-    try:
-        parameters = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # no inspectable signature: nothing to check
-        return set()
-    filled = 0
-    needs = set()
-    for p in parameters:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and filled < positional:
-            filled += 1
-            continue
-        if p.default is inspect.Parameter.empty and p.name not in keywords:
-            needs.add(p.name)
-    return needs
-
-
-def describe(cls: type = Config, prefix: str = "") -> str:
-    """Every field with its type, default and documentation (for --help)."""
-    lines = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            lines.append(describe(tp, prefix=f"{prefix}{f.name}."))
-        else:
-            default = f.default if f.default is not dataclasses.MISSING else "(required)"
-            lines.append(f"{prefix}{f.name} = {default!r}  # {f.metadata.get('doc', '')}")
-    return "\n".join(lines)
+})
