@@ -11,12 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from agentrl_jax.config.core import SECTION_PATHS, ConfigError, DType, _f, _require, _section, _Section
-from agentrl_jax.config.environments import (  # noqa: F401  (re-exported by agentrl_jax.config)
-    TOOL_REWARD_CAP,
-    EnvironmentConfig,
-    SandboxConfig,
-    overlong_max_tokens,
-)
+from agentrl_jax.config.environments import EnvironmentConfig
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agentrl_jax.config import (Config, ConfigError, EnvironmentConfig, apply_overrides, config_field, describe,
-                                from_dict, load_config, register_environment, to_dict)
+from agentrl_jax.config import (Config, ConfigError, EnvironmentConfig, apply_overrides, describe, from_dict,
+                                load_config, register_environment, to_dict)
 
 USER_CONFIG = '''
 """A user's environment: the reward is whether the final turn's length is a multiple of `modulus`."""
