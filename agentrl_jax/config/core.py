@@ -267,12 +267,10 @@ def _replace_nested(obj: Any, updates: dict[str, Any]) -> Any:
         if "." in k:
             head, rest = k.split(".", 1)
             nested.setdefault(head, {})[rest] = v
+    if "name" in direct and _has_variants(type(obj)) and type(obj).variant(direct["name"]) is not type(obj):
+        obj = _switch_variant(obj, type(obj).variant(direct["name"]), direct)  # then its nested sections
     for head, sub in nested.items():
         direct[head] = _replace_nested(getattr(obj, head), sub)
-    if "name" in direct and _has_variants(type(obj)):
-        chosen = type(obj).variant(direct["name"])
-        if type(obj) is not chosen:
-            return _switch_variant(obj, chosen, direct)
     return dataclasses.replace(obj, **direct) if direct else obj
 
 
