@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
-from agentrl_jax.envs.sandbox import SandboxConfig, SandboxPool  # noqa: E402
+from agentrl_jax.envs.sandbox import SandboxPoolConfig, SandboxPool  # noqa: E402
 
 CELLS = {
     "trivial": "print(1 + 1)",
@@ -47,7 +47,7 @@ async def measure(run_one, concurrency: int, count: int):
 
 
 async def main(args):
-    config = SandboxConfig(num_servers=args.servers, max_concurrency=32, timeout_s=60, preimport=("numpy", "sympy"))
+    config = SandboxPoolConfig(num_servers=args.servers, max_concurrency=32, timeout_s=60, preimport=("numpy", "sympy"))
     rows = []
     async with SandboxPool(config) as pool:
         for name, code in CELLS.items():

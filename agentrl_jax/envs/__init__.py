@@ -8,13 +8,13 @@ from agentrl_jax.envs.retrieval import (BM25Index, LocalRetriever, Passage, Remo
                                         Retriever, RetrieverError, load_corpus)
 from agentrl_jax.envs.search import SearchConfig, SearchEnv, exact_match, normalize_answer, token_f1
 from agentrl_jax.envs.search_corpus import make_search_corpus, write_search_corpus
-from agentrl_jax.envs.sandbox import ExecResult, SandboxConfig, SandboxPool
+from agentrl_jax.envs.sandbox import ExecResult, SandboxPoolConfig, SandboxPool
 
 __all__ = [
     "FINISH_REASONS", "TRUNCATED_REASONS",
     "ArithmeticEnv", "BM25Index", "Environment", "ExecResult", "LocalRetriever", "Passage", "RemoteRetriever",
     "RemoteRetrieverConfig", "RemoteSandbox", "RemoteSandboxConfig", "ReToolConfig", "ReToolEnv", "Retriever",
-    "RetrieverError", "SandboxConfig", "SandboxPool", "SearchConfig", "SearchEnv", "StepResult", "ToolStats",
+    "RetrieverError", "SandboxPoolConfig", "SandboxPool", "SearchConfig", "SearchEnv", "StepResult", "ToolStats",
     "Trajectory", "arithmetic_config", "demonstration", "exact_match", "interpreter_text", "load_corpus",
     "make_search_corpus", "make_tasks", "normalize_answer", "parse_code", "token_f1", "truncate_middle",
     "write_search_corpus",

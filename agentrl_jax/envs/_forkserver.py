@@ -427,13 +427,13 @@ def _protections(config, uid_block):
         if refused:
             missing["network_namespace"] = refused
     else:
-        missing["network_namespace"] = "disabled by SandboxConfig.isolate_network=False"
+        missing["network_namespace"] = "disabled by SandboxPoolConfig.isolate_network=False"
     if config["isolate_filesystem"]:
         refused = isolation.isolate_filesystem(config["tmpfs_mb"], PACKAGE_DIR)
         if refused:
             missing["mount_namespace"] = refused
     else:
-        missing["mount_namespace"] = "disabled by SandboxConfig.isolate_filesystem=False"
+        missing["mount_namespace"] = "disabled by SandboxPoolConfig.isolate_filesystem=False"
     unreadable = []
     if uid_block is not None:
         refused, unreadable = isolation.probe_uid(uid_block, isolation.visible_paths(PACKAGE_DIR))
@@ -451,7 +451,7 @@ def main():
             __import__(module)
         except ImportError as e:
             print(f"sandbox: cannot pre-import {module}: {e}", file=sys.stderr)
-    uid_block, uid_refused = None, "disabled by SandboxConfig.run_as_unprivileged=False"
+    uid_block, uid_refused = None, "disabled by SandboxPoolConfig.run_as_unprivileged=False"
     if config["run_as_unprivileged"]:
         try:
             uid_block, _lock = isolation.claim_uid_block(int(config["uid_base"]))

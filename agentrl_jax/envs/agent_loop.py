@@ -11,6 +11,11 @@ outputs appear inline):
         if step.done: break
         ids += tokenize(step.observation_text)                         loss_mask 0
 
+The environment answers through the typed episode contract (``envs.base.StepResult``):
+``finish_reason``, ``correct``, ``reward_components`` and ``tool_stats`` are fields, and the
+loop tells the environment the policy's token count in ``env.num_sampled_tokens`` before
+each ``step``. ``StepResult.info`` is free-form and never read here.
+
 Invariants (DESIGN.md section 1): sampled ids enter the trajectory exactly as the engine
 produced them, with the engine's logprobs and params versions; observation text is
 tokenized once, when appended; nothing is detokenized and tokenized again for training.
@@ -44,7 +49,7 @@ it means the engine is unusable.
 from __future__ import annotations
 
 import asyncio
-import inspect
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -128,9 +133,8 @@ class AgentLoop:
         turns: list[dict[str, str]] = list(messages)
         session = self.driver.session()
         pending: Sequence[int] = prompt
-        reward, components, finish, info, masked = 0.0, {}, "", {}, False
+        reward, components, finish, masked = 0.0, {}, "", False
         tool_stats = ToolStats()
-        takes_token_count = "num_sampled_tokens" in inspect.signature(env.step).parameters
         try:
             while True:
                 budget = min(self.max_new_tokens_per_turn, self.max_total_tokens - len(ids) - 1)
@@ -154,19 +158,17 @@ class AgentLoop:
                     completion.finish_reason == "length" and budget < self.max_new_tokens_per_turn)
                 text = tok.decode(completion.token_ids, skip_special_tokens=True)
                 turns.append({"role": "assistant", "content": text})
+                env.num_sampled_tokens = int(sum(mask))
                 try:
-                    if takes_token_count:
-                        step = await env.step(text, num_sampled_tokens=int(sum(mask)))
-                    else:
-                        step = await env.step(text)
+                    step = await env.step(text)
                 except Exception as e:  # noqa: BLE001  (a broken env ends its episode, not the run)
                     finish = self._env_error(task, "step", e)
                     break
-                info = step.info
+                tool_stats = step.tool_stats or tool_stats
                 # A turn the context cut off is graded only as an answer it completed before the cut.
-                if step.done and (not context_full or info.get("finish_reason") == "answer"):
+                if step.done and (not context_full or step.finish_reason == "answer"):
                     reward, components = self._graded(step)
-                    finish = info.get("finish_reason", "done")
+                    finish = step.finish_reason or "done"
                     break
                 if context_full or len(ids) + 1 >= self.max_total_tokens:
                     finish = "max_tokens"
@@ -182,13 +184,14 @@ class AgentLoop:
                 versions += [-1] * len(observation)
                 pending = observation
             if finish in TRUNCATED_REASONS:
+                env.num_sampled_tokens = int(sum(mask))
                 try:
                     scored = env.truncated_result(finish, int(sum(mask)))
                 except Exception as e:  # noqa: BLE001
                     finish, scored = self._env_error(task, "truncated_result", e), None
                 if scored is not None:
                     reward, components = self._graded(scored)
-                    info = scored.info
+                    tool_stats = scored.tool_stats or tool_stats
                     masked = self.truncation == "mask"
                 elif finish != "env_error":
                     masked = True
@@ -205,11 +208,6 @@ class AgentLoop:
             await env.close()
         self.masked += int(masked)
         self.truncated += int(finish in TRUNCATED_REASONS)
-        stats = info.get("tool_stats") if isinstance(info, dict) else None
-        if isinstance(stats, dict):
-            tool_stats = ToolStats(**{k: int(stats.get(k, 0)) for k in ("calls", "errors", "timeouts")})
-        elif getattr(env, "tool_stats", None) is not None:
-            tool_stats = env.tool_stats
         return Trajectory(
             prompt_token_ids=np.asarray(prompt, np.int32),
             token_ids=np.asarray(ids, np.int32),
@@ -219,7 +217,7 @@ class AgentLoop:
             turns=turns,
             reward=reward,
             reward_components=components,
-            tool_stats=tool_stats,
+            tool_stats=dataclasses.replace(tool_stats),
             finish_reason=finish,
             group_id=group_id,
             task_metadata={k: v for k, v in task.items() if k != "question"},
@@ -228,10 +226,10 @@ class AgentLoop:
 
     @staticmethod
     def _graded(step: StepResult) -> tuple[float, dict[str, float]]:
-        """(reward, components with ``correct``) of a final StepResult."""
-        components = dict(step.info.get("reward_components", {}))
-        if "correct" in step.info:
-            components["correct"] = float(bool(step.info["correct"]))
+        """(reward, components with ``correct`` when graded) of a final StepResult."""
+        components = {k: float(v) for k, v in step.reward_components.items()}
+        if step.correct is not None:
+            components["correct"] = float(bool(step.correct))
         return float(step.reward), components
 
     def _env_error(self, task: dict[str, Any], where: str, error: Exception) -> str:

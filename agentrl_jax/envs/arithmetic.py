@@ -18,7 +18,7 @@ tasks by construction (a hash of the operands decides the split).
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv, wrap_interpreter
 from agentrl_jax.envs.sandbox import SandboxPool
 from agentrl_jax.rewards.shaping import RewardWeights
 from agentrl_jax.rewards.verifier import MathVerifier
+
+if TYPE_CHECKING:
+    from agentrl_jax.config import Config
 
 OPERATORS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
 
@@ -43,6 +46,12 @@ class ArithmeticEnv(ReToolEnv):
     def __init__(self, pool: SandboxPool, verifier: MathVerifier, config: ReToolConfig | None = None,
                  count_tokens=None):
         super().__init__(pool, verifier, config or arithmetic_config(), count_tokens=count_tokens)
+
+    @staticmethod
+    def config_from(config: Config) -> ReToolConfig:
+        """The settings of a run's ``environment`` section over the demo's (short format, no
+        system prompt: ``environment.system_prompt`` does not apply)."""
+        return ReToolConfig.from_config(config, base=arithmetic_config())
 
 
 def _is_held_out(a: int, b: int, op: str, held_out_fraction: float) -> bool:

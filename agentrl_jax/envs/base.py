@@ -5,7 +5,8 @@ The agent loop (envs/agent_loop.py) drives an `Environment`:
     observation = await env.reset(task)          # initial messages for the chat template
     while not done:
         action_text = decode until one of env.stop_strings
-        step = await env.step(action_text)       # StepResult(observation_text, reward, done, info)
+        env.num_sampled_tokens = policy tokens so far
+        step = await env.step(action_text)       # StepResult(observation_text, reward, done, ...)
         append tokenize(step.observation_text) with loss_mask 0
 
 and fills a `Trajectory`. Token ids are never re-tokenized for training: the loop
@@ -38,22 +39,6 @@ TRUNCATED_REASONS = frozenset({"max_tokens", "context_overflow"})
 
 
 @dataclasses.dataclass
-class StepResult:
-    """What the environment answers to one policy action.
-
-    observation_text: text to append after the action (tool output, correction), "" if none.
-    reward: the final reward when `done`, else 0.0 (shaping goes in `info["reward_components"]`).
-    done: the episode is over (answer given or a limit reached).
-    info: e.g. {"finish_reason": "answer", "reward_components": {...}, "tool": ExecResult}.
-    """
-
-    observation_text: str
-    reward: float
-    done: bool
-    info: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
 class ToolStats:
     calls: int = 0
     errors: int = 0  # non-zero exit or sandbox failure
@@ -64,11 +49,57 @@ class ToolStats:
         return self.calls - self.errors - self.timeouts
 
 
+#: Fields of the episode contract: StepResult carries them typed, never in ``info``.
+_CONTRACT_FIELDS = ("finish_reason", "correct", "reward_components", "tool_stats")
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What the environment answers to one policy action: the episode contract.
+
+    The agent loop reads the typed fields below and nothing else; a minimal environment
+    returns ``StepResult(observation_text, reward, done)``.
+
+    observation_text: text to append after the action (tool output, correction), "" if none.
+    reward: the final reward when ``done``, else 0.0.
+    done: the episode is over (answer given or a limit reached).
+    info: free-form details for tests and debugging (the answer, the query, the ExecResult);
+      the agent loop reads none of it.
+    finish_reason: when ``done``, why: one of ``FINISH_REASONS`` ("answer", "no_answer",
+      "max_turns") or the environment's own name; "" is recorded as "done".
+    correct: when ``done``, whether the answer was graded correct (pass@k, the judge); None:
+      not graded (evaluation then counts ``reward > 0`` as correct).
+    reward_components: when ``done``, the terms of ``reward`` (e.g. outcome, format, tool),
+      logged as ``reward/<name>``.
+    tool_stats: the episode's tool calls so far; the loop keeps the latest one given.
+    """
+
+    observation_text: str
+    reward: float
+    done: bool
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    finish_reason: str = ""
+    correct: bool | None = None
+    reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
+    tool_stats: ToolStats | None = None
+
+    def __post_init__(self):
+        misplaced = [k for k in _CONTRACT_FIELDS if k in self.info]
+        if misplaced:
+            raise TypeError(f"StepResult.info holds {misplaced}, which the agent loop does not read there: pass "
+                            f"them as fields, e.g. StepResult(text, reward, done, {misplaced[0]}=...)")
+        if self.tool_stats is not None and not isinstance(self.tool_stats, ToolStats):
+            raise TypeError(f"StepResult.tool_stats must be a ToolStats, got {type(self.tool_stats).__name__}")
+
+
 class Environment(abc.ABC):
     """A multi-turn task. One instance runs one episode at a time; make one per trajectory."""
 
     #: strings at which the rollout driver stops decoding and calls `step` (kept in the text).
     stop_strings: tuple[str, ...] = ()
+    #: The policy's sampled tokens so far in this episode (all turns), set by the agent loop
+    #: before each ``step``: what length-based shaping (DAPO's overlong term) scores.
+    num_sampled_tokens: int = 0
 
     @abc.abstractmethod
     async def reset(self, task: dict[str, Any]) -> list[dict[str, str]]:
@@ -90,7 +121,7 @@ class Environment(abc.ABC):
         and logs it under 'mask'. Called after the last ``step`` and before ``close``.
 
         Returns:
-          A done StepResult (reward, info with reward_components / tool_stats), or None: this
+          A done StepResult (reward, correct, reward_components, tool_stats), or None: this
           environment cannot score one (the default), and the episode is masked (counted).
         """
         del finish_reason, num_sampled_tokens

@@ -33,13 +33,16 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from agentrl_jax.envs.base import Environment, StepResult, ToolStats
 from agentrl_jax.envs.sandbox import ExecResult, SandboxPool
 from agentrl_jax.rewards.boxed import find_boxed_spans
 from agentrl_jax.rewards.shaping import RewardWeights, composite_reward
 from agentrl_jax.rewards.verifier import MathVerifier
+
+if TYPE_CHECKING:
+    from agentrl_jax.config import Config
 
 RETOOL_SYSTEM_PROMPT = (
     "Solve the problem step by step. You may run Python by writing <code>\n```python\n...\n```\n</code>; "
@@ -69,6 +72,40 @@ class ReToolConfig:
                 raise ValueError(f"ReToolConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_tool_calls < 0:  # 0: a no-tool baseline, every call is answered with the limit message
             raise ValueError(f"ReToolConfig.max_tool_calls must be >= 0, got {self.max_tool_calls}")
+
+    @classmethod
+    def from_config(cls, config: Config, base: ReToolConfig | None = None) -> ReToolConfig:
+        """The settings of a run's ``environment`` section, over ``base`` (default: ReTool's own, with
+        ``environment.system_prompt`` when set). Observations are cut at 4 characters per token
+        before the exact token count."""
+        env = config.environment
+        if base is None:
+            base = cls(system_prompt=env.system_prompt or RETOOL_SYSTEM_PROMPT)
+        return dataclasses.replace(
+            base,
+            max_turns=env.max_turns,
+            max_tool_calls=env.max_tool_calls,
+            max_observation_chars=max(env.max_observation_tokens * 4, 16),
+            max_observation_tokens=env.max_observation_tokens,
+            tool_timeout_s=env.sandbox.timeout_s,
+            reward_weights=reward_weights(config),
+        )
+
+
+def reward_weights(config: Config) -> RewardWeights:
+    """The shaping of a run's ``environment`` section (outcome scheme, format, tool and overlong terms)."""
+    from agentrl_jax.config import TOOL_REWARD_CAP, overlong_max_tokens
+
+    env = config.environment
+    return RewardWeights(
+        outcome_scheme=env.outcome_scheme,
+        format=env.format_weight,
+        tool=env.tool_weight,
+        overlong=1.0 if env.overlong_buffer else 0.0,
+        max_tokens=overlong_max_tokens(config) if env.overlong_buffer else None,
+        tool_cap=TOOL_REWARD_CAP,
+        overlong_cache_tokens=max(env.overlong_buffer, 1),
+    )
 
 
 def truncate_middle(text: str, max_chars: int) -> str:
@@ -144,6 +181,7 @@ class ReToolEnv(Environment):
         await self.close()
         self.task = task
         self.turns = 0
+        self.num_sampled_tokens = 0
         self.tool_stats = ToolStats()
         self.response = ""
         self.session = f"retool-{next(_episode_ids)}" if self.config.stateful else None
@@ -160,12 +198,11 @@ class ReToolEnv(Environment):
     def _observe(self, body: str, info: dict[str, Any]) -> StepResult:
         observation = wrap_interpreter(self._limit_observation(body), self.config.fenced)
         self.response += observation
-        info["tool_stats"] = dataclasses.asdict(self.tool_stats)
         if self.turns >= self.config.max_turns:
             return self._finish(None, "max_turns", info)
-        return StepResult(observation, 0.0, False, info)
+        return StepResult(observation, 0.0, False, info, tool_stats=dataclasses.replace(self.tool_stats))
 
-    async def step(self, action_text: str, num_sampled_tokens: int = 0) -> StepResult:
+    async def step(self, action_text: str) -> StepResult:
         """One policy action -> observation; see the module docstring for every case."""
         if self.task is None:
             raise RuntimeError("ReToolEnv.step before reset")
@@ -174,10 +211,10 @@ class ReToolEnv(Environment):
         boxes = find_boxed_spans(action_text)
         code_start = action_text.find(self.config.open_tag)
         if boxes and (code_start == -1 or code_start < boxes[-1][0]):
-            return await self._grade(boxes[-1][2], "answer", num_sampled_tokens)
+            return await self._grade(boxes[-1][2], "answer")
         code, problem = parse_code(action_text, self.config)
         if code is None and problem is None:
-            return await self._grade(None, "no_answer", num_sampled_tokens)
+            return await self._grade(None, "no_answer")
         if code is None:
             return self._observe(problem, {"correction": problem})
         if self.tool_stats.calls >= self.config.max_tool_calls:
@@ -190,23 +227,25 @@ class ReToolEnv(Environment):
         body = interpreter_text(result) + (f"\n{problem}" if problem else "")
         return self._observe(body, {"tool": result})
 
-    async def _grade(self, answer: str | None, finish_reason: str, num_sampled_tokens: int) -> StepResult:
+    async def _grade(self, answer: str | None, finish_reason: str) -> StepResult:
         verdict = await self.verifier.averify(answer, str(self.task["answer"]))
-        return self._finish(verdict, finish_reason, {"answer": answer, "num_sampled_tokens": num_sampled_tokens})
+        return self._finish(verdict, finish_reason, {"answer": answer})
 
     def _finish(self, verdict, finish_reason: str, info: dict[str, Any]) -> StepResult:
+        """The final StepResult; overlong shaping scores ``num_sampled_tokens`` (set by the agent loop)."""
         correct = bool(verdict is not None and verdict.correct)
         reward, components = composite_reward(
-            correct, self.response, num_tokens=info.get("num_sampled_tokens", 0),
+            correct, self.response, num_tokens=self.num_sampled_tokens,
             successful_tool_calls=self.tool_stats.successful, weights=self.config.reward_weights)
-        info.update(finish_reason=finish_reason, correct=correct, reward_components=components,
-                    tool_stats=dataclasses.asdict(self.tool_stats),
+        info.update(num_sampled_tokens=self.num_sampled_tokens,
                     verifier_timed_out=bool(verdict is not None and verdict.timed_out))
-        return StepResult("", reward, True, info)
+        return StepResult("", reward, True, info, finish_reason=finish_reason, correct=correct,
+                          reward_components=components, tool_stats=dataclasses.replace(self.tool_stats))
 
     def truncated_result(self, finish_reason: str, num_sampled_tokens: int) -> StepResult:
         """An episode cut short by the agent loop scores as an unanswered one (wrong, plus shaping)."""
-        return self._finish(None, finish_reason, {"answer": None, "num_sampled_tokens": num_sampled_tokens})
+        self.num_sampled_tokens = num_sampled_tokens
+        return self._finish(None, finish_reason, {"answer": None})
 
     async def close(self) -> None:
         session, self.__dict__["session"] = getattr(self, "session", None), None

@@ -16,7 +16,7 @@ not an interpreter start. What a child gets, and what it cannot do, is documente
 
 Each of the three protections (`PROTECTIONS`) needs privileges (root, CAP_SYS_ADMIN).
 A missing one is logged at start with the reason, listed in `protections_missing` and
-counted in `metrics()`; `SandboxConfig.require_isolation` refuses to start without all
+counted in `metrics()`; `SandboxPoolConfig.require_isolation` refuses to start without all
 three. The trainer is never the parent of a cell (the fork server is), so
 `os.kill(os.getppid(), 9)` hits the server, which the pool replaces. A server that dies
 or wedges (no answer within timeout + grace) is killed and restarted; the requests it
@@ -58,7 +58,7 @@ class SandboxIsolationError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class SandboxConfig:
+class SandboxPoolConfig:
     """Limits and shape of a `SandboxPool`. Per-call overrides go to `SandboxPool.run`."""
 
     num_servers: int = 1  # fork servers; each runs any number of children at once
@@ -85,11 +85,11 @@ class SandboxConfig:
     def __post_init__(self):
         for name in ("num_servers", "max_concurrency", "memory_mb", "output_limit_bytes", "max_processes"):
             if getattr(self, name) < 1:
-                raise ValueError(f"SandboxConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"SandboxPoolConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.session_memory_mb is not None and self.session_memory_mb < 1:
-            raise ValueError(f"SandboxConfig.session_memory_mb must be >= 1 or None, got {self.session_memory_mb}")
+            raise ValueError(f"SandboxPoolConfig.session_memory_mb must be >= 1 or None, got {self.session_memory_mb}")
         if self.timeout_s <= 0:
-            raise ValueError(f"SandboxConfig.timeout_s must be > 0, got {self.timeout_s}")
+            raise ValueError(f"SandboxPoolConfig.timeout_s must be > 0, got {self.timeout_s}")
 
 
 @dataclasses.dataclass
@@ -135,8 +135,8 @@ class _Server:
 class SandboxPool:
     """Async pool of sandboxed Python executions. Use `async with SandboxPool(cfg) as pool`."""
 
-    def __init__(self, config: SandboxConfig | None = None):
-        self.config = config or SandboxConfig()
+    def __init__(self, config: SandboxPoolConfig | None = None):
+        self.config = config or SandboxPoolConfig()
         self._servers: list[_Server | None] = [None] * self.config.num_servers
         self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
         self._ids = itertools.count()

@@ -52,10 +52,14 @@ import logging
 import re
 import string
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from agentrl_jax.envs.base import Environment, StepResult, ToolStats
-from agentrl_jax.envs.retrieval import Retriever, RetrieverError, format_passages
+from agentrl_jax.envs.retrieval import (LocalRetriever, RemoteRetriever, RemoteRetrieverConfig, Retriever,
+                                        RetrieverError, format_passages)
+
+if TYPE_CHECKING:
+    from agentrl_jax.config import Config, SearchEnvConfig
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +166,40 @@ class SearchConfig:
         if "{question}" not in self.prompt_template:
             raise ValueError("SearchConfig.prompt_template must contain '{question}'")
 
+    @classmethod
+    def from_config(cls, config: Config) -> SearchConfig:
+        """The settings of a run's ``environment`` section (``environment.name='search'``).
+
+        ``max_tool_calls`` bounds the searches; ``format_weight`` is the format score; observations
+        are cut at 4 characters per token before the exact token count.
+        """
+        env = config.environment
+        return cls(
+            top_k=env.top_k,
+            max_turns=env.max_turns,
+            max_searches=env.max_tool_calls,
+            max_observation_chars=max(env.max_observation_tokens * 4, 16),
+            max_observation_tokens=env.max_observation_tokens,
+            answer_metric=env.answer_metric,
+            format_score=env.format_weight,
+            outcome_scheme=env.outcome_scheme,
+            system_prompt=env.system_prompt or None,
+        )
+
+
+def make_retriever(section: SearchEnvConfig) -> Retriever:
+    """The run's retriever (one per run): a remote server, or a BM25 index built from the corpus."""
+    if section.retriever_url:
+        return RemoteRetriever(RemoteRetrieverConfig(url=section.retriever_url, timeout_s=section.retriever_timeout_s))
+    if not section.corpus_path:
+        from agentrl_jax.config import ConfigError
+
+        raise ConfigError("environment.corpus_path or environment.retriever_url is required for "
+                         "environment.name='search'")
+    retriever = LocalRetriever.from_corpus(section.corpus_path)
+    logger.info("BM25 index over %s: %d passages", section.corpus_path, len(retriever.index))
+    return retriever
+
 
 @dataclasses.dataclass(frozen=True)
 class SearchAction:
@@ -259,19 +297,20 @@ class SearchEnv(Environment):
         self.task = task
         self.turns = 0
         self.corrections = 0
+        self.num_sampled_tokens = 0
         self.tool_stats = ToolStats()
         self.policy_text = ""
         self.queries: list[str] = []
         return self.initial_messages(task)
 
-    async def step(self, action_text: str, num_sampled_tokens: int = 0) -> StepResult:
+    async def step(self, action_text: str) -> StepResult:
         """One policy action -> observation or final reward; see the module docstring for every case."""
         if self.task is None:
             raise RuntimeError("SearchEnv.step before reset")
         self.turns += 1
         self.policy_text += action_text
         action = parse_action(action_text)
-        info: dict[str, Any] = {"action": action.kind, "num_sampled_tokens": num_sampled_tokens}
+        info: dict[str, Any] = {"action": action.kind, "num_sampled_tokens": self.num_sampled_tokens}
         if action.kind == "answer":
             info["text_after_answer"] = action.text_after_answer
             return self._finish(action.content, "answer", info)
@@ -326,10 +365,9 @@ class SearchEnv(Environment):
         return self._observe(f"\n{message}\n", info)
 
     def _observe(self, observation: str, info: dict[str, Any]) -> StepResult:
-        info["tool_stats"] = dataclasses.asdict(self.tool_stats)
         if self.turns >= self.config.max_turns:
             return self._finish(None, "max_turns", info)
-        return StepResult(observation, 0.0, False, info)
+        return StepResult(observation, 0.0, False, info, tool_stats=dataclasses.replace(self.tool_stats))
 
     def truncated_result(self, finish_reason: str, num_sampled_tokens: int) -> StepResult:
         """An episode cut short by the agent loop scores as an unanswered one."""
@@ -338,10 +376,9 @@ class SearchEnv(Environment):
     def _finish(self, answer: str | None, finish_reason: str, info: dict[str, Any]) -> StepResult:
         reward, components = search_reward(answer, self.answers, formatted=well_formed(self.policy_text),
                                            config=self.config)
-        info.update(finish_reason=finish_reason, answer=answer, correct=components["em"] == 1.0,
-                    reward_components=components, tool_stats=dataclasses.asdict(self.tool_stats),
-                    corrections=self.corrections, queries=list(self.queries))
-        return StepResult("", reward, True, info)
+        info.update(answer=answer, corrections=self.corrections, queries=list(self.queries))
+        return StepResult("", reward, True, info, finish_reason=finish_reason, correct=components["em"] == 1.0,
+                          reward_components=components, tool_stats=dataclasses.replace(self.tool_stats))
 
 
 _CORRECTIONS = {
@@ -354,6 +391,6 @@ _CORRECTIONS = {
 
 __all__ = [
     "ANSWER_METRICS", "SEARCH_PROMPT_TEMPLATE", "SearchAction", "SearchConfig", "SearchEnv", "exact_match",
-    "golden_answers", "normalize_answer", "parse_action", "search_reward", "substring_match", "token_f1",
+    "golden_answers", "make_retriever", "normalize_answer", "parse_action", "search_reward", "substring_match", "token_f1",
     "truncate_tail", "well_formed", "wrap_information",
 ]

@@ -13,22 +13,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from agentrl_jax.config import TOOL_REWARD_CAP, Config, ConfigError, overlong_max_tokens
-from agentrl_jax.envs import (
-    ArithmeticEnv,
-    Environment,
-    ReToolConfig,
-    ReToolEnv,
-    SandboxConfig,
-    SandboxPool,
-    arithmetic_config,
-    demonstration,
-    make_tasks,
-)
-from agentrl_jax.envs.retrieval import LocalRetriever, RemoteRetriever, RemoteRetrieverConfig
-from agentrl_jax.envs.search import SearchConfig, SearchEnv
+from agentrl_jax.config import Config, ConfigError
+from agentrl_jax.envs import ArithmeticEnv, Environment, SandboxPool, SandboxPoolConfig, demonstration
 from agentrl_jax.envs.retool import initial_messages
-from agentrl_jax.rewards.shaping import RewardWeights
 from agentrl_jax.rewards.verifier import MathVerifier
 
 if TYPE_CHECKING:  # the data package imports grain: loaded when data is, not with this module
@@ -55,8 +42,9 @@ def load_task_data(config: Config) -> TaskData:
     """(train, held-out) task dicts with at least ``question`` and ``answer``, and their counts.
 
     From ``data.train_path`` / ``data.eval_path`` when set, deduplicated with
-    ``data.deduplicate``; for the arithmetic environment the missing ones are generated
-    (disjoint by construction). A training task whose prompt is also a held-out prompt is
+    ``data.deduplicate``; the missing ones come from the environment section's
+    ``make_tasks`` (the arithmetic environment generates them, disjoint by construction).
+    A training task whose prompt is also a held-out prompt is
     dropped with ``data.drop_eval_overlap`` (else kept with a warning), and counted.
 
     Raises:
@@ -75,14 +63,10 @@ def load_task_data(config: Config) -> TaskData:
     if data.eval_path:
         held_out, stats["eval"] = _read_tasks(data.eval_path, "aime" if data.format == "dapo" else data.format,
                                               data.deduplicate)
-    if env.name == "arithmetic":
-        widths = range(env.min_digits, env.max_digits + 1)
-        if train is None:
-            per = -(-env.num_train_tasks // len(widths))
-            train = [t for d in widths for t in make_tasks(per, d, seed=config.seed, split="train")]
-        if held_out is None:
-            per = -(-env.num_eval_tasks // len(widths))
-            held_out = [t for d in widths for t in make_tasks(per, d, seed=config.seed, split="held_out")]
+    if train is None:
+        train = env.make_tasks(config, "train")
+    if held_out is None:
+        held_out = env.make_tasks(config, "eval")
     if train is None:
         raise ConfigError(f"data.train_path is required for environment.name={env.name!r}")
     if held_out is None:
@@ -142,35 +126,6 @@ def data_metrics(stats: Mapping[str, DataStats]) -> dict[str, int]:
     return metrics
 
 
-def reward_weights(config: Config) -> RewardWeights:
-    env = config.environment
-    return RewardWeights(
-        outcome_scheme=env.outcome_scheme,
-        format=env.format_weight,
-        tool=env.tool_weight,
-        overlong=1.0 if env.overlong_buffer else 0.0,
-        max_tokens=overlong_max_tokens(config) if env.overlong_buffer else None,
-        tool_cap=TOOL_REWARD_CAP,
-        overlong_cache_tokens=max(env.overlong_buffer, 1),
-    )
-
-
-def env_config(config: Config) -> ReToolConfig:
-    env = config.environment
-    common = dict(
-        max_turns=env.max_turns,
-        max_tool_calls=env.max_tool_calls,
-        max_observation_chars=max(env.max_observation_tokens * 4, 16),
-        max_observation_tokens=env.max_observation_tokens,
-        tool_timeout_s=env.sandbox.timeout_s,
-        reward_weights=reward_weights(config),
-    )
-    if env.name == "arithmetic":
-        return arithmetic_config(**common)
-    system = env.system_prompt or ReToolConfig().system_prompt
-    return ReToolConfig(system_prompt=system, **common)
-
-
 def make_sandbox(config: Config):
     """The configured sandbox; `environment.sandbox.memory_mb` bounds cells and whole sessions alike."""
     sb = config.environment.sandbox
@@ -180,7 +135,7 @@ def make_sandbox(config: Config):
         return RemoteSandbox(RemoteSandboxConfig(base_url=sb.url, timeout_s=sb.timeout_s, memory_mb=sb.memory_mb,
                                                  max_concurrency=sb.workers))
     return SandboxPool(
-        SandboxConfig(
+        SandboxPoolConfig(
             max_concurrency=sb.workers,
             timeout_s=sb.timeout_s,
             memory_mb=sb.memory_mb,
@@ -191,47 +146,10 @@ def make_sandbox(config: Config):
     )
 
 
-def search_env_config(config: Config) -> SearchConfig:
-    env = config.environment
-    return SearchConfig(
-        top_k=env.top_k,
-        max_turns=env.max_turns,
-        max_searches=env.max_tool_calls,
-        max_observation_chars=max(env.max_observation_tokens * 4, 16),
-        max_observation_tokens=env.max_observation_tokens,
-        answer_metric=env.answer_metric,
-        format_score=env.format_weight,
-        outcome_scheme=env.outcome_scheme,
-        system_prompt=env.system_prompt or None,
-    )
-
-
-def make_retriever(config: Config):
-    """The search environment's retriever: a remote server, or a BM25 index built from the corpus."""
-    env = config.environment
-    if env.retriever_url:
-        return RemoteRetriever(RemoteRetrieverConfig(url=env.retriever_url, timeout_s=env.retriever_timeout_s))
-    if not env.corpus_path:
-        raise ConfigError("environment.corpus_path or environment.retriever_url is required for "
-                          "environment.name='search'")
-    retriever = LocalRetriever.from_corpus(env.corpus_path)
-    logger.info("BM25 index over %s: %d passages", env.corpus_path, len(retriever.index))
-    return retriever
-
-
 def env_factory(config: Config, pool: Any, verifier: MathVerifier, count_tokens=None) -> Callable[[], Environment]:
-    """A zero-argument constructor of a fresh environment (one per trajectory).
-
-    The search environment uses neither `pool` nor `verifier`; its retriever (one per
-    run) is built here.
-    """
-    if config.environment.name == "search":
-        retriever, search_cfg = make_retriever(config), search_env_config(config)
-        return lambda: SearchEnv(retriever, search_cfg, count_tokens=count_tokens)
-    cfg = env_config(config)
-    if config.environment.name == "arithmetic":
-        return lambda: ArithmeticEnv(pool, verifier, cfg, count_tokens=count_tokens)
-    return lambda: ReToolEnv(pool, verifier, cfg, count_tokens=count_tokens)
+    """A zero-argument constructor of a fresh environment (one per trajectory), built by the
+    environment's own config section (``config.environment.make_env_factory``)."""
+    return config.environment.make_env_factory(config, pool=pool, verifier=verifier, count_tokens=count_tokens)
 
 
 def arithmetic_demonstrations(config: Config, tasks: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
@@ -244,7 +162,7 @@ def arithmetic_demonstrations(config: Config, tasks: list[dict[str, Any]]) -> li
     pays off. The SFT stage itself is not weakened.
     """
     rng = np.random.default_rng([config.seed, 7])
-    env_cfg = env_config(config)
+    env_cfg = ArithmeticEnv.config_from(config)
     conversations = []
     for task in tasks:
         style = "tool" if rng.random() < config.environment.demo_tool_fraction else "memory"

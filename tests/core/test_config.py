@@ -140,3 +140,46 @@ def test_cudnn_attention_needs_16_bit_compute():
     with pytest.raises(ConfigError, match=r"model.attention_impl: 'cudnn' needs model.compute_dtype='bfloat16'"):
         apply_overrides(Config(), ["model.attention_impl=cudnn", "model.compute_dtype=float32"])
     assert apply_overrides(Config(), ["model.attention_impl=cudnn"]).model.compute_dtype == "bfloat16"
+
+
+# Every key of the former flat environment section, on the environments it applied to.
+_SHARED = ["max_turns=5", "max_tool_calls=1", "max_observation_tokens=32", "system_prompt=hi", "outcome_scheme=pm1",
+           "format_weight=0.1", "tool_weight=0", "overlong_buffer=0", "sandbox.workers=2", "sandbox.timeout_s=3"]
+_OWN = {"demo": ["min_digits=1", "max_digits=3", "num_train_tasks=10", "num_eval_tasks=5", "demo_tool_fraction=0.2"],
+        "retool": [],
+        "search_r1": ["corpus_path=c.jsonl", "top_k=2", "answer_metric=f1", "retriever_timeout_s=3"]}
+
+
+@pytest.mark.parametrize("name", sorted(_OWN))
+def test_environment_keys_of_the_flat_section_still_set(name):
+    keys = [f"environment.{k}" for k in _SHARED + _OWN[name]]
+    c = cfg.apply_overrides(cfg.load_config(f"configs/{name}.py") if name == "demo" else _base(name), keys)
+    for item in keys:
+        key, value = item.split("=")
+        got = c
+        for part in key.split("."):
+            got = getattr(got, part)
+        assert str(got) == value or got == type(got)(value), key
+
+
+def _base(name):
+    # load_config would ask for the data paths; the keys are what is under test
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_cfg_{name}", f"configs/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def test_switching_environment_from_the_command_line():
+    demo = cfg.load_config("configs/demo.py")
+    c = cfg.apply_overrides(demo, ["environment.name=search", "environment.corpus_path=c.jsonl",
+                                   "environment.sandbox.workers=3"])
+    assert isinstance(c.environment, cfg.SearchEnvConfig) and c.environment.corpus_path == "c.jsonl"
+    assert c.environment.max_turns == demo.environment.max_turns and c.environment.sandbox.workers == 3
+    with pytest.raises(cfg.ConfigError, match=r"'min_digits' is a field of environment\.name='arithmetic'"):
+        cfg.apply_overrides(demo, ["environment.name=search", "environment.min_digits=2"])
+    with pytest.raises(cfg.ConfigError, match=r"environment\.name: unknown environment 'serach'; registered:"):
+        cfg.apply_overrides(demo, ["environment.name=serach"])
+    assert isinstance(cfg.Config().environment, cfg.ArithmeticEnvConfig)

@@ -153,12 +153,13 @@ def _key_exists(path: str) -> bool:
     import dataclasses
     import typing
 
-    cls = Config
+    classes = [Config]
     for part in path.split("."):
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        if part not in fields:
+        # a section with variants (environment): the key exists in one of them
+        classes = [v for c in classes for v in (c.variants().values() if hasattr(c, "variants") else [c])]
+        classes = [typing.get_type_hints(c)[part] for c in classes if part in {f.name for f in dataclasses.fields(c)}]
+        if not classes:
             return False
-        cls = typing.get_type_hints(cls)[part]
     return True
 
 

@@ -46,7 +46,7 @@ class DigitEnv(Environment):
 
     async def step(self, action_text: str) -> StepResult:
         reward = float(any(c.isdigit() for c in action_text))
-        return StepResult("", reward, True, {"finish_reason": "answer", "correct": bool(reward)})
+        return StepResult("", reward, True, finish_reason="answer", correct=bool(reward))
 
 
 def test_grpo_raises_the_reward_of_a_learnable_task(tmp_path):

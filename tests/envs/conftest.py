@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from agentrl_jax.envs.sandbox import SandboxConfig, SandboxPool
+from agentrl_jax.envs.sandbox import SandboxPoolConfig, SandboxPool
 
 
 class LoopThread:
@@ -33,7 +33,7 @@ def loop_thread():
 
 @pytest.fixture(scope="session")
 def pool(loop_thread):
-    config = SandboxConfig(num_servers=1, max_concurrency=8, timeout_s=2.0, memory_mb=256,
+    config = SandboxPoolConfig(num_servers=1, max_concurrency=8, timeout_s=2.0, memory_mb=256,
                            output_limit_bytes=4096, max_processes=16, preimport=("numpy",))
     sandbox = SandboxPool(config)
     loop_thread.run(sandbox.start())

@@ -81,7 +81,7 @@ class NeverAnswers(ReToolEnv):
         super().__init__(pool=None, verifier=None, config=config)
         self.observation = observation
 
-    async def step(self, action_text: str, num_sampled_tokens: int = 0) -> StepResult:
+    async def step(self, action_text: str) -> StepResult:
         self.turns += 1
         self.response += action_text
         return StepResult(self.observation, 0.0, False, {})
@@ -102,9 +102,9 @@ class Scripted(Environment):
         if action == "raise":
             raise RuntimeError("scripted environment failure")
         if action == "answer":
-            return StepResult("", 1.0, True, {"finish_reason": "answer", "correct": True})
+            return StepResult("", 1.0, True, finish_reason="answer", correct=True)
         if action == "no_answer":
-            return StepResult("", -1.0, True, {"finish_reason": "no_answer", "correct": False})
+            return StepResult("", -1.0, True, finish_reason="no_answer", correct=False)
         return StepResult("ok", 0.0, False, {})
 
 
@@ -192,3 +192,53 @@ def test_an_answer_is_graded_and_trains(engine, tokenizer):
 def test_truncation_rule_is_checked():
     with pytest.raises(ValueError, match="truncation must be one of"):
         AgentLoop(None, None, max_new_tokens_per_turn=1, max_total_tokens=8, truncation="drop")
+
+
+class ObservesUntilTurnLimit(ReToolEnv):
+    """ReTool's own observation path and scoring: every action is answered through ``_observe``,
+    which ends the episode at ``max_turns`` (as a tool call or a correction does)."""
+
+    def __init__(self, **weights):
+        config = ReToolConfig(max_turns=3, fenced=False, system_prompt=None, stateful=False,
+                              reward_weights=RewardWeights(outcome_scheme="pm1", **weights))
+        super().__init__(pool=None, verifier=None, config=config)
+
+    async def step(self, action_text: str) -> StepResult:
+        self.turns += 1
+        self.response += action_text
+        return self._observe("ok", {})
+
+
+def test_an_episode_ended_by_the_turn_limit_gets_the_overlong_shaping(engine, tokenizer):
+    # It used to be scored with 0 sampled tokens (only a graded answer was told the count),
+    # so a long episode that hit max_turns escaped DAPO's overlong penalty.
+    env = ObservesUntilTurnLimit(overlong=1.0, max_tokens=8, overlong_cache_tokens=4)
+    t, _ = run(engine, tokenizer, env, max_total_tokens=prompt_length(tokenizer, env) + 6 * PER_TURN)
+    assert t.finish_reason == "max_turns" and t.num_sampled_tokens > 8
+    assert t.reward_components["overlong"] == -1.0 and t.reward == -2.0
+
+
+class Minimal(Environment):
+    """The least an environment writes: StepResult(observation_text, reward, done)."""
+
+    async def reset(self, task):
+        self.turn = 0
+        return [{"role": "user", "content": task["question"]}]
+
+    async def step(self, action_text: str) -> StepResult:
+        self.turn += 1
+        return StepResult("ok", 0.0, False) if self.turn == 1 else StepResult("", 0.5, True)
+
+
+def test_a_minimal_environment_needs_no_contract_fields(engine, tokenizer):
+    env = Minimal()
+    t, loop = run(engine, tokenizer, env, max_total_tokens=prompt_length(tokenizer, env) + 4 * PER_TURN)
+    assert t.finish_reason == "done" and t.reward == 0.5 and t.reward_components == {}
+    assert t.tool_stats.calls == 0 and not t.masked and loop.env_errors == 0
+
+
+def test_contract_fields_in_info_are_refused():
+    with pytest.raises(TypeError, match=r"StepResult.info holds \['correct'\].*correct=\.\.\."):
+        StepResult("", 1.0, True, {"correct": True})
+    with pytest.raises(TypeError, match="tool_stats must be a ToolStats"):
+        StepResult("", 1.0, True, tool_stats={"calls": 1})

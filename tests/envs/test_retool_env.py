@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from agentrl_jax.envs import (ArithmeticEnv, ReToolConfig, ReToolEnv, Trajectory, arithmetic_config,
+from agentrl_jax.envs import (ArithmeticEnv, ReToolConfig, ReToolEnv, ToolStats, Trajectory, arithmetic_config,
                               demonstration, make_tasks)
 from agentrl_jax.rewards import MathVerifier, RewardWeights
 
@@ -38,18 +38,18 @@ def test_scripted_multi_turn_episode(loop_thread, pool, verifier):
     assert steps[0].observation_text == "\n<interpreter>\n1024\n</interpreter>\n" and not steps[0].done
     assert "1025" in steps[1].observation_text  # the session kept x
     final = steps[2]
-    assert final.done and final.info["finish_reason"] == "answer" and final.info["correct"]
-    assert final.info["reward_components"] == {"outcome": 1.0, "format": 1.0, "tool": 0.2}
+    assert final.done and final.finish_reason == "answer" and final.correct
+    assert final.reward_components == {"outcome": 1.0, "format": 1.0, "tool": 0.2}
     assert final.reward == pytest.approx(1.0 + 0.1 + 0.5 * 0.2)
-    assert final.info["tool_stats"] == {"calls": 2, "errors": 0, "timeouts": 0}
+    assert final.tool_stats == ToolStats(calls=2, errors=0, timeouts=0)
 
 
 def test_wrong_answer_and_no_answer(loop_thread, pool, verifier):
     env = ReToolEnv(pool, verifier)
     wrong = episode(loop_thread, env, ["\\boxed{1024}"])[0]
-    assert wrong.done and not wrong.info["correct"] and wrong.reward == -1.0
+    assert wrong.done and not wrong.correct and wrong.reward == -1.0
     silent = episode(loop_thread, env, ["I give up."])[0]
-    assert silent.done and silent.info["finish_reason"] == "no_answer" and silent.reward == -1.0
+    assert silent.done and silent.finish_reason == "no_answer" and silent.reward == -1.0
 
 
 def test_unclosed_tag_gets_correction(loop_thread, pool, verifier):
@@ -57,7 +57,7 @@ def test_unclosed_tag_gets_correction(loop_thread, pool, verifier):
     steps = episode(loop_thread, env, ["<code>\n```python\nprint(1)\n```", "\\boxed{1025}"])
     assert "not closed" in steps[0].observation_text and not steps[0].done
     assert "<interpreter>" in steps[0].observation_text and env.tool_stats.calls == 0
-    assert steps[1].info["correct"]
+    assert steps[1].correct
 
 
 def test_empty_code_block(loop_thread, pool, verifier):
@@ -75,7 +75,7 @@ def test_several_code_blocks_runs_first_only(loop_thread, pool, verifier):
 def test_text_after_answer_is_graded_without_format_credit(loop_thread, pool, verifier):
     env = ReToolEnv(pool, verifier, ReToolConfig(reward_weights=RewardWeights(format=0.5)))
     step = episode(loop_thread, env, ["\\boxed{1025} and some rambling afterwards"])[0]
-    assert step.done and step.info["correct"] and step.info["reward_components"]["format"] == 0.0
+    assert step.done and step.correct and step.reward_components["format"] == 0.0
 
 
 def test_gigantic_output_is_truncated(loop_thread, pool, verifier):
@@ -103,15 +103,14 @@ def test_tool_call_and_turn_limits(loop_thread, pool, verifier):
     env = ReToolEnv(pool, verifier, ReToolConfig(max_tool_calls=1, max_turns=3))
     steps = episode(loop_thread, env, [code("print(1)"), code("print(2)"), code("print(3)")])
     assert "limit reached" in steps[1].observation_text and env.tool_stats.calls == 1
-    assert steps[2].done and steps[2].info["finish_reason"] == "max_turns" and steps[2].reward == -1.0
+    assert steps[2].done and steps[2].finish_reason == "max_turns" and steps[2].reward == -1.0
 
 
 def test_zero_tool_calls_from_the_config_runs_no_code(loop_thread, pool, verifier):
     """`environment.max_tool_calls=0` reaches the environment (it used to become 1)."""
     from agentrl_jax.config import load_config
-    from agentrl_jax.train.setup import env_config
 
-    config = env_config(load_config("configs/demo.py", ["environment.max_tool_calls=0"]))
+    config = ArithmeticEnv.config_from(load_config("configs/demo.py", ["environment.max_tool_calls=0"]))
     env = ReToolEnv(pool, verifier, config)
     steps = episode(loop_thread, env, [code("print(1)"), "\\boxed{2}"])
     assert "limit reached" in steps[0].observation_text and env.tool_stats.calls == 0

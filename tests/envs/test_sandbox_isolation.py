@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl_jax.envs.sandbox import SandboxConfig, SandboxPool
+from agentrl_jax.envs.sandbox import SandboxPoolConfig, SandboxPool
 
 REPO = Path(__file__).resolve().parents[2]
 WRITE = ("import os\nfor path in ('/tmp/x', os.path.expanduser('~/y'), '/var/tmp/z', '/dev/shm/w'):\n"
@@ -136,10 +136,10 @@ def test_virtualenv_in_a_home_directory_or_under_tmp(tmp_path, where):
         (site / "host_site.pth").write_text(f"{Path(numpy.__file__).parents[1]}\n{private}\n")
         script = textwrap.dedent("""
             import asyncio, json
-            from agentrl_jax.envs.sandbox import SandboxConfig, SandboxPool
+            from agentrl_jax.envs.sandbox import SandboxPoolConfig, SandboxPool
 
             async def main():
-                async with SandboxPool(SandboxConfig(preimport=(), timeout_s=20)) as pool:
+                async with SandboxPool(SandboxPoolConfig(preimport=(), timeout_s=20)) as pool:
                     result = await pool.run("import sys, agentrl_probe_pkg, numpy\\n"
                                             "print(agentrl_probe_pkg.VALUE, numpy.arange(3).sum(), sys.prefix)")
                     print(json.dumps([result.stdout, result.stderr, pool.filesystem_isolated]))
@@ -162,7 +162,7 @@ def test_a_failed_start_says_why(loop_thread, tmp_path):
     broken = tmp_path / "python"
     broken.write_text("#!/bin/sh\necho 'ModuleNotFoundError: no module named encodings' >&2\nexit 7\n")
     broken.chmod(0o755)
-    pool = SandboxPool(SandboxConfig(python=str(broken)))
+    pool = SandboxPool(SandboxPoolConfig(python=str(broken)))
     with pytest.raises(RuntimeError, match=r"(?s)failed to start.*no module named encodings"):
         loop_thread.run(pool.start())
 
@@ -174,16 +174,16 @@ PRIVILEGE_DROP = textwrap.dedent("""
     for cap in (CAP_SETGID, CAP_SETUID, CAP_SYS_ADMIN):  # gone for every program we exec
         assert libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0, ctypes.get_errno()
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    from agentrl_jax.envs.sandbox import SandboxConfig, SandboxIsolationError, SandboxPool
+    from agentrl_jax.envs.sandbox import SandboxPoolConfig, SandboxIsolationError, SandboxPool
 
     async def main():
         report = {}
-        async with SandboxPool(SandboxConfig(preimport=())) as pool:
+        async with SandboxPool(SandboxPoolConfig(preimport=())) as pool:
             result = await pool.run("import os; print(os.getuid())")
             report.update(missing=sorted(pool.protections_missing), ok=result.ok, uid=result.stdout,
                           count=pool.metrics()["sandbox/protections_missing"])
         try:
-            await SandboxPool(SandboxConfig(preimport=(), require_isolation=True)).start()
+            await SandboxPool(SandboxPoolConfig(preimport=(), require_isolation=True)).start()
         except SandboxIsolationError as e:
             report["refused"] = str(e)
         print(json.dumps(report))
@@ -214,15 +214,15 @@ def test_a_disabled_protection_is_refused_when_isolation_is_required(loop_thread
 
     config = load_config("demo", ["environment.sandbox.require_isolation=true"])
     assert make_sandbox(config).config.require_isolation
-    pool = SandboxPool(SandboxConfig(preimport=(), isolate_network=False, require_isolation=True))
-    with pytest.raises(SandboxIsolationError, match=r"network_namespace: disabled by SandboxConfig.isolate_network"):
+    pool = SandboxPool(SandboxPoolConfig(preimport=(), isolate_network=False, require_isolation=True))
+    with pytest.raises(SandboxIsolationError, match=r"network_namespace: disabled by SandboxPoolConfig.isolate_network"):
         loop_thread.run(pool.start())
     assert all(server is None or not server.alive for server in pool._servers)  # nothing left running
 
 
 def test_two_fork_servers_never_share_a_uid(loop_thread, pool):
     """Each server holds its own uid block: a cell ending on one never kills another's session."""
-    other = SandboxPool(SandboxConfig(preimport=()))
+    other = SandboxPool(SandboxPoolConfig(preimport=()))
 
     async def scenario():
         await other.start()

@@ -27,6 +27,7 @@ from agentrl_jax.envs import (
     RetrieverError,
     SearchConfig,
     SearchEnv,
+    ToolStats,
     load_corpus,
     make_search_corpus,
     write_search_corpus,
@@ -202,10 +203,10 @@ def test_scripted_two_hop_episode(corpus, retriever):
                              f"<think>Found it.</think>\n<answer> the {task['answer']} </answer>"])
     assert f"currency of {country} is the {task['answer']}" in steps[1].observation_text
     final = steps[-1]
-    assert final.done and final.reward == 1.0 and final.info["correct"]
-    assert final.info["finish_reason"] == "answer"
-    assert final.info["tool_stats"] == {"calls": 2, "errors": 0, "timeouts": 0}
-    assert final.info["reward_components"]["format"] == 1.0
+    assert final.done and final.reward == 1.0 and final.correct
+    assert final.finish_reason == "answer"
+    assert final.tool_stats == ToolStats(calls=2, errors=0, timeouts=0)
+    assert final.reward_components["format"] == 1.0
     assert final.info["queries"] == [f"capital {capital}", f"official currency of {country}"]
 
 
@@ -223,29 +224,29 @@ def test_malformed_actions_get_a_correction_and_no_search(retriever, action, kin
     step = play(env, TASK, [action])[0]
     assert parse_action(action).kind == kind
     assert not step.done and correction in step.observation_text and "<information>" not in step.observation_text
-    assert step.info["tool_stats"]["calls"] == 0 and env.corrections == 1
+    assert step.tool_stats.calls == 0 and env.corrections == 1
     recovered = play(env, TASK, [action, "<answer>Quellin</answer>"])[-1]
-    assert recovered.done and recovered.info["correct"] and recovered.reward == 1.0
-    assert recovered.info["reward_components"]["format"] == float(kind == "empty_query")
+    assert recovered.done and recovered.correct and recovered.reward == 1.0
+    assert recovered.reward_components["format"] == float(kind == "empty_query")
 
 
 def test_text_after_answer_is_graded_without_format(retriever):
     step = play(SearchEnv(retriever, SearchConfig(format_score=0.1)), TASK,
                 ["<answer>Quel</answer> and some more text"])[0]
-    assert step.done and step.info["correct"] and step.info["text_after_answer"]
-    assert step.info["reward_components"] == {"outcome": 1.0, "em": 1.0, "f1": 1.0, "format": 0.0}
+    assert step.done and step.correct and step.info["text_after_answer"]
+    assert step.reward_components == {"outcome": 1.0, "em": 1.0, "f1": 1.0, "format": 0.0}
     assert step.reward == pytest.approx(0.9)
 
 
 def test_policy_written_information_breaks_format(retriever):
     step = play(SearchEnv(retriever), TASK, ["<information>made up</information><answer>Quellin</answer>"])[0]
-    assert step.info["correct"] and step.info["reward_components"]["format"] == 0.0 and step.reward == 1.0
+    assert step.correct and step.reward_components["format"] == 0.0 and step.reward == 1.0
     assert not well_formed("<answer>a</answer><answer>b</answer>") and well_formed("<think>x</think><answer>a</answer>")
 
 
 def test_no_action_ends_the_episode_as_no_answer(retriever):
     step = play(SearchEnv(retriever), TASK, ["I do not know."])[0]
-    assert step.done and step.info["finish_reason"] == "no_answer" and step.reward == 0.0 and not step.info["correct"]
+    assert step.done and step.finish_reason == "no_answer" and step.reward == 0.0 and not step.correct
 
 
 def test_limits_turns_searches_and_observation_size(retriever):
@@ -255,8 +256,8 @@ def test_limits_turns_searches_and_observation_size(retriever):
     assert len(steps[0].observation_text) <= 120 + len("\n\n<information></information>\n\n")
     assert "characters truncated" in steps[0].observation_text
     assert "Search limit (1) reached" in steps[1].observation_text
-    assert steps[2].done and steps[2].info["finish_reason"] == "max_turns" and steps[2].reward == 0.0
-    assert steps[2].info["tool_stats"]["calls"] == 1
+    assert steps[2].done and steps[2].finish_reason == "max_turns" and steps[2].reward == 0.0
+    assert steps[2].tool_stats.calls == 1
     multi = play(SearchEnv(retriever), TASK, ["<search>capital</search> <search>more</search>"])[0]
     assert "only the first query was searched" in multi.observation_text
 
@@ -372,7 +373,7 @@ def test_remote_failures_become_search_failed_observations(serve):
     env = SearchEnv(remote(timing_out.url, timeout_s=0.2, max_retries=1))
     step = play(env, TASK, ["<search>capital</search>"])[0]
     assert not step.done and "Search failed" in step.observation_text and "<information>" in step.observation_text
-    assert step.info["tool_stats"] == {"calls": 1, "errors": 0, "timeouts": 1}
+    assert step.tool_stats == ToolStats(calls=1, errors=0, timeouts=1)
     with pytest.raises(RetrieverError) as error:
         asyncio.run(remote(timing_out.url, timeout_s=0.2, max_retries=0).search("q", 1))
     assert error.value.timed_out
@@ -381,19 +382,19 @@ def test_remote_failures_become_search_failed_observations(serve):
     env = SearchEnv(remote(client_error.url, max_retries=3))
     step = play(env, TASK, ["<search>capital</search>"])[0]
     assert "Search failed" in step.observation_text and "HTTP Error 400" in step.observation_text
-    assert step.info["tool_stats"] == {"calls": 1, "errors": 1, "timeouts": 0}
+    assert step.tool_stats == ToolStats(calls=1, errors=1, timeouts=0)
     assert len(client_error.requests) == 1  # a 4xx is not retried
 
     closed = RemoteRetriever(RemoteRetrieverConfig(url="http://127.0.0.1:9/retrieve", max_retries=0))
     step = play(SearchEnv(closed), TASK, ["<search>capital</search>", "<answer>Quellin</answer>"])
-    assert "Search failed" in step[0].observation_text and step[1].info["tool_stats"]["errors"] == 1
+    assert "Search failed" in step[0].observation_text and step[1].tool_stats.errors == 1
 
 
 def test_env_deadline_bounds_a_slow_retriever(serve):
     slow = serve(sleep_first=10, sleep_s=0.5)
     env = SearchEnv(remote(slow.url, timeout_s=5.0), SearchConfig(search_timeout_s=0.2))
     step = play(env, TASK, ["<search>capital</search>"])[0]
-    assert "timed out after 0.2s" in step.observation_text and step.info["tool_stats"]["timeouts"] == 1
+    assert "timed out after 0.2s" in step.observation_text and step.tool_stats.timeouts == 1
 
 
 def test_malformed_server_answers_are_errors():
@@ -450,7 +451,7 @@ def test_docs_example_runs(tmp_path, monkeypatch, capsys):
     (example,) = _doc_blocks("python")
     monkeypatch.chdir(tmp_path)
     exec(compile(example, str(DOC), "exec"), {"__name__": "docs_example"})  # noqa: S102  (the doc is ours)
-    assert capsys.readouterr().out.startswith("1.0 answer {'calls': 2, 'errors': 0, 'timeouts': 0}")
+    assert capsys.readouterr().out.startswith("1.0 answer ToolStats(calls=2, errors=0, timeouts=0)")
     assert (tmp_path / "search_data" / "corpus.jsonl").is_file()
 
 

@@ -56,7 +56,7 @@ class ScriptedToolEnv(Environment):
         self.turn += 1
         await asyncio.sleep(self.slow if self.turn == 1 or self.even else self.fast)
         if self.turn >= TURNS:
-            return StepResult("", float(len(action_text) % 2), True, {"finish_reason": "answer"})
+            return StepResult("", float(len(action_text) % 2), True, finish_reason="answer")
         return StepResult("<interpreter>ok</interpreter>", 0.0, False)
 
 

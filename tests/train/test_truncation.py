@@ -156,12 +156,12 @@ class AnswersEvenOperands(Environment):
         self.turn += 1
         if self.answers and self.turn == 2:
             right = len(action_text) % 2 == 0
-            return StepResult("", 1.0 if right else -1.0, True, {"finish_reason": "answer", "correct": right})
+            return StepResult("", 1.0 if right else -1.0, True, finish_reason="answer", correct=right)
         return StepResult("<interpreter>ok</interpreter>", 0.0, False)
 
     def truncated_result(self, finish_reason, num_sampled_tokens):
-        return StepResult("", -1.0, True, {"finish_reason": finish_reason, "correct": False,
-                                           "reward_components": {"outcome": -1.0}})
+        return StepResult("", -1.0, True, finish_reason=finish_reason, correct=False,
+                          reward_components={"outcome": -1.0})
 
 
 def _run(out: Path, *overrides: str, **env_kwargs) -> tuple[list[dict], dict]:

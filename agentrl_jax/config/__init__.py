@@ -1,0 +1,65 @@
+"""Typed, frozen, validated experiment configuration.
+
+A config file is Python: ``configs/retool.py`` defines ``get_config() -> Config``. The
+command line overrides any field with ``--set section.field=value``. Unknown keys, wrong
+types and impossible combinations fail at load time with a :class:`ConfigError` that
+names the field and what is allowed.
+
+- ``config/core.py``: the machinery (section base, type checks, overrides, loading, describe).
+- ``config/sections.py``: the training sections and ``Config``.
+- ``config/environments.py``: one section per environment, selected by ``environment.name``;
+  a new environment registers its own with :func:`register_environment`.
+"""
+
+from agentrl_jax.config.core import _f as config_field
+from agentrl_jax.config.core import _require as require
+from agentrl_jax.config.core import (
+    ConfigError,
+    DType,
+    apply_overrides,
+    check_registered_names,
+    check_required_paths,
+    describe,
+    from_dict,
+    load_config,
+    resolve_config_path,
+    to_dict,
+)
+from agentrl_jax.config.environments import (
+    TOOL_REWARD_CAP,
+    ArithmeticEnvConfig,
+    EnvironmentConfig,
+    ReToolEnvConfig,
+    SandboxConfig,
+    SearchEnvConfig,
+    environment_names,
+    overlong_max_tokens,
+    register_environment,
+)
+from agentrl_jax.config.sections import (
+    JUDGE_FIELDS,
+    AlgorithmConfig,
+    AsyncConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    EvalConfig,
+    HybridConfig,
+    LoggingConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RolloutConfig,
+    ScratchModelConfig,
+    SFTConfig,
+)
+
+__all__ = [
+    "JUDGE_FIELDS", "TOOL_REWARD_CAP",
+    "AlgorithmConfig", "ArithmeticEnvConfig", "AsyncConfig", "CheckpointConfig", "Config", "ConfigError",
+    "DType", "DataConfig", "EnvironmentConfig", "EvalConfig", "HybridConfig", "LoggingConfig", "MeshConfig",
+    "ModelConfig", "OptimizerConfig", "ReToolEnvConfig", "RolloutConfig", "SFTConfig", "SandboxConfig",
+    "ScratchModelConfig", "SearchEnvConfig", "apply_overrides", "check_registered_names",
+    "check_required_paths", "config_field", "describe", "environment_names", "from_dict", "load_config",
+    "overlong_max_tokens", "register_environment", "require", "resolve_config_path", "to_dict",
+]
