@@ -64,16 +64,12 @@ def kv_bytes_per_token(size: str, dtype_bytes: int = 2) -> int:
     return 2 * layers * kv * k * dtype_bytes
 
 
-def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int, attention: str,
-                profile: bool = False, page_size: int = 32) -> list[dict]:
-    import jax
+def qwen3_model(size: str):
+    """(random-init Decoder of the Qwen3 ``size`` shape, its dtype): float32 for "tiny", else bf16."""
     import jax.numpy as jnp
-    import numpy as np
     from flax import nnx
 
     from agentrl_jax.models import Decoder, DecoderConfig
-    from agentrl_jax.rollout import Engine, SamplingParams
-    from agentrl_jax.sharding import make_mesh
 
     vocab, d, f, layers, heads, kv, k, tie = QWEN3[size]
     config = DecoderConfig(
@@ -82,7 +78,20 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
         rope_theta=1_000_000.0, max_position_embeddings=40960,
     )
     dtype = jnp.float32 if size == "tiny" else jnp.bfloat16
-    model = Decoder(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    return Decoder(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)), dtype
+
+
+def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int, attention: str,
+                profile: bool = False, page_size: int = 32) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from agentrl_jax.rollout import Engine, SamplingParams
+    from agentrl_jax.sharding import make_mesh
+
+    model, dtype = qwen3_model(size)
+    vocab = model.config.vocab_size
     device = jax.devices()[0]
     mesh = make_mesh({"data": 1}, [device])
     rows = []

@@ -36,23 +36,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _model(size: str):
-    import jax.numpy as jnp
-    from decode import QWEN3
-    from flax import nnx
-
-    from agentrl_jax.models import Decoder, DecoderConfig
-
-    vocab, d, f, layers, heads, kv, k, tie = QWEN3[size]
-    config = DecoderConfig(
-        architecture="qwen3", vocab_size=vocab, hidden_size=d, intermediate_size=f, num_layers=layers,
-        num_heads=heads, num_kv_heads=kv, head_dim=k, qk_norm=True, tie_word_embeddings=tie,
-        rope_theta=1_000_000.0, max_position_embeddings=40960,
-    )
-    dtype = jnp.float32 if size == "tiny" else jnp.bfloat16
-    return Decoder(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)), dtype
-
-
 async def _rollout(driver, args, vocab: int, seed: int) -> dict:
     import numpy as np
 
@@ -139,7 +122,9 @@ def main(argv=None) -> None:
     from agentrl_jax.rollout import Driver, Engine
     from agentrl_jax.sharding import make_mesh
 
-    model, dtype = _model(args.size)
+    from decode import qwen3_model
+
+    model, dtype = qwen3_model(args.size)
     vocab = model.config.vocab_size
     slots = args.groups * args.group_size
     longest = args.prompt + args.turns * (3 * args.turn_tokens // 2 + args.observation + 1) + 1
