@@ -304,8 +304,6 @@ class Driver:
                 f"generate_group: n={n} exceeds the {per_shard} slots of one data shard (the engine's "
                 f"max_concurrent_decodes={engine.max_concurrent_decodes} over {engine.num_shards} shards)"
             )
-        if prompt.size == 0:
-            raise ValueError("generate: prompt_ids is empty")
         start, input_length = 0, int(prompt.size)
         if session is not None:
             if session.busy:
@@ -317,6 +315,8 @@ class Driver:
             if session.started:
                 start = len(session.history)
                 prompt = np.concatenate([[session.pending_token], prompt]).astype(np.int32)
+        if prompt.size == 0:  # a started session may continue with no new tokens (an empty observation)
+            raise ValueError("generate: prompt_ids is empty")
         capacity = engine.max_target_length
         if start + prompt.size >= capacity:
             raise ValueError(
