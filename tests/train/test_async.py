@@ -77,8 +77,10 @@ def async_runs(tmp_path_factory):
     runs = {}
     for mode, extra in (("snapshot", []), ("recompute", ["algorithm.correction=tis"])):
         out = tmp_path_factory.mktemp(mode)
-        # 128 tokens: three turns and two observations fit (at 96 every episode ran out of context)
-        runs[mode] = _run(out, "total_steps=5", "rollout.max_sequence_length=128",
+        # 160 tokens: a ~50-token prompt, three 6-token turns and two 29-token observations fit with
+        # room (at 96 every episode ran out of context; at 128 an episode whose turns ran their full
+        # budget sometimes did)
+        runs[mode] = _run(out, "total_steps=5", "rollout.max_sequence_length=160",
                           "async_rl.enabled=true", "async_rl.max_staleness=1",
                           f"async_rl.old_logprobs={mode}", "optimizer.learning_rate=0.02", *extra,
                           make_env=_slow_tools())
