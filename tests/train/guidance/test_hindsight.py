@@ -330,7 +330,7 @@ def test_demo_hybrid_command_runs_two_steps_with_hints(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     tiny = ["model.scratch.hidden_size=32", "model.scratch.intermediate_size=64", "model.scratch.num_layers=1",
             "model.scratch.num_heads=2", "model.scratch.num_kv_heads=1", "model.scratch.head_dim=16",
             "model.scratch.vocab_size=320", "rollout.max_concurrent=8", "rollout.max_new_tokens_per_turn=12",
