@@ -291,11 +291,6 @@ def test_model_judge_decodes_with_its_params_through_the_driver_and_restores(tok
     assert after.token_ids != expected.token_ids
 
 
-def test_model_judge_needs_restore_with_params():
-    with pytest.raises(ValueError, match="restore"):
-        ModelJudge(object(), object(), params={})
-
-
 # ------------------------------------------------------------------ config
 
 
