@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from agentrl_jax.config import Config, ConfigError, apply_overrides
-from agentrl_jax.train.checkpoint import Checkpointer, restore_pytree, save_pytree
 from agentrl_jax.train.build import build_roles
+from agentrl_jax.train.checkpoint import Checkpointer, restore_pytree, save_pytree
 from agentrl_jax.train.run import _resume_step, _start_over
 
 

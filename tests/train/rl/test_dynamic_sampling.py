@@ -4,7 +4,7 @@ import asyncio
 
 import numpy as np
 
-from agentrl_jax.config import apply_overrides, Config
+from agentrl_jax.config import Config, apply_overrides
 from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.train.rl.collect import collect
 
