@@ -58,7 +58,7 @@ def get_config():
             teacher="reference",
             teacher_dtype="bfloat16",
             judge="reference",
-            judge_template="",  # the built-in JUDGE_TEMPLATE (agentrl_jax/train/hindsight.py)
+            judge_template="",  # the built-in JUDGE_TEMPLATE (agentrl_jax/train/guidance/hindsight.py)
             judge_max_new_tokens=512,
             judge_temperature=0.0,
             max_hint_tokens=64,

@@ -297,7 +297,7 @@ class HybridConfig(_Section):
         "none", "Who writes bridge thoughts / PRM scores after an episode: nobody, a model through the "
         "rollout driver (current policy, reference or teacher params), or a scripted oracle (arithmetic only).")
     judge_template: str = _f("", "Judge prompt with {problem} {trajectory} {outcome} {reward} {reference_answer}; "
-                                 "empty: the built-in template (agentrl_jax.train.hindsight).")
+                                 "empty: the built-in template (agentrl_jax.train.guidance.hindsight).")
     judge_max_new_tokens: int = _f(256, "Decoding budget of one judge answer.")
     judge_temperature: float = _f(0.0, "Judge sampling temperature (0: greedy).")
     max_hint_tokens: int = _f(64, "A bridge thought longer than this many tokens is rejected (counted).")

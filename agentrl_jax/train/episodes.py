@@ -3,8 +3,8 @@
 The rules for episodes that did not end in a graded answer live here
 (docs/algorithms.md, "Truncated and failed episodes"): which trajectories train
 (``Trajectory.masked``), which enter the advantage estimator's group statistics, and how
-every ending is counted in the step metrics. The trainer (``train/rl.py``) and the async
-pipeline (``train/pipeline.py``) both go through these functions.
+every ending is counted in the step metrics. The RL step's stages (``train/rl/``) go
+through these functions, synchronous or asynchronous.
 """
 
 from __future__ import annotations

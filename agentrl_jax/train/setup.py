@@ -1,6 +1,6 @@
 """From a Config to the pieces a run needs: tasks, environments, SFT data, model assets.
 
-Everything here is host-side preparation; the trainer (``train/rl.py``) owns the loop.
+Everything here is host-side preparation; the RL loop (``train/rl/loop.py``) runs the steps.
 """
 
 from __future__ import annotations

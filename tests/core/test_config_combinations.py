@@ -96,7 +96,7 @@ def test_valid_neighbours_still_load():
 
 def test_registered_estimators_and_losses_must_be_callable_by_the_trainer():
     """A custom advantage or loss whose required arguments the trainer never passes fails at
-    load (and when RLTrainer is built from a Python Config), not at the first update."""
+    load (and when the RL loop is built from a Python Config), not at the first update."""
     from agentrl_jax.losses import registry
 
     if "needs_values_test" not in registry.known_advantages():

@@ -19,7 +19,7 @@ import pytest
 
 from agentrl_jax.config import AsyncConfig, ConfigError, load_config
 from agentrl_jax.envs.base import Environment, StepResult
-from agentrl_jax.train.old_policy import OldPolicy, staleness_stats
+from agentrl_jax.train.guidance.old_policy import OldPolicy, staleness_stats
 from agentrl_jax.train.run import train
 
 TINY = [
@@ -241,27 +241,24 @@ def test_disaggregated_meshes_split_the_devices():
 def test_optimizer_state_moves_to_host_memory_and_back():
     """async_rl.offload_optimizer (synchronous runs): the optimizer state leaves device memory
     during the rollout and comes back unchanged for the update."""
-    import types
-
     import optax
     from jax.sharding import NamedSharding, PartitionSpec
 
     from agentrl_jax.sharding import make_mesh
-    from agentrl_jax.train.rl import RLTrainer
+    from agentrl_jax.train.rl.stages import place_optimizer_state
     from agentrl_jax.train.step import init_train_state
 
     mesh = make_mesh({"fsdp": -1})
     params = {"w": jax.device_put(jnp.arange(16.0).reshape(8, 2), NamedSharding(mesh, PartitionSpec("fsdp")))}
     state = init_train_state(params, optax.adam(1e-3), 0)
     state = state.replace(opt_state=jax.tree.map(lambda x: x + 1, state.opt_state))
-    trainer = types.SimpleNamespace(state=state)
     device_kind = jax.devices()[0].default_memory().kind
-    trainer.state = RLTrainer._place_optimizer_state(trainer, "pinned_host")
-    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(trainer.state.opt_state)}
+    offloaded = place_optimizer_state(state, "pinned_host")
+    kinds = {x.sharding.memory_kind for x in jax.tree.leaves(offloaded.opt_state)}
     assert kinds == {"pinned_host"}
-    assert trainer.state.params["w"].sharding.memory_kind == device_kind  # params stay
-    trainer.state = RLTrainer._place_optimizer_state(trainer, None)
-    assert {x.sharding.memory_kind for x in jax.tree.leaves(trainer.state.opt_state)} == {device_kind}
-    for a, b in zip(jax.tree.leaves(trainer.state.opt_state), jax.tree.leaves(state.opt_state)):
+    assert offloaded.params["w"].sharding.memory_kind == device_kind  # params stay
+    back = place_optimizer_state(offloaded, None)
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(back.opt_state)} == {device_kind}
+    for a, b in zip(jax.tree.leaves(back.opt_state), jax.tree.leaves(state.opt_state)):
         np.testing.assert_array_equal(a, b)
         assert a.sharding.spec == b.sharding.spec

@@ -1,15 +1,15 @@
-"""The run lifecycle pieces of train/run.py that need no training: resume step, starting over,
-frozen models from the starting policy. End to end (kill -9, resume): tests/e2e/test_launch_e2e.py."""
-
-import types
+"""The run lifecycle pieces of train/run.py and train/build.py that need no training: resume step,
+starting over, frozen models from the starting policy. End to end (kill -9, resume):
+tests/e2e/test_launch_e2e.py."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from agentrl_jax.config import Config, ConfigError, apply_overrides
+from agentrl_jax.train.build import build_roles
 from agentrl_jax.train.checkpoint import Checkpointer, restore_pytree, save_pytree
-from agentrl_jax.train.run import _attach_teacher_and_judge, _reference_params, _resume_step, _start_over
+from agentrl_jax.train.run import _resume_step, _start_over
 
 
 def test_resume_step_is_the_newest_checkpoint_and_refuses_one_past_total_steps(tmp_path):
@@ -51,36 +51,33 @@ def test_pytree_save_replaces_and_restores_exactly_in_the_target_shardings(tmp_p
 
 
 def test_frozen_models_are_copies_of_the_starting_policy_not_of_the_trained_state():
-    """Resume bug: reference, teacher and judge were copied from the restored (trained) policy."""
+    """Resume bug: reference, teacher and judge were copied from the restored (trained) policy.
+    The roles are built from the starting policy alone: the trained state is not an input."""
     config = apply_overrides(Config(), ["algorithm.kl_coef=0.1", "hybrid.mode=hybrid", "hybrid.judge=reference",
                                         "hybrid.teacher_dtype=float32", "model.reference_dtype=bfloat16"])
     initial = {"w": jnp.arange(4.0)}
-    trained = {"w": jnp.arange(4.0) + 100}
-    trainer = types.SimpleNamespace(state=types.SimpleNamespace(params=trained), graphdef="graphdef",
-                                    reference_params=None, teacher=None, judge=None, driver=None, version=3)
-    trainer.reference_params = _reference_params(config, initial, None)
-    _attach_teacher_and_judge(config, trainer, initial, None, tokenizer=None, start_step=3)
-    np.testing.assert_array_equal(np.asarray(trainer.reference_params["w"], np.float32), [0, 1, 2, 3])
-    assert trainer.reference_params["w"].dtype == jnp.bfloat16
-    graphdef, teacher = trainer.teacher
-    assert graphdef == "graphdef" and teacher["w"].dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(teacher["w"]), [0, 1, 2, 3])
-    assert trainer.judge.params is trainer.reference_params and trainer.judge.calls == 3
-    assert trainer.judge.restore() == (trained, 3)  # the judge hands the driver back the trained policy
+    roles = build_roles(config, "graphdef", initial, None, tokenizer=None, driver=None, start_step=3)
+    np.testing.assert_array_equal(np.asarray(roles.reference["w"], np.float32), [0, 1, 2, 3])
+    assert roles.reference["w"].dtype == jnp.bfloat16
+    assert roles.policy == roles.teacher.graphdef == "graphdef" and roles.teacher.params["w"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(roles.teacher.params["w"]), [0, 1, 2, 3])
+    assert roles.judge.params is roles.reference and roles.judge.calls == 3
+    roles.check(config)
 
 
-def test_reference_teacher_is_the_reference_checkpoint_in_any_dtype():
+def test_reference_teacher_is_the_reference_checkpoint_in_any_dtype(monkeypatch):
     """teacher=reference with model.reference_path and another dtype was a copy of the starting policy."""
+    from agentrl_jax.train import build
+
     config = apply_overrides(Config(), ["algorithm.kl_coef=0.1", "model.reference_path=/ref", "hybrid.mode=hybrid",
                                         "hybrid.teacher_dtype=float32", "model.reference_dtype=bfloat16"])
     initial = {"w": jnp.arange(4.0)}
-    trainer = types.SimpleNamespace(state=types.SimpleNamespace(params=initial), graphdef="graphdef",
-                                    reference_params={"w": jnp.arange(4.0, dtype=jnp.bfloat16) + 50}, teacher=None,
-                                    judge=None, driver=None, version=0)
-    _attach_teacher_and_judge(config, trainer, initial, None, tokenizer=None, start_step=0)
-    _, teacher = trainer.teacher
-    assert teacher["w"].dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(teacher["w"]), [50, 51, 52, 53])
+    # the checkpoint at /ref: its params (loading an HF checkpoint is tested in tests/models)
+    monkeypatch.setattr(build, "reference_params",
+                        lambda config, initial, mesh: {"w": jnp.arange(4.0, dtype=jnp.bfloat16) + 50})
+    roles = build_roles(config, "graphdef", initial, None, tokenizer=None, driver=None, start_step=0)
+    assert roles.teacher.params["w"].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(roles.teacher.params["w"]), [50, 51, 52, 53])
 
 
 def test_resume_without_the_saved_post_sft_policy_is_refused(tmp_path):
@@ -96,7 +93,7 @@ def test_a_reference_of_another_architecture_is_refused_before_training(tmp_path
     from transformers import Qwen3Config
 
     from agentrl_jax.models import DecoderConfig
-    from agentrl_jax.train.run import _check_reference_architecture
+    from agentrl_jax.train.build import check_reference_architecture
 
     hf = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
               num_key_value_heads=1, head_dim=16)
@@ -106,7 +103,7 @@ def test_a_reference_of_another_architecture_is_refused_before_training(tmp_path
     for path, ok in ((tmp_path / "same", True), (tmp_path / "wider", False)):
         config = apply_overrides(Config(), ["algorithm.kl_coef=0.1", f"model.reference_path={path}"])
         if ok:
-            _check_reference_architecture(config, policy)
+            check_reference_architecture(config, policy)
         else:
             with pytest.raises(ConfigError, match=r"model.reference_path: .* \(hidden_size: 48 vs the policy's 32\)"):
-                _check_reference_architecture(config, policy)
+                check_reference_architecture(config, policy)

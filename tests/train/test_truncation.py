@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import types
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,7 @@ from agentrl_jax.train.episodes import (
     trajectory_record,
     truncation_rule,
 )
-from agentrl_jax.train.rl import RLTrainer
+from agentrl_jax.train.rl import Frozen, Roles
 
 
 def _traj(group_id, reward, *, sampled=2, finish="answer", masked=False):
@@ -117,11 +116,10 @@ def test_auto_masks_when_a_wrong_answer_scores_below_zero(overrides, rule):
 
 def test_a_trainer_without_the_models_its_config_needs_refuses_to_run():
     config = apply_overrides(Config(), ["hybrid.mode=opd", "algorithm.kl_coef=0.1"])
-    fake = types.SimpleNamespace(config=config, reference_params=None, teacher=None, judge=None)
-    with pytest.raises(ConfigError, match=r"algorithm\.kl_coef needs RLTrainer\.reference_params.*"
-                                          r"hybrid\.mode needs RLTrainer\.teacher"):
-        RLTrainer.check_roles(fake)
-    RLTrainer.check_roles(types.SimpleNamespace(config=config, reference_params={}, teacher=(None, {}), judge=None))
+    with pytest.raises(ConfigError, match=r"algorithm\.kl_coef needs Roles\.reference.*"
+                                          r"hybrid\.mode needs Roles\.teacher"):
+        Roles(policy=None).check(config)
+    Roles(policy=None, reference={}, teacher=Frozen(None, {})).check(config)
 
 
 # ---------------------------------------------------------------- whole runs

@@ -30,11 +30,12 @@ import numpy as np
 
 from agentrl_jax.config import AsyncConfig
 from agentrl_jax.losses.corrections import ewma_update
+from agentrl_jax.train.multihost import to_host
 
 logger = logging.getLogger(__name__)
 
-# fn(params, forward_inputs, micro_rows) -> [R, T] numpy logprobs
-LogprobFn = Callable[[Any, dict[str, np.ndarray], int], np.ndarray]
+# fn(params, forward_inputs, micro_rows) -> [R, T] logprobs (device or numpy)
+LogprobFn = Callable[[Any, dict[str, np.ndarray], int], Any]
 
 
 def copy_params(params: Any) -> Any:
@@ -99,8 +100,9 @@ class OldPolicy:
     # ---------------------------------------------------------------- logprobs
 
     def logprobs(self, logprob_fn: LogprobFn, params: Any, version: int, inputs: dict[str, np.ndarray],
-                 token_versions: np.ndarray, loss_mask: np.ndarray, micro_rows: int) -> np.ndarray:
-        """Old logprobs [R, T] of ``inputs['targets']``.
+                 token_versions: np.ndarray, loss_mask: np.ndarray, micro_rows: int) -> Any:
+        """Old logprobs [R, T] of ``inputs['targets']``: what ``logprob_fn`` returns (kept on device)
+        for 'recompute' and 'ewma'; numpy for 'snapshot' (composed per version on the host).
 
         Args:
           logprob_fn: ``(params, inputs, micro_rows) -> [R, T]`` tempered logprobs.
@@ -136,8 +138,8 @@ class OldPolicy:
                 np.arange(rows_total)
             # Pad the row set to a multiple of micro_rows (repeating a row) so shapes stay compiled.
             padded = np.concatenate([rows, np.full((-len(rows)) % micro_rows, rows[0])])
-            lp = logprob_fn(self._params_of(v, params, version), {k: x[padded] for k, x in inputs.items()},
-                            micro_rows)[: len(rows)]
+            lp = to_host(logprob_fn(self._params_of(v, params, version), {k: x[padded] for k, x in inputs.items()},
+                                    micro_rows))[: len(rows)]
             take = token_versions[rows] == v
             if v == versions[0]:
                 take |= ~sampled[rows]  # positions off the loss get the first forward's values

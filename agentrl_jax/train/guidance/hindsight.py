@@ -78,7 +78,10 @@ class Verdict:
 
 
 class Judge(Protocol):
-    async def __call__(self, trajectories: Sequence[Trajectory]) -> list[Verdict]: ...
+    """Judges finished episodes. ``policy`` is the (params, version) the rollout driver holds
+    for the policy: a judge that swaps its own params into the driver hands these back."""
+
+    async def __call__(self, trajectories: Sequence[Trajectory], policy: tuple[Any, int]) -> list[Verdict]: ...
 
 
 def parse_judge_output(text: str, *, count_tokens: Callable[[str], int], max_hint_tokens: int) -> Verdict:
@@ -146,17 +149,15 @@ class ModelJudge:
       max_new_tokens, temperature: decoding of one judge answer.
       max_hint_tokens: the hint limit.
       params: the judge's params (reference / teacher), swapped into the driver for the
-        call; None: judge with whatever the driver holds (the current policy).
-      restore: () -> (params, version) of the policy, swapped back after the call; needed
-        with ``params``.
+        call and replaced by the caller's ``policy`` afterwards; None: judge with whatever the
+        driver holds (the current policy).
+      calls: judge calls made already (a resumed run draws the seeds it would have).
       seed: base seed of the judge's sampling.
     """
 
     def __init__(self, driver: Any, tokenizer: Any, *, template: str = "", max_new_tokens: int = 256,
                  temperature: float = 0.0, max_hint_tokens: int = 64, params: Any = None,
-                 restore: Callable[[], tuple[Any, int]] | None = None, seed: int = 0):
-        if params is not None and restore is None:
-            raise ValueError("ModelJudge: params given without restore (the policy would stay swapped out)")
+                 seed: int = 0, calls: int = 0):
         self.driver = driver
         self.tokenizer = tokenizer
         self.template = template or JUDGE_TEMPLATE
@@ -164,9 +165,8 @@ class ModelJudge:
         self.temperature = temperature
         self.max_hint_tokens = max_hint_tokens
         self.params = params
-        self.restore = restore
         self.seed = seed
-        self.calls = 0
+        self.calls = calls
 
     async def _one(self, trajectory: Trajectory, seed: int) -> Verdict:
         messages = [{"role": "user", "content": judge_prompt(self.template, trajectory)}]
@@ -183,7 +183,7 @@ class ModelJudge:
         return parse_judge_output(text, count_tokens=lambda s: len(self.tokenizer.encode(s)),
                                   max_hint_tokens=self.max_hint_tokens)
 
-    async def __call__(self, trajectories: Sequence[Trajectory]) -> list[Verdict]:
+    async def __call__(self, trajectories: Sequence[Trajectory], policy: tuple[Any, int]) -> list[Verdict]:
         self.calls += 1
         base = (self.seed * 1_000_003 + self.calls * 7919) & 0x7FFFFFFF
         if self.params is not None:
@@ -193,7 +193,7 @@ class ModelJudge:
                                                for i, t in enumerate(trajectories)]))
         finally:
             if self.params is not None:
-                params, version = self.restore()
+                params, version = policy
                 await self.driver.update_params(params, version, drain=True)
 
 
@@ -227,7 +227,7 @@ class ArithmeticOracleJudge:
             hint = f"I should print exactly {expression}: <code>print({expression})</code>"
         return f"Score: 0\n\\boxed{{{hint}}}"
 
-    async def __call__(self, trajectories: Sequence[Trajectory]) -> list[Verdict]:
+    async def __call__(self, trajectories: Sequence[Trajectory], policy: tuple[Any, int] = (None, 0)) -> list[Verdict]:
         return [parse_judge_output(self.judge_text(t), count_tokens=self.count_tokens,
                                    max_hint_tokens=self.max_hint_tokens) for t in trajectories]
 

@@ -1,13 +1,12 @@
-"""DAPO dynamic sampling in RLTrainer.collect: scripted rewards, the real selection logic."""
+"""DAPO dynamic sampling in the collect stage: scripted rewards, the real selection logic."""
 
 import asyncio
-import types
 
 import numpy as np
 
-from agentrl_jax.config import apply_overrides, Config
+from agentrl_jax.config import Config, apply_overrides
 from agentrl_jax.envs.base import Trajectory
-from agentrl_jax.train.rl import RLTrainer
+from agentrl_jax.train.rl.collect import collect
 
 
 def _traj(group_id, reward):
@@ -17,20 +16,15 @@ def _traj(group_id, reward):
                       reward=reward, group_id=group_id)
 
 
-def _fake_trainer(config, draws):
+def _collect(config, draws):
     """`draws`: per call of rollout, the rewards of each group (list of lists)."""
     calls = iter(draws)
 
-    async def rollout(tasks, step, first_group=0):
+    async def rollout(tasks, first_group=0):
         groups = next(calls)
         return [_traj(first_group + i, r) for i, rewards in enumerate(groups) for r in rewards]
 
-    return types.SimpleNamespace(config=config, data=iter(lambda: ["task"], None), rollout=rollout)
-
-
-def _collect(config, draws):
-    fake = _fake_trainer(config, draws)
-    return asyncio.run(RLTrainer.collect(fake, 0))
+    return asyncio.run(collect(config, rollout, ["task"], lambda: ["task"]))
 
 
 def test_keeps_informative_groups_and_draws_more():

@@ -14,7 +14,7 @@ from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.models import Decoder, DecoderConfig, split_params
 from agentrl_jax.models.tiny import train_tiny_tokenizer
 from agentrl_jax.models.tokenizer import Tokenizer
-from agentrl_jax.train.hindsight import (
+from agentrl_jax.train.guidance.hindsight import (
     JUDGE_TEMPLATE,
     ArithmeticOracleJudge,
     ModelJudge,
@@ -24,7 +24,7 @@ from agentrl_jax.train.hindsight import (
     parse_judge_output,
 )
 from agentrl_jax.train.step import forward_logprobs
-from agentrl_jax.train.teacher import (
+from agentrl_jax.train.guidance.teacher import (
     hindsight_contexts,
     teacher_advantages,
     teacher_context,
@@ -270,8 +270,8 @@ def test_model_judge_decodes_with_its_params_through_the_driver_and_restores(tok
     async def main():
         async with Driver(engine, policy_params, params_version=3, eos_token_ids=tokenizer.eos_token_ids) as driver:
             judge = ModelJudge(driver, tokenizer, template=template, max_new_tokens=12, max_hint_tokens=8,
-                               params=judge_params, restore=lambda: (policy_params, 3))
-            verdicts = await judge(episodes)
+                               params=judge_params)
+            verdicts = await judge(episodes, (policy_params, 3))
             version_after = driver.params_version
             after = await driver.generate(ids, SamplingGreedy, stop_token_ids=tokenizer.eos_token_ids,
                                           max_new_tokens=12)
@@ -289,11 +289,6 @@ def test_model_judge_decodes_with_its_params_through_the_driver_and_restores(tok
     assert all(v.status in ("hint", "no_intervention", "malformed", "too_long") for v in verdicts)
     assert version_after == 3 and after.params_versions == [3] * len(after.token_ids)  # the policy is back
     assert after.token_ids != expected.token_ids
-
-
-def test_model_judge_needs_restore_with_params():
-    with pytest.raises(ValueError, match="restore"):
-        ModelJudge(object(), object(), params={})
 
 
 # ------------------------------------------------------------------ config
@@ -330,7 +325,7 @@ def test_demo_hybrid_command_runs_two_steps_with_hints(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     tiny = ["model.scratch.hidden_size=32", "model.scratch.intermediate_size=64", "model.scratch.num_layers=1",
             "model.scratch.num_heads=2", "model.scratch.num_kv_heads=1", "model.scratch.head_dim=16",
             "model.scratch.vocab_size=320", "rollout.max_concurrent=8", "rollout.max_new_tokens_per_turn=12",
@@ -356,10 +351,10 @@ def test_demo_hybrid_command_runs_two_steps_with_hints(tmp_path):
 
 def test_frozen_teacher_copy_survives_the_donating_update():
     """astype to the same dtype aliases buffers; the frozen copy must own its own."""
-    from agentrl_jax.train.run import _frozen_copy
+    from agentrl_jax.train.build import frozen_copy
 
     params = {"w": jnp.arange(4.0), "b": jnp.ones(2, jnp.bfloat16)}
-    frozen = _frozen_copy(params, "float32")
+    frozen = frozen_copy(params, "float32")
     assert frozen["b"].dtype == jnp.float32
     params["w"].delete()  # what donate_argnums does to the policy's buffers
     np.testing.assert_array_equal(np.asarray(frozen["w"]), [0, 1, 2, 3])

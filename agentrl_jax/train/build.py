@@ -1,0 +1,159 @@
+"""Builds what the RL loop uses, once, before the first step: the models by role and ``RL``.
+
+The frozen models (reference, teacher, judge) come from the policy RL starts from (the
+loaded checkpoint, or the post-SFT policy), never from the trained state: a resumed run
+rebuilds them from the same starting policy (``train/run.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from agentrl_jax.config import Config, ConfigError
+from agentrl_jax.envs.agent_loop import AgentLoop
+from agentrl_jax.models import split_params
+from agentrl_jax.models.hf_io import load_hf_checkpoint
+from agentrl_jax.sharding import DEFAULT_RULES
+from agentrl_jax.train.episodes import truncation_rule
+from agentrl_jax.train.guidance.hindsight import ArithmeticOracleJudge, ModelJudge
+from agentrl_jax.train.guidance.old_policy import OldPolicy
+from agentrl_jax.train.rl.roles import RL, Frozen, Roles, loss_settings
+from agentrl_jax.train.step import make_optimizer
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# The fields that fix the param tree's structure and shapes.
+_SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm")
+
+
+def attention_implementation(setting: str, compute_dtype: str) -> str | None:
+    """``model.attention_impl`` -> the decoder's: "auto" is cuDNN on GPU in bf16, else JAX's choice.
+
+    JAX's own choice (None) keeps the XLA kernel on GPU for the trainer's causal attention,
+    2x slower than cuDNN's fused kernel at the 1.7B shape (docs/benchmarks.md). cuDNN's
+    fused attention takes only 16-bit inputs, so float32 compute stays on XLA.
+    """
+    if setting != "auto":
+        return setting
+    return "cudnn" if jax.default_backend() == "gpu" and compute_dtype == "bfloat16" else None
+
+
+def build_rl(config: Config, *, roles: Roles, tokenizer, driver, env_factory, train_tasks: list[dict],
+             eval_tasks: list[dict], writer, checkpointer=None, mesh=None, engine_params=None,
+             data_state: Any = None) -> RL:
+    """Everything the RL loop uses, from the config and the run's components.
+
+    ``data_state``: the prompt iterator's position to start from (a resumed run's).
+    """
+    from agentrl_jax.data import BatchIterator
+
+    optimizer, schedule = make_optimizer(config.optimizer, config.total_steps)
+    # data.prompts_per_step is global; each host draws its share of every global batch.
+    data = BatchIterator(train_tasks, batch_size=config.data.prompts_per_step // jax.process_count(),
+                         seed=config.data.shuffle_seed, shard_index=jax.process_index(),
+                         shard_count=jax.process_count())
+    if data_state:
+        data.set_state(data_state)
+    a = config.async_rl
+    return RL(
+        config=config, roles=roles, tokenizer=tokenizer, driver=driver,
+        agent_loop=AgentLoop(driver, tokenizer, max_new_tokens_per_turn=config.rollout.max_new_tokens_per_turn,
+                             max_total_tokens=config.rollout.max_sequence_length,
+                             truncation=truncation_rule(config)),
+        env_factory=env_factory, data=data, eval_tasks=eval_tasks, writer=writer, checkpointer=checkpointer,
+        mesh=mesh, engine_params=engine_params or (lambda params: params), settings=loss_settings(config),
+        optimizer=optimizer, schedule=schedule, old_policy=OldPolicy(a, a.max_staleness if a.enabled else 0),
+    )
+
+
+def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, driver, start_step: int) -> Roles:
+    """The policy (``graphdef``) and the frozen models ``config`` asks for, from ``initial_params``.
+
+    Reference: ``model.reference_path`` if set, else a copy of the starting policy. Teacher:
+    the frozen reference or an HF checkpoint (``hybrid.teacher``). Judge: the oracle, or a
+    model judge decoding with the reference / teacher / current policy (``hybrid.judge``).
+    """
+    h, m = config.hybrid, config.model
+    reference = reference_params(config, initial_params, mesh) if config.algorithm.kl_coef > 0 else None
+    copies = {} if reference is None else {m.reference_dtype: reference}
+    # "reference" is the run's frozen reference: model.reference_path when set (config validation
+    # guarantees it is loaded then), else the starting policy, in the dtype each role asks for.
+    source = reference if m.reference_path else initial_params
+
+    def frozen(dtype: str):
+        """The frozen reference in ``dtype``: one copy per dtype, shared by reference, teacher, judge."""
+        if dtype not in copies:
+            copies[dtype] = frozen_copy(source, dtype)
+        return copies[dtype]
+
+    teacher = None
+    if h.mode != "none" and h.teacher == "checkpoint":
+        teacher = Frozen(*split_params(load_hf_checkpoint(
+            h.teacher_path, dtype=DTYPES[h.teacher_dtype], compute_dtype=DTYPES[m.compute_dtype], mesh=mesh,
+            rules=DEFAULT_RULES, attention_impl=attention_implementation(m.attention_impl, m.compute_dtype),
+            remat="none")))
+    elif h.mode != "none":
+        teacher = Frozen(graphdef, frozen(h.teacher_dtype))
+    judge = None
+    if h.judge == "oracle":
+        judge = ArithmeticOracleJudge(lambda s: len(tokenizer.encode(s)), max_hint_tokens=h.max_hint_tokens)
+    elif h.judge != "none":
+        params = {"reference": lambda: frozen(m.reference_dtype), "teacher": lambda: teacher.params}.get(
+            h.judge, lambda: None)()
+        # one call per step: a resumed run draws the seeds it would have
+        judge = ModelJudge(driver, tokenizer, template=h.judge_template, max_new_tokens=h.judge_max_new_tokens,
+                           temperature=h.judge_temperature, max_hint_tokens=h.max_hint_tokens, params=params,
+                           seed=config.seed, calls=start_step)
+    return Roles(policy=graphdef, reference=reference, teacher=teacher, judge=judge)
+
+
+def reference_params(config: Config, initial_params, mesh):
+    """The frozen reference: ``model.reference_path`` if set, else a copy of the starting policy."""
+    m = config.model
+    if not m.reference_path:
+        return frozen_copy(initial_params, m.reference_dtype)
+    reference = load_hf_checkpoint(m.reference_path, dtype=DTYPES[m.reference_dtype],
+                                   compute_dtype=DTYPES[m.compute_dtype], mesh=mesh, rules=DEFAULT_RULES,
+                                   attention_impl=attention_implementation(m.attention_impl, m.compute_dtype))
+    _, params = split_params(reference)
+    if jax.tree.structure(params) != jax.tree.structure(initial_params):
+        raise ConfigError(f"model.reference_path: {m.reference_path!r} has a different architecture than the policy")
+    return params
+
+
+def check_reference_architecture(config: Config, policy_config) -> None:
+    """``model.reference_path`` must fit the policy; checked from its config.json before SFT, not after it."""
+    if not config.model.reference_path:
+        return
+    from agentrl_jax.models import DecoderConfig
+
+    try:
+        reference = DecoderConfig.from_hf(config.model.reference_path)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model.reference_path: cannot read the checkpoint's config.json: {e}") from e
+    diff = {f: (getattr(reference, f), getattr(policy_config, f)) for f in _SHAPE_FIELDS
+            if getattr(reference, f) != getattr(policy_config, f)}
+    if diff:
+        details = ", ".join(f"{f}: {r!r} vs the policy's {p!r}" for f, (r, p) in diff.items())
+        raise ConfigError(f"model.reference_path: {config.model.reference_path!r} has a different architecture "
+                          f"than the policy ({details})")
+
+
+def frozen_copy(params, dtype: str):
+    """A frozen copy of ``params`` in ``dtype`` that owns its buffers.
+
+    ``astype`` to the same dtype returns the very same arrays, which the donating update
+    step would then delete under the frozen model; those leaves are copied instead.
+    """
+    target = DTYPES[dtype]
+    return jax.tree.map(lambda x: x.astype(target) if x.dtype != target else jnp.copy(x), params)
+
+
+def uses_initial_policy(config: Config) -> bool:
+    """Whether a frozen copy of the starting policy serves as reference, teacher or judge."""
+    h = config.hybrid
+    return ((config.algorithm.kl_coef > 0 and not config.model.reference_path)
+            or (h.mode != "none" and h.teacher == "reference") or h.judge == "reference")

@@ -1,0 +1,149 @@
+"""The ``collect`` stage and the evaluation: episodes through the agent loop, on the policy
+the rollout driver holds.
+
+``collect`` draws G trajectories per prompt, all in flight at once (continuous batching,
+tool calls in the sandbox pool), with DAPO dynamic sampling when configured; the judge
+(``judge``) reads the finished episodes before the batch is built.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import jax
+
+from agentrl_jax.config import Config
+from agentrl_jax.envs.base import Trajectory
+from agentrl_jax.rollout.sampling import SamplingParams
+from agentrl_jax.train.episodes import group_trajectories, informative
+from agentrl_jax.train.evaluation import summarize
+from agentrl_jax.train.guidance.hindsight import (
+    Verdict,
+    apply_prm_reward,
+    judge_metrics,
+)
+from agentrl_jax.train.multihost import gather_objects
+from agentrl_jax.train.rl.roles import RL
+
+logger = logging.getLogger(__name__)
+
+# rollout(tasks, first_group) -> G trajectories per task, group ids from first_group
+Rollout = Callable[[list[dict], int], Awaitable[list[Trajectory]]]
+
+
+def rollout_fn(rl: RL, step: int) -> Rollout:
+    """Step ``step``'s rollouts: G trajectories per task; sampling seeds from (seed, step, group)."""
+    r, G = rl.config.rollout, rl.config.algorithm.group_size
+
+    async def rollout(tasks: list[dict], first_group: int = 0) -> list[Trajectory]:
+        groups = await asyncio.gather(*[
+            rl.agent_loop.run_group(rl.env_factory, task, G, SamplingParams(
+                temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                seed=hash((rl.config.seed, step, i)) & 0x7FFFFFFF), group_id=i)
+            for i, task in enumerate(tasks, start=first_group)
+        ])
+        return [t for g in groups for t in g]
+
+    return rollout
+
+
+async def collect(config: Config, rollout: Rollout, tasks: list[dict],
+                  draw: Callable[[], list[dict]]) -> tuple[list[Trajectory], dict[str, float]]:
+    """The trajectories of ``tasks``; with DAPO dynamic sampling, only informative groups.
+
+    Dynamic sampling (Yu et al. 2025, DAPO sec. 3.2) drops groups whose rewards are all
+    equal (zero advantage, no gradient) and ``draw``s more prompts, at most
+    ``max_sampling_rounds`` times, until ``prompts_per_step`` groups remain. If every
+    round comes back uninformative the step trains on what it has (counted).
+    """
+    a, P = config.algorithm, config.data.prompts_per_step
+    trajectories = await rollout(tasks, 0)
+    if not a.dynamic_sampling:
+        return trajectories, {}
+    groups = group_trajectories(trajectories)
+    drawn = len(groups)
+    kept = [g for g in groups if informative(g)]
+    rounds = 0
+    while len(kept) < P and rounds < a.max_sampling_rounds:
+        rounds += 1
+        more = group_trajectories(await rollout(draw(), rounds * P))
+        drawn += len(more)
+        kept += [g for g in more if informative(g)]
+    stats = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/kept_groups": float(min(len(kept), P)),
+             "dynamic_sampling/dropped_groups": float(drawn - len(kept)),
+             "dynamic_sampling/fell_back": float(not kept)}
+    if not kept:
+        logger.warning("dynamic sampling: no informative group after %d extra rounds; training on the last draw",
+                       rounds)
+        return trajectories, stats
+    out = []
+    for new_id, group in enumerate(kept[:P]):
+        for t in group:
+            t.group_id = new_id
+            out.append(t)
+    return out, stats
+
+
+def exchange(config: Config, trajectories: list[Trajectory]) -> list[Trajectory]:
+    """Multi-host: every host gets every host's trajectories (group ids made global)."""
+    offset = jax.process_index() * (config.data.prompts_per_step // jax.process_count())
+    for t in trajectories:
+        t.group_id += offset
+    return [t for host in gather_objects(trajectories) for t in host]
+
+
+async def judge(rl: RL, trajectories: list[Trajectory], step: int,
+                policy: tuple[Any, int]) -> tuple[list[Verdict], dict[str, float]]:
+    """PRM judge after the episodes: bridge thoughts, optional PRM reward, metrics.
+
+    ``policy``: the (params, version) the driver holds, handed back by a judge that decodes
+    with its own params.
+    """
+    h = rl.config.hybrid
+    verdicts = await rl.roles.judge(trajectories, policy)
+    if h.prm_weight > 0:
+        apply_prm_reward(trajectories, verdicts, h.prm_weight)
+    malformed = [v for v in verdicts if v.status in ("malformed", "error")]
+    if malformed:
+        logger.info("judge: %d of %d answers malformed or failed (no hint), e.g. %r",
+                    len(malformed), len(verdicts), malformed[0].raw[:200])
+    hinted = [(t, v) for t, v in zip(trajectories, verdicts) if v.hint is not None]
+    if hinted and h.sample_hints and step % max(rl.config.logging.log_every, 1) == 0:
+        rl.writer.write_text(step + 1, {
+            f"hint_{i}": f"{v.hint}\n\n---\n{rl.tokenizer.decode(t.token_ids.tolist())}"
+            for i, (t, v) in enumerate(hinted[: h.sample_hints])
+        })
+    return verdicts, judge_metrics(verdicts)
+
+
+async def evaluate(rl: RL, tasks: list[dict], *, label: str) -> dict[str, float]:
+    """pass@k / avg@k and tool use of the policy the driver holds, on held-out ``tasks``."""
+    e = rl.config.eval
+    tasks = tasks[: e.num_tasks] if e.num_tasks else tasks
+    k = e.samples_per_task
+    sampling = SamplingParams(temperature=e.temperature, seed=1234)
+    groups = await asyncio.gather(
+        *[rl.agent_loop.run_group(rl.env_factory, task, k, sampling, group_id=i) for i, task in enumerate(tasks)]
+    )
+    results = {
+        str(i): [
+            {
+                # An episode cut short or crashed never answered: incorrect, whatever its reward.
+                "correct": bool(t.reward_components.get("correct", t.reward > 0))
+                and not t.truncated and t.finish_reason != "env_error",
+                "tool_calls": t.tool_stats.calls,
+                "num_sampled_tokens": t.num_sampled_tokens,
+                "truncated": t.truncated,
+                "env_error": t.finish_reason == "env_error",
+            }
+            for t in g
+        ]
+        for i, g in enumerate(groups)
+    }
+    summary = summarize(results, ks=sorted({1, k}))
+    logger.info("eval %s: %s", label, json.dumps({k_: round(v, 4) for k_, v in summary.items()}))
+    return summary
