@@ -34,7 +34,7 @@ class Sequence:
     """One sample of a request, from admission to its last token.
 
     Attributes:
-      request: the driver's request (`driver._Request`).
+      request: the driver's request (`request.Request`).
       index: the sample index within the request.
       key: [2] uint32 request key of this sample.
       generated_base: tokens the sample's key had sampled before this turn (sessions).
