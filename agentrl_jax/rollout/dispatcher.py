@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.request import Completion, Request
 from agentrl_jax.rollout.scheduler import Scheduler
@@ -48,6 +50,9 @@ class Dispatcher:
         self.sched = Scheduler(engine, steps, budget)
         # the last decode dispatch, read one tick later: (results, {slot: (track, admission)}, params version)
         self.in_flight: tuple[Any, dict, int] | None = None
+        # decode work: dispatches, slot-steps dispatched for slots holding a sequence, and the
+        # tokens of those that were kept (the rest came after a stop or before a preemption)
+        self.dispatches = self.live_slot_steps = self.kept_tokens = 0
 
     @property
     def idle(self) -> bool:
@@ -60,6 +65,29 @@ class Dispatcher:
         for session in self.sched.sessions:
             session.pages, session.shard = [], None
         self.sched.sessions.clear()
+
+    def stats(self) -> dict[str, float]:
+        """Decode occupancy and KV pages (see `Driver.stats`)."""
+        engine, sched = self.engine, self.sched
+        slot_steps = self.dispatches * self.steps * engine.max_concurrent_decodes
+        out = {
+            "decode_dispatches": self.dispatches, "live_slot_steps": self.live_slot_steps,
+            "kept_tokens": self.kept_tokens,
+            "slot_occupancy": self.live_slot_steps / slot_steps if slot_steps else 0.0,
+            "kept_token_fraction": self.kept_tokens / self.live_slot_steps if self.live_slot_steps else 0.0,
+            "preemptions": sched.preemptions, "evictions": sched.evictions, "shared_prefills": sched.shared_prefills,
+        }
+        plan = engine.memory_plan
+        if self.state is not None and plan is not None:
+            P = engine.page_size
+            slots = sum(engine.slots.length_bound(s) for s in sched.slots)
+            sessions = sum(s.num_cached_tokens for s in sched.sessions)
+            out.update(
+                kv_pool_tokens=plan.tokens, kv_pool_bytes_per_device=plan.bytes_per_device,
+                kv_held_tokens=engine.pages.num_used() * P,
+                kv_written_tokens=slots + sessions + sum(p.done for p in sched.waiting),
+            )
+        return out
 
     def requests(self) -> list[Request]:
         """Every request that waits for a prefill or decodes."""
@@ -87,14 +115,16 @@ class Dispatcher:
             self.state, generated = self.engine.generate(self.params, self.state, num_steps=self.steps)
             generated.copy_to_host_async()
             self.in_flight = (generated, {s: (t, t.admitted) for s, t in sched.slots.items()}, self.version)
+            self.dispatches += 1
+            self.live_slot_steps += len(sched.slots) * self.steps
         if previous is not None:
             self._read_dispatch(*previous, resolved)
         if rows:  # first tokens come after every token of the previous dispatch
-            first = first.convert_to_numpy()
+            tokens, valid, log_prob, truncated = (c.tolist() for c in _columns(first.convert_to_numpy()))
             for m, track in enumerate(admitted):
-                if first.valid[m] and track.slot is not None:
-                    lp, tlp = float(first.log_prob[m]), float(first.truncated_log_prob[m])
-                    self._accept(track, int(first.tokens[m]), lp, tlp, self.version, resolved)
+                if valid[m] and track.slot is not None:  # not valid: a resumed sequence's forced token
+                    one = slice(m, m + 1)
+                    self._accept(track, tokens[one], valid[one], log_prob[one], truncated[one], self.version, resolved)
         if not sched.slots:
             self.in_flight = None  # nobody left to read it
         return resolved, update_done
@@ -111,41 +141,49 @@ class Dispatcher:
 
     def _read_dispatch(self, generated, tracks: dict, version: int, resolved: list) -> None:
         """Accept one dispatch's tokens for the sequences that are still in the slots they had then."""
-        generated = generated.convert_to_numpy()
+        tokens, valid, log_prob, truncated = (c.T.tolist() for c in _columns(generated.convert_to_numpy()))
         for slot, (track, admitted) in tracks.items():
             if self.sched.slots.get(slot) is not track or track.admitted != admitted:
                 continue  # finished or preempted (and maybe resumed) since: these tokens are dropped
-            for step in range(self.steps):
-                if not generated.valid[step, slot]:
-                    self._finish(track, "capacity", None, resolved)
-                    break
-                token = int(generated.tokens[step, slot])
-                lp, tlp = float(generated.log_prob[step, slot]), float(generated.truncated_log_prob[step, slot])
-                if self._accept(track, token, lp, tlp, version, resolved):
-                    break
+            self.kept_tokens += self._accept(
+                track, tokens[slot], valid[slot], log_prob[slot], truncated[slot], version, resolved
+            )
 
-    def _accept(self, track: Track, token: int, lp: float, tlp: float, version: int, resolved: list) -> bool:
-        """Append one token; finish the track if it stops. Returns True when finished."""
+    def _accept(self, track: Track, tokens: list[int], valid: list, log_prob: list[float], truncated: list[float],
+                version: int, resolved: list) -> int:
+        """Append one slot's tokens of a dispatch up to the first stop, and finish the track there.
+
+        The same outcome as checking token by token, in this order: a step the device did not
+        advance (valid = 0: ``max_target_length``) ends the turn without its token; else the token
+        is appended, then a stop id, a completed stop string, ``max_new_tokens`` and
+        ``max_target_length`` end it. Returns how many tokens were appended.
+        """
         request = track.request
-        track.tokens.append(token)
-        track.logprobs.append(lp)
-        track.truncated.append(tlp)
-        track.versions.append(version)
-        if token in request.stop_token_ids:
-            self._finish(track, "stop", token, resolved)
-            return True
+        sampled = valid.index(0) if 0 in valid else len(tokens)
+        held = len(track.tokens)
+        length_room = request.max_new_tokens - held
+        capacity_room = self.engine.max_target_length - track.kv_start - held
+        take = min(sampled, length_room, capacity_room)
+        stop_at, stop = next(((i, t) for i, t in enumerate(tokens[:take]) if t in request.stop_token_ids), (None, None))
         if request.stops is not None:
-            stop = request.stops.match(track.tokens)
-            if stop is not None:
-                self._finish(track, "stop", stop, resolved)
-                return True
-        if len(track.tokens) >= request.max_new_tokens:
-            self._finish(track, "length", None, resolved)
-            return True
-        if track.kv_start + len(track.tokens) >= self.engine.max_target_length:
-            self._finish(track, "capacity", None, resolved)
-            return True
-        return False
+            at, string = request.stops.first_match(track.tokens, tokens[: take if stop_at is None else stop_at])
+            if at is not None:
+                stop_at, stop = at, string
+        if stop_at is not None:
+            take, reason = stop_at + 1, "stop"
+        elif take == length_room:
+            reason = "length"
+        elif take == capacity_room or take < len(tokens):
+            reason = "capacity"
+        else:
+            reason = None
+        track.tokens += tokens[:take]
+        track.logprobs += log_prob[:take]
+        track.truncated += truncated[:take]
+        track.versions += [version] * take
+        if reason is not None:
+            self._finish(track, reason, stop, resolved)
+        return take
 
     def _finish(self, track: Track, reason: str, stop, resolved: list) -> None:
         request = track.request
@@ -161,3 +199,8 @@ class Dispatcher:
         )
         if all(c is not None for c in request.completions):
             resolved.append((request.future, request.completions))
+
+
+def _columns(result) -> tuple:
+    """``(tokens, valid, log_prob, truncated_log_prob)`` of a host `ResultTokens`, as plain arrays."""
+    return result.tokens, result.valid.astype(np.int8), result.log_prob, result.truncated_log_prob

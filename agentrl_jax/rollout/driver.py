@@ -212,6 +212,24 @@ class Driver:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    def stats(self) -> dict[str, float]:
+        """Rollout counters since the driver started, for metrics.
+
+        - ``slot_occupancy``: slot-steps dispatched for slots holding a sequence / all slot-steps
+          dispatched (free slots decode nothing useful; the rest of a dispatch after the last
+          sequence of a batch ends, and slots waiting for a tool's answer, lower it).
+        - ``kept_token_fraction``: tokens kept / slot-steps dispatched for held slots (a stopped
+          sequence's remaining steps, and its next dispatch, decode tokens that are dropped).
+        - the counts behind them: ``decode_dispatches``, ``live_slot_steps``, ``kept_tokens``
+          (decoded tokens only; a request's first token comes from its prefill); and
+          ``preemptions``, ``evictions``, ``shared_prefills``, ``busy_seconds``, ``idle_seconds``.
+        - With a decode state: ``kv_pool_tokens`` / ``kv_pool_bytes_per_device`` (reserved by the
+          budget), ``kv_held_tokens`` (pages held by slots, sessions and prefills x page size) and
+          ``kv_written_tokens`` (cache entries they hold; a page shared by a group counts once per
+          holder). held / pool is how full the pool is; written / held how well pages are filled.
+        """
+        return {**self._dispatcher.stats(), "busy_seconds": self.busy_seconds, "idle_seconds": self.idle_seconds}
+
     def pages_in_use(self) -> int:
         """KV pages held now (slots, sessions, partly prefilled prompts)."""
         return 0 if self._dispatcher.state is None else self.engine.pages.num_used()

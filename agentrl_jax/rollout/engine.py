@@ -56,11 +56,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentrl_jax.models import Decoder, split_params
 from agentrl_jax.models.decode import DecodeParams
+from agentrl_jax.rollout.compile_cache import use_compilation_cache
 from agentrl_jax.rollout.decode_step import generate_steps
 from agentrl_jax.rollout.dense_prefix import DensePrefixAPI
 from agentrl_jax.rollout.paged_prefill import PrefillRow, pack_rows, prefill_insert_step
@@ -113,6 +115,9 @@ class Engine(DensePrefixAPI):
         are placed). Default `DEFAULT_MEMORY_FRACTION` on devices that report memory.
         With none of the three, and on devices that report no memory (CPU), the pool holds
         every slot at full length. Never more pages than that are made.
+      compilation_cache_dir: turn on JAX's persistent compilation cache there, for the whole
+        process (`compile_cache.use_compilation_cache`); a restarted run loads its prefill
+        and decode programs instead of compiling them again.
     """
 
     def __init__(
@@ -132,11 +137,14 @@ class Engine(DensePrefixAPI):
         num_pages: int | None = None,
         kv_cache_bytes: int | None = None,
         kv_cache_memory_fraction: float | None = None,
+        compilation_cache_dir: str | None = None,
     ):
         _check_sizes(max_concurrent_decodes=max_concurrent_decodes, max_target_length=max_target_length,
                      max_prefill_length=max_prefill_length, min_prefill_bucket=min_prefill_bucket,
                      attend_granule=attend_granule, page_size=page_size, num_pages=num_pages,
                      kv_cache_bytes=kv_cache_bytes, kv_cache_memory_fraction=kv_cache_memory_fraction)
+        if compilation_cache_dir:
+            use_compilation_cache(compilation_cache_dir)
         self._mesh = mesh if mesh is not None else make_mesh({"data": -1})
         decode_attention = choose_decode_attention(decode_attention, model, self._mesh, page_size)
         self.config = model.config
@@ -280,7 +288,7 @@ class Engine(DensePrefixAPI):
         """Apply the host's pending slot frees (one call) and page-table changes (one upload)."""
         slots = self.slots.take_deactivations()
         if slots:
-            state = self._deactivate(state, jnp.asarray(slots, jnp.int32))
+            state = self._deactivate(state, np.asarray(slots, np.int32))
         if self.slots.dirty:
             state = state.replace(page_table=jax.device_put(self.slots.table, self.state_shardings.page_table))
             self.slots.dirty = False
@@ -339,12 +347,11 @@ class Engine(DensePrefixAPI):
         placed = jax.device_put(
             (packed.tokens, packed.tables, packed.starts, packed.lengths), (by_row2, by_row2, by_row, by_row)
         )
-        device = lambda x: jnp.asarray(x)  # noqa: E731
-        arrays = (packed.adm_row, packed.adm_slot, packed.adm_key, packed.adm_generated, packed.adm_forced,
-                  packed.adm_length)
+        # host arrays go to the jitted call as they are: it transfers them in one go (an eager
+        # jnp.asarray per array cost more host time than the transfers)
         return self._paged_prefill_fns[key](
-            params, decode_state, *placed, *map(device, arrays), SlotSampling(*map(device, packed.sampling)),
-            device(packed.copy_src), device(packed.copy_dst),
+            params, decode_state, *placed, packed.adm_row, packed.adm_slot, packed.adm_key, packed.adm_generated,
+            packed.adm_forced, packed.adm_length, SlotSampling(*packed.sampling), packed.copy_src, packed.copy_dst,
         )
 
     # ---- generate ---------------------------------------------------------------------

@@ -24,7 +24,7 @@ import numpy as np
 
 from agentrl_jax.rollout.paged_prefill import Admission, PrefillRow
 from agentrl_jax.rollout.pages import OutOfPages, pages_for
-from agentrl_jax.rollout.sampling import request_key
+from agentrl_jax.rollout.sampling import request_keys
 
 _order = itertools.count()
 
@@ -221,7 +221,7 @@ class Scheduler:
             keys = [key]
         else:
             base = 0
-            keys = [np.asarray(request_key(request.sampling.seed, g)) for g in range(request.num_samples)]
+            keys = list(request_keys(request.sampling.seed, request.num_samples))
         sequences = [Sequence(request, g, keys[g], base, context) for g in range(request.num_samples)]
         pending = Pending(tokens=context + request.prompt.tolist(), sequences=sequences, session=session)
         if session is not None and session.pages:

@@ -331,7 +331,8 @@ def test_rollout_config_page_fields_are_validated():
     with pytest.raises(ConfigError, match="rollout.prefill_token_budget"):
         apply_overrides(Config(), ["rollout.prefill_token_budget=10"])
     rollout = apply_overrides(Config(), ["rollout.page_size=32", "rollout.kv_cache_bytes=1000000"]).rollout
-    assert rollout.engine_kwargs() == {"page_size": 32, "kv_cache_bytes": 1000000, "kv_cache_memory_fraction": None}
+    assert rollout.engine_kwargs() == {"page_size": 32, "kv_cache_bytes": 1000000, "kv_cache_memory_fraction": None,
+                                       "compilation_cache_dir": None}
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton decode kernel runs on GPU only")
