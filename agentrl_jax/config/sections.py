@@ -95,6 +95,10 @@ class RolloutConfig(_Section):
         "(0: the engine's default, 0.8; devices that report no memory, e.g. CPU, get every slot at full length)."
     )
     prefill_token_budget: int = _f(0, "New tokens prefilled per driver tick (0: 4 x max_prompt_length).")
+    prefix_cache: bool = _f(
+        False, "Keep full KV pages of finished prompts and reuse them for later sequences with the same leading "
+        "tokens (repeated system prompts, a task's prompt in later steps); emptied by every weight update."
+    )
     compilation_cache_dir: str = _f(
         "", "JAX persistent compilation cache directory ('~' expanded), so a restarted run does not compile the "
         "rollout (or anything else) again ('': off)."

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from agentrl_jax.rollout.engine import Engine
+from agentrl_jax.rollout.prefix_cache import PrefixCache
 from agentrl_jax.rollout.request import Completion, Request
 from agentrl_jax.rollout.scheduler import Scheduler
 from agentrl_jax.rollout.scheduler import Sequence as Track
@@ -40,10 +41,12 @@ class Dispatcher:
       version: their version tag.
       steps: decode steps per dispatch.
       budget: new tokens prefilled per tick.
+      prefix_cache: keep full prompt pages across requests (`prefix_cache.PrefixCache`).
     """
 
-    def __init__(self, engine: Engine, params: Any, version: int, steps: int, budget: int):
+    def __init__(self, engine: Engine, params: Any, version: int, steps: int, budget: int, prefix_cache: bool = False):
         self.engine = engine
+        self.prefix_cache = prefix_cache
         self.params, self.version = params, version
         self.steps = steps
         self.state = None
@@ -61,7 +64,7 @@ class Dispatcher:
 
     def drop_state(self) -> None:
         """Forget the decode state and every page (open sessions will re-prefill their history)."""
-        self.state = None
+        self.state, self.sched.cache = None, None
         for session in self.sched.sessions:
             session.pages, session.shard = [], None
         self.sched.sessions.clear()
@@ -77,6 +80,9 @@ class Dispatcher:
             "kept_token_fraction": self.kept_tokens / self.live_slot_steps if self.live_slot_steps else 0.0,
             "preemptions": sched.preemptions, "evictions": sched.evictions, "shared_prefills": sched.shared_prefills,
         }
+        if sched.cache is not None:
+            out.update(prefix_cache_pages=len(sched.cache), prefix_cache_hits=sched.cache.hits,
+                       prefix_cache_hit_tokens=sched.cache.hit_tokens)
         plan = engine.memory_plan
         if self.state is not None and plan is not None:
             P = engine.page_size
@@ -103,6 +109,8 @@ class Dispatcher:
         if update is not None and (not update[2] or not sched.slots):
             self.params, self.version = update[0], update[1]
             update_done = True
+            if sched.cache is not None:
+                sched.cache.clear()  # KV of the old weights
         if sched.slots:  # pages for the next dispatch of every decoding slot (may preempt)
             sched.reserve_pages(lambda track: self._finish(track, "capacity", None, resolved))
         rows, admitted = [], []
@@ -130,9 +138,10 @@ class Dispatcher:
         return resolved, update_done
 
     def _prepare(self, inbox: list[Request]) -> Scheduler:
-        if self.state is None:
-            self.state = self.engine.init_decode_state()
         sched = self.sched
+        if self.state is None:
+            self.state = self.engine.init_decode_state()  # a fresh page allocator
+            sched.cache = PrefixCache(self.engine.pages, self.engine.page_size) if self.prefix_cache else None
         sched.release_closed()
         sched.drop_cancelled()
         for request in inbox:

@@ -67,6 +67,9 @@ class Driver:
       seed: base seed for requests that carry none.
       prefill_token_budget: new tokens prefilled per tick, over all sequences (default: 4 x
         the engine's `max_prefill_length`); a longer prompt continues in the next ticks.
+      prefix_cache: keep the full KV pages of finished prompts and reuse them for later
+        sequences with the same leading tokens (`prefix_cache.PrefixCache`; emptied by weight
+        updates, evicted under memory pressure; its pages count in `pages_in_use`).
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class Driver:
         steps_per_dispatch: int = 8,
         seed: int = 0,
         prefill_token_budget: int | None = None,
+        prefix_cache: bool = False,
     ):
         if steps_per_dispatch < 1:
             raise ValueError(f"Driver: steps_per_dispatch must be >= 1, got {steps_per_dispatch}")
@@ -90,7 +94,8 @@ class Driver:
                 f"{engine.max_prefill_length}"
             )
         self.engine = engine
-        self._dispatcher = Dispatcher(engine, engine.load_params(params), params_version, steps_per_dispatch, budget)
+        self._dispatcher = Dispatcher(engine, engine.load_params(params), params_version, steps_per_dispatch, budget,
+                                      prefix_cache)
         self._eos = frozenset(int(t) for t in eos_token_ids)
         self._detokenize = detokenize
         self._texts = TokenTexts(detokenize) if detokenize is not None else None
@@ -227,6 +232,8 @@ class Driver:
           budget), ``kv_held_tokens`` (pages held by slots, sessions and prefills x page size) and
           ``kv_written_tokens`` (cache entries they hold; a page shared by a group counts once per
           holder). held / pool is how full the pool is; written / held how well pages are filled.
+        - With the prefix cache: ``prefix_cache_pages`` (held by it now), ``prefix_cache_hits``
+          (sequences that reused cached pages) and ``prefix_cache_hit_tokens`` (prefill saved).
         """
         return {**self._dispatcher.stats(), "busy_seconds": self.busy_seconds, "idle_seconds": self.idle_seconds}
 
