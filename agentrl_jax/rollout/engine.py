@@ -63,7 +63,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from agentrl_jax.models import Decoder, split_params
 from agentrl_jax.models.decode import DecodeParams
 from agentrl_jax.rollout.compile_cache import use_compilation_cache
-from agentrl_jax.rollout.decode_step import generate_steps
+from agentrl_jax.rollout.decode_step import choose_decode_attention, generate_steps
 from agentrl_jax.rollout.dense_prefix import DensePrefixAPI
 from agentrl_jax.rollout.paged_prefill import PrefillRow, pack_rows, prefill_insert_step
 from agentrl_jax.rollout.pages import MemoryPlan, PageAllocator, pages_for, plan_memory
@@ -82,7 +82,6 @@ from agentrl_jax.sharding import Rules, inference_rules, logical_to_spec, make_m
 
 logger = logging.getLogger(__name__)
 
-DECODE_ATTENTION = ("xla", "pallas")
 DEFAULT_MEMORY_FRACTION = 0.8  # of the free device memory, for the KV pool, when nothing else is set
 
 
@@ -424,22 +423,3 @@ def _check_sizes(*, num_pages, kv_cache_bytes, kv_cache_memory_fraction, **sizes
         raise ValueError(f"Engine: kv_cache_bytes must be >= 1, got {kv_cache_bytes}")
     if kv_cache_memory_fraction is not None and not 0 < kv_cache_memory_fraction <= 1:
         raise ValueError(f"Engine: kv_cache_memory_fraction must be in (0, 1], got {kv_cache_memory_fraction}")
-
-
-def choose_decode_attention(requested: str | None, model: Decoder, mesh: Mesh, page_size: int) -> str:
-    """The decode attention: ``requested``, or by default "pallas" where the GPU kernel fits (see `Engine`)."""
-    kernel_pages = page_size >= 16 and page_size & (page_size - 1) == 0
-    if requested is None:
-        on_gpu = all(d.platform == "gpu" for d in mesh.devices.flat)
-        head_dim = model.config.head_dim
-        kernel_fits = head_dim >= 16 and head_dim & (head_dim - 1) == 0  # Triton blocks: powers of two
-        fits = on_gpu and jnp.dtype(model.dtype).itemsize == 2 and kernel_fits and kernel_pages
-        requested = "pallas" if fits else "xla"
-    if requested not in DECODE_ATTENTION:
-        raise ValueError(f"Engine: decode_attention must be one of {DECODE_ATTENTION}, got {requested!r}")
-    if requested == "pallas" and not kernel_pages:
-        raise ValueError(
-            f"Engine: page_size={page_size} does not suit the pallas decode attention (it reads pages in "
-            "blocks of a power of two >= 16); use such a page size or decode_attention='xla'"
-        )
-    return requested
