@@ -11,6 +11,9 @@ Host-side bookkeeping only (no device calls); `driver.Driver` runs it inside its
   arrived in the same tick; the full pages are then shared, the last partial page copied).
 - `Session` keeps a multi-turn trajectory's pages while its tool runs, plus the token
   history those pages hold, so an evicted session can be rebuilt exactly.
+- With a `PrefixCache`, a pending sequence with nothing prefilled starts from the cached
+  full pages of its leading tokens, and every prefill outside a session offers its full
+  pages to the cache; under memory pressure the cache gives pages back first.
 """
 
 from __future__ import annotations
