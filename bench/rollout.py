@@ -8,8 +8,10 @@ Quick check (CPU, < 1 min):
 
 Qwen3 shapes with random bf16 weights (no download; `bench/decode.py`'s table). The workload
 is `--groups` GRPO groups of `--group-size` episodes, all in flight at once (one decode slot
-each). Every episode of a group starts from the group's `--prompt`-token prompt (the driver
-prefills it once and shares its pages) and runs `--turns` turns in one session: a turn
+each, or `--slots` slots: then groups wait and fill the slots others free, so the tail
+where a few long episodes decode alone weighs less). Every episode of a group starts
+from the group's `--prompt`-token prompt (the driver prefills it once and shares its
+pages) and runs `--turns` turns in one session: a turn
 samples a length drawn uniformly from [turn_tokens / 2, 3 turn_tokens / 2] (random weights
 never stop by themselves, so `max_new_tokens` forces the ragged lengths), then the "tool"
 answers after `--tool-latency` seconds with `--observation` random tokens, which the next
@@ -119,6 +121,8 @@ def main(argv=None) -> None:
     parser.add_argument("--size", default="1.7b")
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--slots", type=int, default=0,
+                        help="decode slots (default: one per episode; fewer: episodes wait and refill freed slots)")
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn-tokens", type=int, default=128)
@@ -142,7 +146,10 @@ def main(argv=None) -> None:
 
     model, dtype = qwen3_model(args.size)
     vocab = model.config.vocab_size
-    slots = args.groups * args.group_size
+    episodes = args.groups * args.group_size
+    slots = args.slots or episodes
+    if slots % args.group_size:
+        parser.error(f"--slots={slots} must be a multiple of --group-size={args.group_size} (a group decodes at once)")
     longest = args.prompt + args.turns * (3 * args.turn_tokens // 2 + args.observation + 1) + 1
     engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=slots,
                     max_target_length=longest, max_prefill_length=max(args.prompt, 16), cache_dtype=dtype,
@@ -169,7 +176,8 @@ def main(argv=None) -> None:
     # the ratio if every dispatched decode step ran at raw-decode speed: what the slot-steps were used for
     bound = counters["slot_occupancy"] * counters["kept_token_fraction"]
     row = {
-        "device": jax.devices()[0].device_kind, "size": args.size, "episodes": slots, "turns": args.turns,
+        "device": jax.devices()[0].device_kind, "size": args.size, "episodes": episodes, "slots": slots,
+        "turns": args.turns,
         "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size,
         "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": round(raw), "ratio": round(rate / raw, 3),
         "ratio_if_steps_ran_at_raw_speed": round(bound, 3), "step_efficiency": round(rate / raw / max(bound, 1e-9), 3),

@@ -33,11 +33,11 @@ The model runs through `agentrl_jax.models.decode.forward`, not the trainer's la
 `load_params` re-lays the weights out once per update (`rollout.weights`; `DecodeParams`:
 one dict per layer, fused QKV and gate/up). The traced bodies live next to their inputs:
 `decode_step` (generate), `paged_prefill` (prefill_insert), `dense_prefix` (the JetStream
-prefill / insert / extract methods, mixed into this class). A decode step's attention reads only filled entries: the pages of
-a window of the first W entries (W bucketed by `attend_bucket`, a few compiles) with the
-"xla" attention, or each slot's own entries with our Pallas GPU kernel ("pallas", the
-default on GPU), which also finishes the QKV projection, applies QK-norm and RoPE and
-writes the cache.
+prefill / insert / extract methods, mixed into this class). A decode step's attention
+reads only filled entries: the pages of a window of the first W entries (W bucketed by
+`attend_bucket`, a few compiles) with the "xla" attention, or each slot's own entries with
+our Pallas GPU kernel ("pallas", the default on GPU), which also finishes the QKV
+projection, applies QK-norm and RoPE and writes the cache.
 
 All state is sharded on the mesh with the inference rule table (kv heads over `tensor`,
 slots and pages over the data axes, weights with tensor parallelism only) and is donated
