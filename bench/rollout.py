@@ -8,8 +8,10 @@ Quick check (CPU, < 1 min):
 
 Qwen3 shapes with random bf16 weights (no download; `bench/decode.py`'s table). The workload
 is `--groups` GRPO groups of `--group-size` episodes, all in flight at once (one decode slot
-each). Every episode of a group starts from the group's `--prompt`-token prompt (the driver
-prefills it once and shares its pages) and runs `--turns` turns in one session: a turn
+each, or `--slots` slots: then groups wait and fill the slots others free, so the tail
+where a few long episodes decode alone weighs less). Every episode of a group starts
+from the group's `--prompt`-token prompt (the driver prefills it once and shares its
+pages) and runs `--turns` turns in one session: a turn
 samples a length drawn uniformly from [turn_tokens / 2, 3 turn_tokens / 2] (random weights
 never stop by themselves, so `max_new_tokens` forces the ragged lengths), then the "tool"
 answers after `--tool-latency` seconds with `--observation` random tokens, which the next
@@ -20,7 +22,13 @@ passes still had to compile).
 Reported: sampled tokens / wall time of the timed pass, and the raw decode rate of the
 same engine at the same concurrency (every slot filled, `steps_per_dispatch`-step
 dispatches at the workload's mean context, results read after every dispatch), and their
-ratio; plus preemptions, evictions and shared prefills.
+ratio; plus preemptions, evictions and shared prefills. Where the ratio goes (`Driver.stats`
+over the timed pass): `slot_occupancy` (slot-steps dispatched for slots holding a sequence;
+free slots at the end of the pass, when the longest episodes finish alone, and slots
+between turns lower it), `kept_token_fraction` (of those, tokens kept; the rest came after
+a stop), their product `ratio_if_steps_ran_at_raw_speed` (the ceiling this workload
+allows with this dispatch length), and `step_efficiency` = ratio / that ceiling (what
+prefills, host work and longer contexts cost per dispatched step).
 """
 
 from __future__ import annotations
@@ -92,6 +100,16 @@ def _raw_decode(engine, params, args, vocab: int) -> float:
     return engine.max_concurrent_decodes * dispatches * args.steps_per_dispatch / seconds
 
 
+def _occupancy(before: dict, after: dict, slots: int, steps: int) -> dict:
+    """Where the reported pass's slot-steps went (`Driver.stats` counters, differenced over the pass)."""
+    diff = {k: after[k] - before[k] for k in ("decode_dispatches", "live_slot_steps", "kept_tokens")}
+    slot_steps = diff["decode_dispatches"] * steps * slots
+    occupancy = diff["live_slot_steps"] / max(slot_steps, 1)
+    kept = diff["kept_tokens"] / max(diff["live_slot_steps"], 1)
+    return {"decode_dispatches": diff["decode_dispatches"], "slot_occupancy": round(occupancy, 3),
+            "kept_token_fraction": round(kept, 3), "kv_held_tokens_at_end": after.get("kv_held_tokens")}
+
+
 def _fill(engine, prefix, state):
     for slot in range(engine.max_concurrent_decodes):
         state = engine.insert(prefix, state, slot)
@@ -103,6 +121,8 @@ def main(argv=None) -> None:
     parser.add_argument("--size", default="1.7b")
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--slots", type=int, default=0,
+                        help="decode slots (default: one per episode; fewer: episodes wait and refill freed slots)")
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn-tokens", type=int, default=128)
@@ -126,7 +146,10 @@ def main(argv=None) -> None:
 
     model, dtype = qwen3_model(args.size)
     vocab = model.config.vocab_size
-    slots = args.groups * args.group_size
+    episodes = args.groups * args.group_size
+    slots = args.slots or episodes
+    if slots % args.group_size:
+        parser.error(f"--slots={slots} must be a multiple of --group-size={args.group_size} (a group decodes at once)")
     longest = args.prompt + args.turns * (3 * args.turn_tokens // 2 + args.observation + 1) + 1
     engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=slots,
                     max_target_length=longest, max_prefill_length=max(args.prompt, 16), cache_dtype=dtype,
@@ -136,21 +159,28 @@ def main(argv=None) -> None:
         async with Driver(engine, model, steps_per_dispatch=args.steps_per_dispatch) as driver:
             warm = await _rollout(driver, args, vocab, seed=1)
             shapes = len(engine._paged_prefill_fns) + len(engine._generate_fns)
-            passes = [await _rollout(driver, args, vocab, seed=seed) for seed in (2, 3)]
+            await _rollout(driver, args, vocab, seed=2)
+            before = driver.stats()
+            passes = [await _rollout(driver, args, vocab, seed=3)]
+            after = driver.stats()
             counters = {"preemptions": driver.preemptions, "evictions": driver.evictions,
                         "shared_prefills": driver.shared_prefills,
                         "shapes_compiled_in_timed_passes": len(engine._paged_prefill_fns) + len(engine._generate_fns)
-                        - shapes}
+                        - shapes, **_occupancy(before, after, slots, args.steps_per_dispatch)}
         return warm, passes, counters
 
     warm, passes, counters = asyncio.run(run())
     timed = passes[-1]
     raw = _raw_decode(engine, engine.load_params(model), args, vocab)
     rate = timed["sampled_tokens"] / timed["seconds"]
+    # the ratio if every dispatched decode step ran at raw-decode speed: what the slot-steps were used for
+    bound = counters["slot_occupancy"] * counters["kept_token_fraction"]
     row = {
-        "device": jax.devices()[0].device_kind, "size": args.size, "episodes": slots, "turns": args.turns,
+        "device": jax.devices()[0].device_kind, "size": args.size, "episodes": episodes, "slots": slots,
+        "turns": args.turns,
         "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size,
         "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": round(raw), "ratio": round(rate / raw, 3),
+        "ratio_if_steps_ran_at_raw_speed": round(bound, 3), "step_efficiency": round(rate / raw / max(bound, 1e-9), 3),
         "warmup_s": round(warm["seconds"], 1), "sampled_tokens": timed["sampled_tokens"], **counters,
         "compiled_prefill_shapes": len(engine._paged_prefill_fns), "compiled_decode_shapes": len(engine._generate_fns),
         "memory_plan": engine.memory_plan.describe(),

@@ -95,13 +95,22 @@ class RolloutConfig(_Section):
         "(0: the engine's default, 0.8; devices that report no memory, e.g. CPU, get every slot at full length)."
     )
     prefill_token_budget: int = _f(0, "New tokens prefilled per driver tick (0: 4 x max_prompt_length).")
+    prefix_cache: bool = _f(
+        False, "Keep full KV pages of finished prompts and reuse them for later sequences with the same leading "
+        "tokens (repeated system prompts, a task's prompt in later steps); emptied by every weight update."
+    )
+    compilation_cache_dir: str = _f(
+        "", "JAX persistent compilation cache directory ('~' expanded), so a restarted run does not compile the "
+        "rollout (or anything else) again ('': off)."
+    )
 
     def engine_kwargs(self) -> dict:
-        """The paged-cache arguments of `rollout.Engine` from this section."""
+        """The paged-cache and compilation-cache arguments of `rollout.Engine` from this section."""
         return {
             "page_size": self.page_size,
             "kv_cache_bytes": self.kv_cache_bytes or None,
             "kv_cache_memory_fraction": self.kv_cache_memory_fraction or None,
+            "compilation_cache_dir": self.compilation_cache_dir or None,
         }
 
     def validate(self) -> None:

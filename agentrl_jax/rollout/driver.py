@@ -2,27 +2,15 @@
 
 Coroutines (agent loops, environments) `await driver.generate(...)`; one background task
 owns the engine. Each tick of that task runs in a single worker thread (so the event loop
-keeps serving tool calls while the device works):
-
-1. release what finished or was given up: closed sessions' pages, cancelled requests;
-2. apply a pending weight update if its boundary is reached;
-3. prefill: every waiting sequence that fits (free slots and pages in a data shard) gets
-   its next chunk into ONE `Engine.prefill_insert` call, under a token budget
-   (`prefill_token_budget`); sequences whose prompt is complete fill their slots in the
-   same call. Identical fresh prompts that wait together (a GRPO group, or G agent loops
-   of one task) are prefilled once: their full pages are shared, the last partial page is
-   copied per sample;
-4. give every decoding slot the pages its next `steps_per_dispatch` tokens need; when a
-   shard runs out: evict an idle session's pages, else preempt the newest decoding
-   sequence (its pages are freed and it is re-prefilled later from its kept tokens, with
-   its key and sample counter: exact), counted in `preemptions`;
-5. queue `generate(num_steps=steps_per_dispatch)` for all slots in one dispatch, and only
-   then read the PREVIOUS dispatch's results (copied to the host asynchronously), so the
-   device never waits on the host;
-6. on the host, walk each slot's new tokens and stop at eos / stop ids / stop strings
-   (`stops.StopMatcher`: detokenizes only when a token can complete one) /
-   `max_new_tokens` / `max_target_length`; tokens after a stop are dropped (a stopped
-   sequence decodes one dispatch too many, which is discarded).
+keeps serving tool calls while the device works) and is one `dispatcher.Dispatcher.tick`:
+releases, a weight swap at its boundary, one batched prefill under a token budget
+(`prefill_token_budget`; identical fresh prompts that wait together, a GRPO group or G
+agent loops of one task, are prefilled once with their full pages shared), pages for the
+next dispatch (evicting idle sessions, else preempting the newest decoding sequence: it
+is re-prefilled later from its kept tokens, with its key and sample counter, so exactly,
+counted in `preemptions`), one N-step decode dispatch queued before the previous one's
+results are read, and the stop checks (`stops.StopMatcher` detokenizes only when a token
+can complete a stop string).
 
 Multi-turn (`Session`): when a turn ends, the session takes over the slot's pages (no
 copy) and the slot is freed. The next turn's `generate(observation_ids, session=s)`
@@ -54,61 +42,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
+from agentrl_jax.rollout.dispatcher import Dispatcher
 from agentrl_jax.rollout.engine import Engine
-from agentrl_jax.rollout.pages import pages_for
+from agentrl_jax.rollout.request import Completion, Request, make_request
 from agentrl_jax.rollout.sampling import SamplingParams
-from agentrl_jax.rollout.scheduler import Scheduler, Session
-from agentrl_jax.rollout.scheduler import Sequence as Track
+from agentrl_jax.rollout.scheduler import Session
 from agentrl_jax.rollout.stops import StopMatcher, TokenTexts
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Completion", "Driver", "Session"]
-
-
-@dataclasses.dataclass
-class Completion:
-    """One sampled continuation.
-
-    Attributes:
-      token_ids: sampled tokens, including the stop token / the tokens completing a stop string.
-      logprobs: log softmax(z / tau)[token] per token (what the trainer computes).
-      truncated_logprobs: logprob under the top-k/top-p distribution actually sampled.
-      finish_reason: "stop" (eos, stop id or stop string), "length" (max_new_tokens) or
-        "capacity" (max_target_length reached, or the KV budget cannot hold it longer).
-      params_versions: the params version that sampled each token.
-      prompt_length: tokens of the prompt (for a session turn: this turn's input tokens).
-      stop: the matched stop token id or stop string, else None.
-    """
-
-    token_ids: list[int]
-    logprobs: list[float]
-    truncated_logprobs: list[float]
-    finish_reason: str
-    params_versions: list[int]
-    prompt_length: int
-    stop: int | str | None = None
-
-    @property
-    def params_version(self) -> int:
-        """The version of the last token (the newest weights that touched this completion)."""
-        return self.params_versions[-1]
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    prompt: np.ndarray  # this turn's input (with a session: [pending token] + new ids)
-    sampling: SamplingParams
-    stop_token_ids: frozenset[int]
-    stops: StopMatcher | None
-    max_new_tokens: int
-    num_samples: int
-    session: Session | None
-    future: asyncio.Future
-    input_length: int
-    completions: list[Completion | None] = dataclasses.field(default_factory=list)
 
 
 class Driver:
@@ -124,6 +67,9 @@ class Driver:
       seed: base seed for requests that carry none.
       prefill_token_budget: new tokens prefilled per tick, over all sequences (default: 4 x
         the engine's `max_prefill_length`); a longer prompt continues in the next ticks.
+      prefix_cache: keep the full KV pages of finished prompts and reuse them for later
+        sequences with the same leading tokens (`prefix_cache.PrefixCache`; emptied by weight
+        updates, evicted under memory pressure; its pages count in `pages_in_use`).
     """
 
     def __init__(
@@ -137,6 +83,7 @@ class Driver:
         steps_per_dispatch: int = 8,
         seed: int = 0,
         prefill_token_budget: int | None = None,
+        prefix_cache: bool = False,
     ):
         if steps_per_dispatch < 1:
             raise ValueError(f"Driver: steps_per_dispatch must be >= 1, got {steps_per_dispatch}")
@@ -147,19 +94,14 @@ class Driver:
                 f"{engine.max_prefill_length}"
             )
         self.engine = engine
-        self._params = engine.load_params(params)
-        self._version = params_version
+        self._dispatcher = Dispatcher(engine, engine.load_params(params), params_version, steps_per_dispatch, budget,
+                                      prefix_cache)
         self._eos = frozenset(int(t) for t in eos_token_ids)
         self._detokenize = detokenize
         self._texts = TokenTexts(detokenize) if detokenize is not None else None
-        self._steps = steps_per_dispatch
-        self._budget = budget
         self._seeds = itertools.count(seed * 1_000_003 + 1)
-        self._state = None
-        self._sched = Scheduler(engine, steps_per_dispatch, budget)
-        self._inbox: list[_Request] = []
-        # the last decode dispatch, read one tick later: (results, {slot: (track, admission)}, params version)
-        self._in_flight: tuple[Any, dict, int] | None = None
+        self._sched = self._dispatcher.sched
+        self._inbox: list[Request] = []
         self._pending_update: tuple[Any, int, bool, asyncio.Future] | None = None
         self._failure: BaseException | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
@@ -176,7 +118,7 @@ class Driver:
 
     @property
     def params_version(self) -> int:
-        return self._version
+        return self._dispatcher.version
 
     @property
     def preemptions(self) -> int:
@@ -255,7 +197,7 @@ class Driver:
         self._release_requested = True
         if self._task is not None and not self._task.done():
             self._wakeup.set()
-        elif not self._sched.slots and not self._sched.waiting:
+        elif self._dispatcher.idle:
             self._drop_state()
 
     async def close(self) -> None:
@@ -275,9 +217,29 @@ class Driver:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    def stats(self) -> dict[str, float]:
+        """Rollout counters since the driver started, for metrics.
+
+        - ``slot_occupancy``: slot-steps dispatched for slots holding a sequence / all slot-steps
+          dispatched (free slots decode nothing useful; the rest of a dispatch after the last
+          sequence of a batch ends, and slots waiting for a tool's answer, lower it).
+        - ``kept_token_fraction``: tokens kept / slot-steps dispatched for held slots (a stopped
+          sequence's remaining steps, and its next dispatch, decode tokens that are dropped).
+        - the counts behind them: ``decode_dispatches``, ``live_slot_steps``, ``kept_tokens``
+          (decoded tokens only; a request's first token comes from its prefill); and
+          ``preemptions``, ``evictions``, ``shared_prefills``, ``busy_seconds``, ``idle_seconds``.
+        - With a decode state: ``kv_pool_tokens`` / ``kv_pool_bytes_per_device`` (reserved by the
+          budget), ``kv_held_tokens`` (pages held by slots, sessions and prefills x page size) and
+          ``kv_written_tokens`` (cache entries they hold; a page shared by a group counts once per
+          holder). held / pool is how full the pool is; written / held how well pages are filled.
+        - With the prefix cache: ``prefix_cache_pages`` (held by it now), ``prefix_cache_hits``
+          (sequences that reused cached pages) and ``prefix_cache_hit_tokens`` (prefill saved).
+        """
+        return {**self._dispatcher.stats(), "busy_seconds": self.busy_seconds, "idle_seconds": self.idle_seconds}
+
     def pages_in_use(self) -> int:
         """KV pages held now (slots, sessions, partly prefilled prompts)."""
-        return 0 if self._state is None else self.engine.pages.num_used()
+        return 0 if self._dispatcher.state is None else self.engine.pages.num_used()
 
     # ---- submission -------------------------------------------------------------------
 
@@ -289,63 +251,16 @@ class Driver:
 
     async def _submit(self, prompt_ids, sampling, stop_token_ids, stop_strings, max_new_tokens, n, session):
         self._check_alive()
-        prompt = np.asarray(prompt_ids, np.int32).reshape(-1)
         sampling = sampling if sampling is not None else SamplingParams()
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=next(self._seeds))
-        if max_new_tokens < 1:
-            raise ValueError(f"generate: max_new_tokens must be >= 1, got {max_new_tokens}")
         if stop_strings and self._detokenize is None:
             raise ValueError("generate: stop_strings need a detokenize callback (Driver(detokenize=...))")
-        engine = self.engine
-        per_shard = engine.max_concurrent_decodes // engine.num_shards
-        if n > per_shard:
-            raise ValueError(
-                f"generate_group: n={n} exceeds the {per_shard} slots of one data shard (the engine's "
-                f"max_concurrent_decodes={engine.max_concurrent_decodes} over {engine.num_shards} shards)"
-            )
-        start, input_length = 0, int(prompt.size)
-        if session is not None:
-            if session.busy:
-                raise ValueError("generate: the session already has a turn in flight")
-            if session.broken:
-                raise ValueError(f"generate: the session cannot continue ({session.broken}); start a new one")
-            if session.closed:
-                raise ValueError("generate: the session is closed")
-            if session.started:
-                start = len(session.history)
-                prompt = np.concatenate([[session.pending_token], prompt]).astype(np.int32)
-        if prompt.size == 0:  # a started session may continue with no new tokens (an empty observation)
-            raise ValueError("generate: prompt_ids is empty")
-        capacity = engine.max_target_length
-        if start + prompt.size >= capacity:
-            raise ValueError(
-                f"generate: prompt of {prompt.size} tokens (+ {start} cached in the session) does not fit "
-                f"the engine's max_target_length={capacity} with room to generate; shorten the prompt or "
-                "build the Engine with a larger max_target_length"
-            )
-        plan = engine.memory_plan
-        if plan is not None:
-            total = start + prompt.size + 1
-            need = total // engine.page_size + n * (pages_for(total, engine.page_size) - total // engine.page_size)
-            if need > plan.pages_per_shard - 1:
-                raise ValueError(
-                    f"generate: {n} sample(s) of a {total - 1}-token sequence need {need} KV pages; a shard has "
-                    f"{plan.pages_per_shard - 1} ({plan.source}). Raise rollout.kv_cache_bytes / "
-                    "rollout.kv_cache_memory_fraction or shorten the prompt"
-                )
-        loop = asyncio.get_running_loop()
-        request = _Request(
-            prompt=prompt,
-            sampling=sampling,
-            stop_token_ids=frozenset(int(t) for t in stop_token_ids) | self._eos,
+        request = make_request(
+            self.engine, prompt_ids, sampling, stop_token_ids=frozenset(int(t) for t in stop_token_ids) | self._eos,
             stops=StopMatcher(tuple(stop_strings), self._texts) if stop_strings else None,
-            max_new_tokens=max_new_tokens,
-            num_samples=n,
-            session=session,
-            future=loop.create_future(),
-            input_length=input_length,
-            completions=[None] * n,
+            max_new_tokens=max_new_tokens, num_samples=n, session=session,
+            future=asyncio.get_running_loop().create_future(),
         )
         if session is not None:
             session.busy = True
@@ -373,7 +288,7 @@ class Driver:
             update = self._pending_update
             started = time.perf_counter()
             try:
-                resolved, update_done = await loop.run_in_executor(self._executor, self._tick, inbox, update)
+                resolved, update_done = await loop.run_in_executor(self._executor, self._dispatcher.tick, inbox, update)
                 self.busy_seconds += time.perf_counter() - started
             except BaseException as exc:  # noqa: BLE001  (every caller must see it; the process lives on)
                 logger.exception("rollout driver loop failed")
@@ -390,7 +305,7 @@ class Driver:
                     future.set_exception(value)
                 else:
                     future.set_result(value)
-            if not self._sched.slots and not self._sched.waiting and not self._inbox and self._pending_update is None:
+            if self._dispatcher.idle and not self._inbox and self._pending_update is None:
                 if self._release_requested:
                     self._drop_state()
                 started = time.perf_counter()
@@ -399,15 +314,11 @@ class Driver:
 
     def _drop_state(self) -> None:
         """Forget the decode state and every page (open sessions will re-prefill their history)."""
-        self._state, self._release_requested = None, False
-        for session in self._sched.sessions:
-            session.pages, session.shard = [], None
-        self._sched.sessions.clear()
+        self._dispatcher.drop_state()
+        self._release_requested = False
 
-    def _fail_all(self, exc: BaseException, extra: Sequence[_Request] = ()) -> None:
-        sched = self._sched
-        requests = [*extra, *self._inbox, *(s.request for p in sched.waiting for s in p.sequences),
-                    *(t.request for t in sched.slots.values())]
+    def _fail_all(self, exc: BaseException, extra: Sequence[Request] = ()) -> None:
+        requests = [*extra, *self._inbox, *self._dispatcher.requests()]
         for request in {id(r): r for r in requests}.values():
             if not request.future.done():
                 request.future.set_exception(exc)
@@ -416,99 +327,5 @@ class Driver:
         if self._pending_update is not None and not self._pending_update[3].done():
             self._pending_update[3].set_exception(exc)
         self._inbox = []
-        sched.slots.clear()
-        sched.waiting.clear()
-
-    def _tick(self, inbox: list[_Request], update) -> tuple[list, bool]:
-        """One boundary: releases, weight swap, one batched prefill, one N-step dispatch, then the
-        previous dispatch's results (read while this one runs) and stop checks."""
-        sched = self._sched
-        if self._state is None:
-            self._state = self.engine.init_decode_state()
-        resolved: list = []
-        sched.release_closed()
-        sched.drop_cancelled()
-        for request in inbox:
-            sched.enqueue(request)
-        update_done = False
-        if update is not None and (not update[2] or not sched.slots):
-            self._params, self._version = update[0], update[1]
-            update_done = True
-        if sched.slots:  # pages for the next dispatch of every decoding slot (may preempt)
-            sched.reserve_pages(lambda track: self._finish(track, "capacity", None, resolved))
-        rows, admitted = [], []
-        if sched.waiting and not (update is not None and not update_done):
-            rows, admitted = sched.plan_prefill(resolved)
-        if rows:
-            self._state, first = self.engine.prefill_insert(self._params, self._state, rows)
-        previous, self._in_flight = self._in_flight, None
-        if sched.slots:  # queued before the host reads anything: the device never waits on the host
-            self._state, generated = self.engine.generate(self._params, self._state, num_steps=self._steps)
-            generated.copy_to_host_async()
-            self._in_flight = (generated, {s: (t, t.admitted) for s, t in sched.slots.items()}, self._version)
-        if previous is not None:
-            self._read_dispatch(*previous, resolved)
-        if rows:  # first tokens come after every token of the previous dispatch
-            first = first.convert_to_numpy()
-            for m, track in enumerate(admitted):
-                if first.valid[m] and track.slot is not None:
-                    lp, tlp = float(first.log_prob[m]), float(first.truncated_log_prob[m])
-                    self._accept(track, int(first.tokens[m]), lp, tlp, self._version, resolved)
-        if not sched.slots:
-            self._in_flight = None  # nobody left to read it
-        return resolved, update_done
-
-    def _read_dispatch(self, generated, tracks: dict, version: int, resolved: list) -> None:
-        """Accept one dispatch's tokens for the sequences that are still in the slots they had then."""
-        generated = generated.convert_to_numpy()
-        for slot, (track, admitted) in tracks.items():
-            if self._sched.slots.get(slot) is not track or track.admitted != admitted:
-                continue  # finished or preempted (and maybe resumed) since: these tokens are dropped
-            for step in range(self._steps):
-                if not generated.valid[step, slot]:
-                    self._finish(track, "capacity", None, resolved)
-                    break
-                token = int(generated.tokens[step, slot])
-                lp, tlp = float(generated.log_prob[step, slot]), float(generated.truncated_log_prob[step, slot])
-                if self._accept(track, token, lp, tlp, version, resolved):
-                    break
-
-    # ---- results ------------------------------------------------------------------------
-
-    def _accept(self, track: Track, token: int, lp: float, tlp: float, version: int, resolved: list) -> bool:
-        """Append one token; finish the track if it stops. Returns True when finished."""
-        request = track.request
-        track.tokens.append(token)
-        track.logprobs.append(lp)
-        track.truncated.append(tlp)
-        track.versions.append(version)
-        if token in request.stop_token_ids:
-            self._finish(track, "stop", token, resolved)
-            return True
-        if request.stops is not None:
-            stop = request.stops.match(track.tokens)
-            if stop is not None:
-                self._finish(track, "stop", stop, resolved)
-                return True
-        if len(track.tokens) >= request.max_new_tokens:
-            self._finish(track, "length", None, resolved)
-            return True
-        if track.kv_start + len(track.tokens) >= self.engine.max_target_length:
-            self._finish(track, "capacity", None, resolved)
-            return True
-        return False
-
-    def _finish(self, track: Track, reason: str, stop, resolved: list) -> None:
-        request = track.request
-        self._sched.end_turn(track)
-        request.completions[track.index] = Completion(
-            token_ids=track.tokens,
-            logprobs=track.logprobs,
-            truncated_logprobs=track.truncated,
-            finish_reason=reason,
-            params_versions=track.versions,
-            prompt_length=request.input_length,
-            stop=stop,
-        )
-        if all(c is not None for c in request.completions):
-            resolved.append((request.future, request.completions))
+        self._sched.slots.clear()
+        self._sched.waiting.clear()

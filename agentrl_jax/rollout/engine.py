@@ -30,12 +30,14 @@ free list. Pages and slots are split over the mesh's data axes alike: a slot onl
 pages of its own shard, so attention and cache writes stay on the device (`shard_map`).
 
 The model runs through `agentrl_jax.models.decode.forward`, not the trainer's layer scan:
-`load_params` re-lays the weights out once per update (`DecodeParams`: one dict per layer,
-fused QKV and gate/up). A decode step's attention reads only filled entries: the pages of
-a window of the first W entries (W bucketed by `attend_bucket`, a few compiles) with the
-"xla" attention, or each slot's own entries with our Pallas GPU kernel ("pallas", the
-default on GPU), which also finishes the QKV projection, applies QK-norm and RoPE and
-writes the cache.
+`load_params` re-lays the weights out once per update (`rollout.weights`; `DecodeParams`:
+one dict per layer, fused QKV and gate/up). The traced bodies live next to their inputs:
+`decode_step` (generate), `paged_prefill` (prefill_insert), `dense_prefix` (the JetStream
+prefill / insert / extract methods, mixed into this class). A decode step's attention
+reads only filled entries: the pages of a window of the first W entries (W bucketed by
+`attend_bucket`, a few compiles) with the "xla" attention, or each slot's own entries with
+our Pallas GPU kernel ("pallas", the default on GPU), which also finishes the QKV
+projection, applies QK-norm and RoPE and writes the cache.
 
 All state is sharded on the mesh with the inference rule table (kv heads over `tensor`,
 slots and pages over the data axes, weights with tensor parallelism only) and is donated
@@ -58,44 +60,32 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from agentrl_jax.models import Decoder, param_shardings, split_params
-from agentrl_jax.models.decode import (
-    DecodeParams,
-    decode_params_axes,
-    forward,
-    to_decode_params,
-)
-from agentrl_jax.rollout.dense_prefix import extract_step, insert_step, prefill_step
+from agentrl_jax.models import Decoder, split_params
+from agentrl_jax.models.decode import DecodeParams
+from agentrl_jax.rollout.compile_cache import use_compilation_cache
+from agentrl_jax.rollout.decode_step import choose_decode_attention, generate_steps
+from agentrl_jax.rollout.dense_prefix import DensePrefixAPI
 from agentrl_jax.rollout.paged_prefill import PrefillRow, pack_rows, prefill_insert_step
-from agentrl_jax.rollout.pages import TRASH_PAGE, MemoryPlan, OutOfPages, PageAllocator, pages_for, plan_memory
+from agentrl_jax.rollout.pages import MemoryPlan, PageAllocator, pages_for, plan_memory
 from agentrl_jax.rollout.result_tokens import ResultTokens
-from agentrl_jax.rollout.sampling import (
-    SamplingParams,
-    SlotSampling,
-    next_token_logits,
-    request_key,
-    sample,
-    step_keys,
-)
+from agentrl_jax.rollout.sampling import SlotSampling
+from agentrl_jax.rollout.slot_table import SlotTable
 from agentrl_jax.rollout.state import (
     DecodeState,
-    Prefix,
     attend_bucket,
     decode_state_shardings,
     init_decode_state,
     prefill_bucket,
-    prefix_shardings,
 )
-from agentrl_jax.rollout.slot_table import SlotTable
-from agentrl_jax.sharding import Rules, inference_rules, logical_to_spec, make_mesh, tree_shardings
+from agentrl_jax.rollout.weights import EngineWeights
+from agentrl_jax.sharding import Rules, inference_rules, logical_to_spec, make_mesh
 
 logger = logging.getLogger(__name__)
 
-DECODE_ATTENTION = ("xla", "pallas")
 DEFAULT_MEMORY_FRACTION = 0.8  # of the free device memory, for the KV pool, when nothing else is set
 
 
-class Engine:
+class Engine(DensePrefixAPI):
     """Slot-based decoding of a `Decoder` over a paged KV cache on a mesh.
 
     Args:
@@ -124,6 +114,9 @@ class Engine:
         are placed). Default `DEFAULT_MEMORY_FRACTION` on devices that report memory.
         With none of the three, and on devices that report no memory (CPU), the pool holds
         every slot at full length. Never more pages than that are made.
+      compilation_cache_dir: turn on JAX's persistent compilation cache there, for the whole
+        process (`compile_cache.use_compilation_cache`); a restarted run loads its prefill
+        and decode programs instead of compiling them again.
     """
 
     def __init__(
@@ -143,41 +136,18 @@ class Engine:
         num_pages: int | None = None,
         kv_cache_bytes: int | None = None,
         kv_cache_memory_fraction: float | None = None,
+        compilation_cache_dir: str | None = None,
     ):
-        for name, value in (
-            ("max_concurrent_decodes", max_concurrent_decodes),
-            ("max_target_length", max_target_length),
-            ("max_prefill_length", max_prefill_length),
-            ("min_prefill_bucket", min_prefill_bucket),
-            ("attend_granule", attend_granule),
-            ("page_size", page_size),
-        ):
-            if value < 1:
-                raise ValueError(f"Engine: {name} must be >= 1, got {value}")
-        if num_pages is not None and num_pages < 1:
-            raise ValueError(f"Engine: num_pages must be >= 1, got {num_pages}")
-        if kv_cache_bytes is not None and kv_cache_bytes < 1:
-            raise ValueError(f"Engine: kv_cache_bytes must be >= 1, got {kv_cache_bytes}")
-        if kv_cache_memory_fraction is not None and not 0 < kv_cache_memory_fraction <= 1:
-            raise ValueError(f"Engine: kv_cache_memory_fraction must be in (0, 1], got {kv_cache_memory_fraction}")
+        _check_sizes(max_concurrent_decodes=max_concurrent_decodes, max_target_length=max_target_length,
+                     max_prefill_length=max_prefill_length, min_prefill_bucket=min_prefill_bucket,
+                     attend_granule=attend_granule, page_size=page_size, num_pages=num_pages,
+                     kv_cache_bytes=kv_cache_bytes, kv_cache_memory_fraction=kv_cache_memory_fraction)
+        if compilation_cache_dir:
+            use_compilation_cache(compilation_cache_dir)
         self._mesh = mesh if mesh is not None else make_mesh({"data": -1})
-        kernel_pages = page_size >= 16 and page_size & (page_size - 1) == 0
-        if decode_attention is None:
-            on_gpu = all(d.platform == "gpu" for d in self._mesh.devices.flat)
-            head_dim = model.config.head_dim
-            kernel_fits = head_dim >= 16 and head_dim & (head_dim - 1) == 0  # Triton blocks: powers of two
-            fits = on_gpu and jnp.dtype(model.dtype).itemsize == 2 and kernel_fits and kernel_pages
-            decode_attention = "pallas" if fits else "xla"
-        if decode_attention not in DECODE_ATTENTION:
-            raise ValueError(f"Engine: decode_attention must be one of {DECODE_ATTENTION}, got {decode_attention!r}")
-        if decode_attention == "pallas" and not kernel_pages:
-            raise ValueError(
-                f"Engine: page_size={page_size} does not suit the pallas decode attention (it reads pages in "
-                "blocks of a power of two >= 16); use such a page size or decode_attention='xla'"
-            )
+        decode_attention = choose_decode_attention(decode_attention, model, self._mesh, page_size)
         self.config = model.config
         _, abstract = split_params(model)
-        self._param_dtype = model.param_dtype
         self._dtype = model.dtype
         self._attend_granule = attend_granule
         self.decode_attention = decode_attention
@@ -196,15 +166,9 @@ class Engine:
         self.num_shards = math.prod(self._mesh.shape[a] for a in rows_axes)
         self._slots_per_shard = self._slots // self.num_shards
         self._budget = (num_pages, kv_cache_bytes, kv_cache_memory_fraction)
-        self.param_shardings = param_shardings(abstract, self._mesh, self._rules)
-        self._reshard: dict[Any, Any] = {}
-        layout = jax.eval_shape(functools.partial(to_decode_params, self.config), abstract)
-        self.decode_param_shardings = tree_shardings(
-            decode_params_axes(self.config), self._mesh, self._rules, shapes=layout
-        )
-        self._to_decode_params = jax.jit(
-            functools.partial(to_decode_params, self.config), out_shardings=self.decode_param_shardings
-        )
+        self._weights = EngineWeights(self.config, abstract, self._mesh, self._rules, model.param_dtype)
+        self.param_shardings = self._weights.param_shardings
+        self.decode_param_shardings = self._weights.decode_param_shardings
         self.memory_plan: MemoryPlan | None = None
         self.pages: PageAllocator | None = None
         self.state_shardings: DecodeState | None = None
@@ -244,34 +208,7 @@ class Engine:
         the trainer's sharding never visit the host), then re-laid out on the device. The
         result is a new buffer: the caller's params are never donated.
         """
-        if isinstance(params, nnx.Module):
-            params = nnx.state(params, nnx.Param)
-        dtype = dtype if dtype is not None else self._param_dtype
-
-        def cast(x):
-            return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
-
-        if isinstance(params, DecodeParams):
-            return jax.device_put(jax.tree.map(cast, params), self.decode_param_shardings)
-        return self._to_decode_params(self._place(params, cast, dtype))
-
-    def _place(self, params: nnx.State, cast, dtype) -> nnx.State:
-        """``params`` cast and in the inference sharding.
-
-        Arrays already on the engine's devices are resharded by a jitted identity with
-        ``out_shardings`` (on-device collectives: 0.018 s for Qwen3-1.7B in float32 on 2
-        H200s, where ``jax.device_put`` between the two shardings took 0.89 s;
-        bench/weight_sync.py). Anything else (host arrays, other devices) goes through
-        ``jax.device_put``, a device-to-device copy between devices.
-        """
-        mesh_devices = set(self._mesh.devices.flat)
-        leaves = jax.tree.leaves(params)
-        if leaves and all(isinstance(x, jax.Array) and set(x.sharding.device_set) == mesh_devices for x in leaves):
-            key = jnp.dtype(dtype)
-            if key not in self._reshard:
-                self._reshard[key] = jax.jit(lambda tree: jax.tree.map(cast, tree), out_shardings=self.param_shardings)
-            return self._reshard[key](params)
-        return jax.device_put(jax.tree.map(cast, params), self.param_shardings)
+        return self._weights.load(params, dtype)
 
     # ---- the page pool ------------------------------------------------------------------
 
@@ -350,143 +287,11 @@ class Engine:
         """Apply the host's pending slot frees (one call) and page-table changes (one upload)."""
         slots = self.slots.take_deactivations()
         if slots:
-            state = self._deactivate(state, jnp.asarray(slots, jnp.int32))
+            state = self._deactivate(state, np.asarray(slots, np.int32))
         if self.slots.dirty:
             state = state.replace(page_table=jax.device_put(self.slots.table, self.state_shardings.page_table))
             self.slots.dirty = False
         return state
-
-    def get_prefix_destination_sharding(self, capacity: int | None = None, num_samples: int = 1) -> Prefix:
-        """The sharding of a `Prefix` of `capacity` cache entries (JetStream API)."""
-        capacity = self._max_prefill if capacity is None else capacity
-        return prefix_shardings(self.config, capacity, num_samples, self.cache_dtype, self._mesh, self._rules)
-
-    # ---- prefill (JetStream: a prompt's KV as a dense prefix row) ----------------------
-
-    def prefill(
-        self,
-        *,
-        params: DecodeParams,
-        existing_prefix: Prefix | None = None,
-        padded_tokens: jax.Array | np.ndarray | Sequence[int],
-        true_length: int,
-        sampler: SamplingParams | None = None,
-        num_samples: int = 1,
-    ) -> tuple[Prefix, ResultTokens]:
-        """Prefill a prompt (or extend `existing_prefix` with new tokens) and sample G first tokens.
-
-        The prefix is a dense KV row outside the page pool (JetStream's prefill takes no
-        decode state); `insert` moves it into pages. The `Driver` instead prefills straight
-        into pages (`prefill_insert`).
-
-        Args:
-          params: params from `load_params`.
-          existing_prefix: a prefix to continue (multi-turn); its keys and sample counter carry
-            over, and only `padded_tokens[:true_length]` runs through the model.
-          padded_tokens: [T] int token ids; padded to a power-of-two bucket here if needed.
-          true_length: number of real tokens in `padded_tokens`.
-          sampler: sampling params of the request (default greedy). Its `seed` (default 0)
-            keys the samples unless `existing_prefix` carries keys.
-          num_samples: G samples of this prompt (a GRPO group); each gets its own key
-            `fold_in(PRNGKey(seed), g)` and its own first token.
-
-        Returns:
-          `(prefix, result)` with `result` holding the G first tokens (rows = samples).
-        """
-        sampler = sampler if sampler is not None else SamplingParams(temperature=0.0)
-        tokens = np.asarray(padded_tokens, np.int32).reshape(-1)
-        if not 1 <= true_length <= tokens.shape[0]:
-            raise ValueError(f"prefill: true_length={true_length} must be in [1, {tokens.shape[0]}]")
-        bucket = prefill_bucket(true_length, self._min_bucket, self._max_prefill)
-        tokens = np.pad(tokens[:true_length], (0, bucket - true_length))
-        start = 0 if existing_prefix is None else int(existing_prefix.length)
-        total = start + true_length
-        if total >= self.max_target_length:
-            raise ValueError(
-                f"prefill: prompt of {total} tokens (existing prefix {start} + {true_length} new) leaves "
-                f"no room to generate within max_target_length={self.max_target_length}"
-            )
-        capacity = min(prefill_bucket(total, self._min_bucket, 1 << 62), self.max_target_length)
-        if existing_prefix is None:
-            keys = jnp.stack([request_key(sampler.seed or 0, g) for g in range(num_samples)])
-            generated = jnp.zeros((num_samples,), jnp.int32)
-            old_cache = None
-        else:
-            if existing_prefix.num_samples != num_samples:
-                raise ValueError(
-                    f"prefill: existing_prefix has {existing_prefix.num_samples} samples, "
-                    f"num_samples={num_samples}; a continuation keeps its sample count"
-                )
-            keys, generated, old_cache = existing_prefix.keys, existing_prefix.generated, existing_prefix.cache
-        key = (bucket, capacity, None if old_cache is None else old_cache.max_len, num_samples)
-        if key not in self._prefill_fns:
-            self._prefill_fns[key] = jax.jit(
-                functools.partial(prefill_step, capacity=capacity, config=self.config, cache_dtype=self.cache_dtype,
-                                  dtype=self._dtype),
-                out_shardings=(self.get_prefix_destination_sharding(capacity, num_samples), None),
-            )
-        sampling = SlotSampling.from_params(sampler, num_samples)
-        return self._prefill_fns[key](
-            params, old_cache, jnp.int32(start), jnp.asarray(tokens), jnp.int32(true_length), keys, generated, sampling
-        )
-
-    # ---- insert (JetStream: a dense prefix into pages) ----------------------------------
-
-    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-        """Move sample 0 of `prefix` into `slot`'s fresh pages (the decode state is donated)."""
-        first = lambda x: x[:1]
-        single = prefix.replace(
-            first_tokens=first(prefix.first_tokens),
-            log_prob=first(prefix.log_prob),
-            truncated_log_prob=first(prefix.truncated_log_prob),
-            keys=first(prefix.keys),
-            generated=first(prefix.generated),
-            sampling=jax.tree.map(first, prefix.sampling),
-        )
-        return self._insert_dense(single, decode_state, [slot])
-
-    def bulk_insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
-        """The G samples of one prefill into G slots: one prompt, G rollouts (GRPO).
-
-        Slots of one shard share the prompt's full pages (one copy, G references); each
-        slot gets its own copy of the last, partial page, which it goes on writing.
-        """
-        if len(slots) != prefix.num_samples:
-            raise ValueError(
-                f"bulk_insert: {len(slots)} slots for a prefix with {prefix.num_samples} samples; "
-                "prefill with num_samples=len(slots)"
-            )
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"bulk_insert: slots must be distinct, got {list(slots)}")
-        return self._insert_dense(prefix, decode_state, list(slots))
-
-    def _insert_dense(self, prefix: Prefix, state: DecodeState, slots: list[int]) -> DecodeState:
-        length = int(prefix.length)
-        P = self.page_size
-        full, n = length // P, pages_for(length, P)
-        for slot in slots:
-            self.release_slot(slot)
-        tables = []
-        for shard in sorted({self.shard_of(s) for s in slots}):
-            mine = [s for s in slots if self.shard_of(s) == shard]
-            if self.pages.num_free(shard) < full + (n - full) * len(mine):
-                raise OutOfPages(
-                    f"insert: a prefix of {length} tokens into {len(mine)} slot(s) of shard {shard} needs "
-                    f"{full + (n - full) * len(mine)} pages, {self.pages.num_free(shard)} are free"
-                )
-            shared = self.pages.alloc(shard, full)
-            self.pages.incref(shard, shared * (len(mine) - 1))
-            for slot in mine:
-                pages = shared + self.pages.alloc(shard, n - full)
-                self.assign_slot(slot, pages, length)
-        tables = [self._global(self.shard_of(s), self.slots.slot_pages(s)) for s in slots]
-        state = self._sync(state)
-        if n not in self._insert_fns:
-            self._insert_fns[n] = jax.jit(
-                functools.partial(insert_step, num_pages=n), donate_argnums=(1,),
-                out_shardings=self.state_shardings,
-            )
-        return self._insert_fns[n](prefix, state, jnp.asarray(slots, jnp.int32), jnp.asarray(tables, jnp.int32))
 
     def free_resource(self, slot: int, decode_state: DecodeState | None = None) -> DecodeState | None:
         """Release `slot` and its pages (JetStream API).
@@ -496,32 +301,6 @@ class Engine:
         """
         self.release_slot(slot)
         return None if decode_state is None else self._sync(decode_state)
-
-    def extract_prefix(self, decode_state: DecodeState, slot: int, *, length: int, generated: int) -> Prefix:
-        """A dense copy of `slot`'s first `length` cache entries as a 1-sample `Prefix`.
-
-        For JetStream-style callers that continue a trajectory with `prefill(existing_prefix=...)`;
-        the `Driver` keeps a session's pages instead (no copy).
-
-        Args:
-          length: valid entries to keep (tokens whose k/v are already in the cache).
-          generated: tokens the request has sampled so far (keeps its random stream).
-        """
-        if not 0 < length < self.max_target_length:
-            raise ValueError(f"extract_prefix: length={length} must be in (0, {self.max_target_length})")
-        capacity = min(prefill_bucket(length, self._min_bucket, 1 << 62), self.max_target_length)
-        n = pages_for(capacity, self.page_size)
-        pages = self._global(self.shard_of(slot), self.slots.slot_pages(slot))[:n]
-        pages += [TRASH_PAGE] * (n - len(pages))
-        decode_state = self._sync(decode_state)
-        if capacity not in self._extract_fns:
-            self._extract_fns[capacity] = jax.jit(
-                functools.partial(extract_step, capacity=capacity),
-                out_shardings=self.get_prefix_destination_sharding(capacity, 1),
-            )
-        return self._extract_fns[capacity](
-            decode_state, jnp.asarray(pages, jnp.int32), jnp.int32(slot), jnp.int32(length), jnp.int32(generated)
-        )
 
     # ---- batched prefill straight into pages (the Driver's path) -----------------------
 
@@ -567,56 +346,14 @@ class Engine:
         placed = jax.device_put(
             (packed.tokens, packed.tables, packed.starts, packed.lengths), (by_row2, by_row2, by_row, by_row)
         )
-        device = lambda x: jnp.asarray(x)  # noqa: E731
-        arrays = (packed.adm_row, packed.adm_slot, packed.adm_key, packed.adm_generated, packed.adm_forced,
-                  packed.adm_length)
+        # host arrays go to the jitted call as they are: it transfers them in one go (an eager
+        # jnp.asarray per array cost more host time than the transfers)
         return self._paged_prefill_fns[key](
-            params, decode_state, *placed, *map(device, arrays), SlotSampling(*map(device, packed.sampling)),
-            device(packed.copy_src), device(packed.copy_dst),
+            params, decode_state, *placed, packed.adm_row, packed.adm_slot, packed.adm_key, packed.adm_generated,
+            packed.adm_forced, packed.adm_length, SlotSampling(*packed.sampling), packed.copy_src, packed.copy_dst,
         )
 
     # ---- generate ---------------------------------------------------------------------
-
-    def _step(self, params, state: DecodeState, attend_len: int) -> tuple[DecodeState, tuple]:
-        hidden, cache = forward(
-            params, state.last_tokens[:, None], state.lengths[:, None], state.cache, state.lengths,
-            config=self.config, attend_len=attend_len, dtype=self._dtype, attention=self.decode_attention,
-            cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh, page_table=state.page_table,
-        )
-        logits = next_token_logits(hidden[:, -1], *params.output_embedding())
-        tokens, log_prob, truncated = sample(logits, step_keys(state.keys, state.generated), state.sampling)
-        valid = state.active & (state.lengths < self.max_target_length)
-        step = valid.astype(jnp.int32)
-        new_state = state.replace(
-            cache=cache,
-            lengths=state.lengths + step,
-            last_tokens=jnp.where(valid, tokens, state.last_tokens),
-            generated=state.generated + step,
-            active=valid,
-        )
-        return new_state, (tokens, valid, new_state.generated, log_prob, truncated)
-
-    def _generate_impl(self, params, state: DecodeState, *, num_steps: int | None, attend_len: int):
-        if num_steps is None:
-            state, out = self._step(params, state, attend_len)
-            return state, ResultTokens.pack(*out)
-        slots = self._slots
-        buffers = (
-            jnp.zeros((num_steps, slots), jnp.int32),
-            jnp.zeros((num_steps, slots), bool),
-            jnp.zeros((num_steps, slots), jnp.int32),
-            jnp.zeros((num_steps, slots), jnp.float32),
-            jnp.zeros((num_steps, slots), jnp.float32),
-        )
-
-        def body(i, carry):
-            state, buffers = carry
-            state, out = self._step(params, state, attend_len)
-            buffers = tuple(b.at[i].set(o) for b, o in zip(buffers, out))
-            return state, buffers
-
-        state, buffers = jax.lax.fori_loop(0, num_steps, body, (state, buffers))
-        return state, ResultTokens.pack(*buffers)
 
     def generate(
         self,
@@ -653,8 +390,13 @@ class Engine:
         decode_state = self._sync(decode_state)
         key = (num_steps, attend_len)
         if key not in self._generate_fns:
+            step = functools.partial(
+                generate_steps, num_steps=num_steps, config=self.config, attend_len=attend_len, dtype=self._dtype,
+                attention=self.decode_attention, cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh,
+                max_length=self.max_target_length,
+            )
             self._generate_fns[key] = jax.jit(
-                functools.partial(self._generate_impl, num_steps=num_steps, attend_len=attend_len),
+                step,
                 donate_argnums=(1,),
                 out_shardings=(self.state_shardings, None),
             )
@@ -668,3 +410,16 @@ class Engine:
         longest = self.slots.longest() if self.slots is not None else 0
         window = attend_bucket(longest + num_steps, self.max_target_length, self._attend_granule)
         return min(pages_for(window, self.page_size), self.table_width) * self.page_size
+
+
+def _check_sizes(*, num_pages, kv_cache_bytes, kv_cache_memory_fraction, **sizes) -> None:
+    """ValueError naming the first `Engine` argument out of range."""
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"Engine: {name} must be >= 1, got {value}")
+    if num_pages is not None and num_pages < 1:
+        raise ValueError(f"Engine: num_pages must be >= 1, got {num_pages}")
+    if kv_cache_bytes is not None and kv_cache_bytes < 1:
+        raise ValueError(f"Engine: kv_cache_bytes must be >= 1, got {kv_cache_bytes}")
+    if kv_cache_memory_fraction is not None and not 0 < kv_cache_memory_fraction <= 1:
+        raise ValueError(f"Engine: kv_cache_memory_fraction must be in (0, 1], got {kv_cache_memory_fraction}")

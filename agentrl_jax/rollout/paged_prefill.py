@@ -21,7 +21,6 @@ from agentrl_jax.models.decode import forward
 from agentrl_jax.rollout.pages import TRASH_PAGE, pages_for
 from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, next_token_logits, sample, step_keys
-from agentrl_jax.rollout.slot_table import bucket
 from agentrl_jax.rollout.state import DecodeState
 
 

@@ -27,10 +27,12 @@ its own history, not on which slot it sits in or who shares the batch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jaxtyping import Array, Float, Int
 
@@ -90,6 +92,32 @@ class SlotSampling:
 def request_key(seed: int, sample_index: int | Int[Array, ""] = 0) -> jax.Array:
     """The raw uint32[2] key of sample `sample_index` of a request with `seed`."""
     return jax.random.fold_in(jax.random.PRNGKey(seed), sample_index)
+
+
+_request_keys = jax.jit(jax.vmap(request_key, in_axes=(None, 0)))
+
+
+def request_keys(seed: int, num_samples: int) -> np.ndarray:
+    """``[request_key(seed, g) for g < num_samples]`` as a host uint32 [G, 2] array, in one jitted call.
+
+    The driver derives keys on the host for every request; done op by op (seed, fold_in,
+    device-to-host copy per sample) that cost milliseconds of host time per request and a
+    sync with the accelerator. This runs on the CPU backend when there is one, so it never
+    waits for the accelerator's queue.
+    """
+    inputs = (np.int64(seed), np.arange(num_samples, dtype=np.int32))
+    cpu = _cpu_device()
+    if cpu is not None:
+        inputs = jax.device_put(inputs, cpu)
+    return np.asarray(_request_keys(*inputs))
+
+
+@functools.cache
+def _cpu_device():
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS without cpu
+        return None
 
 
 def _gumbel_noise(keys: Int[Array, "B 2"], vocab: int) -> Float[Array, "B V"]:

@@ -11,6 +11,9 @@ Host-side bookkeeping only (no device calls); `driver.Driver` runs it inside its
   arrived in the same tick; the full pages are then shared, the last partial page copied).
 - `Session` keeps a multi-turn trajectory's pages while its tool runs, plus the token
   history those pages hold, so an evicted session can be rebuilt exactly.
+- With a `PrefixCache`, a pending sequence with nothing prefilled starts from the cached
+  full pages of its leading tokens, and every prefill outside a session offers its full
+  pages to the cache; under memory pressure the cache gives pages back first.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import numpy as np
 
 from agentrl_jax.rollout.paged_prefill import Admission, PrefillRow
 from agentrl_jax.rollout.pages import OutOfPages, pages_for
-from agentrl_jax.rollout.sampling import request_key
+from agentrl_jax.rollout.prefix_cache import PrefixCache
+from agentrl_jax.rollout.sampling import request_keys
 
 _order = itertools.count()
 
@@ -34,7 +38,7 @@ class Sequence:
     """One sample of a request, from admission to its last token.
 
     Attributes:
-      request: the driver's request (`driver._Request`).
+      request: the driver's request (`request.Request`).
       index: the sample index within the request.
       key: [2] uint32 request key of this sample.
       generated_base: tokens the sample's key had sampled before this turn (sessions).
@@ -162,6 +166,7 @@ class Scheduler:
         self.sessions: set[Session] = set()
         self.closing: list[Session] = []
         self._admitted = itertools.count()
+        self.cache: PrefixCache | None = None  # set by the dispatcher with each decode state, if enabled
         self.preemptions = 0
         self.evictions = 0
         self.shared_prefills = 0
@@ -221,7 +226,7 @@ class Scheduler:
             keys = [key]
         else:
             base = 0
-            keys = [np.asarray(request_key(request.sampling.seed, g)) for g in range(request.num_samples)]
+            keys = list(request_keys(request.sampling.seed, request.num_samples))
         sequences = [Sequence(request, g, keys[g], base, context) for g in range(request.num_samples)]
         pending = Pending(tokens=context + request.prompt.tolist(), sequences=sequences, session=session)
         if session is not None and session.pages:
@@ -233,6 +238,9 @@ class Scheduler:
                 if other.fresh and other.tokens == pending.tokens and self.fits(other, len(sequences)):
                     other.sequences += sequences
                     return
+        if self.cache is not None and not pending.pages:
+            pending.shard, pending.pages = self.cache.lookup(pending.tokens, self.engine.num_shards)
+            pending.done = len(pending.pages) * self.engine.page_size
         self.waiting.append(pending)
 
     def pages_needed(self, pending: Pending, samples: int) -> int:
@@ -279,6 +287,8 @@ class Scheduler:
             row = PrefillRow(shard=shard, pages=list(pending.pages), start=pending.done,
                              tokens=np.asarray(pending.tokens[pending.done:end], np.int32))
             pending.done = end
+            if self.cache is not None and pending.session is None:  # a session's pages hold decoded KV too
+                self.cache.insert(shard, pending.tokens, pending.pages, end)
             budget -= chunk
             if final:
                 self.admit(pending, row, free_slots[shard])
@@ -321,6 +331,9 @@ class Scheduler:
         Every waiting sequence but the first gives its pages back (it re-prefills later); if
         the first cannot fit even into an otherwise empty shard, it fails alone.
         """
+        if self.cache is not None and len(self.cache):
+            self.cache.clear()
+            return  # the next tick tries again with the cached pages free
         head, *rest = self.waiting
         freed = False
         for pending in rest:
@@ -344,8 +357,11 @@ class Scheduler:
             self.break_session(track.request.session, "its turn did not fit the KV budget")
 
     def free_pages(self, shard: int, need: int) -> bool:
-        """Make ``need`` pages free in ``shard`` by evicting idle sessions (oldest first)."""
+        """Make ``need`` pages free in ``shard`` by evicting prefix-cache entries (least recently used
+        first), then idle sessions (oldest first)."""
         pages = self.engine.pages
+        if self.cache is not None:
+            self.cache.evict(shard, need)
         while pages.num_free(shard) < need:
             idle = [s for s in self.sessions if s.shard == shard]
             if not idle:

@@ -48,6 +48,10 @@ class SlotTable:
     def live_slots(self) -> list[int]:
         return [int(s) for s in np.flatnonzero(self._live)]
 
+    def length_bound(self, slot: int) -> int:
+        """An upper bound of `slot`'s cache entries (exact between dispatches; 0 for a free slot)."""
+        return int(self._bound[slot]) if self._live[slot] else 0
+
     def longest(self) -> int:
         """The largest length bound of a live slot (0 if none)."""
         return int(self._bound[self._live].max()) if self._live.any() else 0

@@ -67,9 +67,23 @@ class StopMatcher:
         """The stop string that the text of ``tokens`` contains near its end, or None."""
         if not self.could_complete(tokens[-1]):
             return None
+        return self._check(tokens[-self._window :])
+
+    def first_match(self, before: Sequence[int], new: Sequence[int]) -> tuple[int | None, str | None]:
+        """The first of ``new`` (appended to ``before``) that completes a stop string: ``(index in new, stop)``,
+        or ``(None, None)``. Equals calling `match` after each appended token, one dispatch at a time."""
+        for i, token in enumerate(new):
+            if self.could_complete(token):
+                tail = list(before[-self._window :]) + list(new[: i + 1])
+                stop = self._check(tail[-self._window :])
+                if stop is not None:
+                    return i, stop
+        return None, None
+
+    def _check(self, tail: Sequence[int]) -> str | None:
         self.full_checks += 1
-        tail = self._texts.detokenize(tokens[-self._window :])
+        text = self._texts.detokenize(tail)
         for stop in self.stop_strings:
-            if stop in tail:
+            if stop in text:
                 return stop
         return None

@@ -165,3 +165,30 @@ def test_prompt_longer_than_max_prefill_is_prefilled_in_chunks(engine, tiny_mode
     completion = drive(engine, tiny_model, run)
     assert completion.token_ids == greedy_reference(tiny_model, prompt, 4)
     assert completion.prompt_length == 40
+
+
+def test_stats_count_dispatches_occupancy_and_kv_pages(engine, tiny_model):
+    """One request of 8 tokens, 4 steps per dispatch, 4 slots: its first token comes from the prefill,
+    the next 4 from dispatch 1 and 3 from dispatch 2 (read while dispatch 3 already runs, whose
+    tokens are dropped): 3 dispatches, 12 of 48 slot-steps held, 7 of 12 tokens kept."""
+
+    async def run(driver):
+        session = driver.session()
+        await driver.generate(PROMPT, GREEDY, max_new_tokens=8, session=session)
+        during = driver.stats()
+        session.close()
+        await driver.generate([1, 2], GREEDY, max_new_tokens=1)  # a tick releases the closed session
+        return during, driver.stats(), driver.pages_in_use()
+
+    during, after, pages = drive(engine, tiny_model, run)
+    assert during["decode_dispatches"] == 3
+    assert during["slot_occupancy"] == pytest.approx(12 / 48)
+    assert during["kept_token_fraction"] == pytest.approx(7 / 12)
+    P = engine.page_size
+    assert during["kv_pool_tokens"] == engine.memory_plan.tokens
+    # the session holds its turn: 7 prompt + 7 sampled entries (the last token is fed next turn)
+    assert during["kv_written_tokens"] == len(PROMPT) + 7
+    assert during["kv_held_tokens"] % P == 0 and during["kv_held_tokens"] >= len(PROMPT) + 7
+    assert after["kv_held_tokens"] == pages * P == 0 and after["kv_written_tokens"] == 0
+    # the 1-token request's slot is filled and decodes one dispatch before its prefilled token is read
+    assert after["decode_dispatches"] == 4 and after["kept_tokens"] == 7

@@ -267,3 +267,24 @@ def test_load_params_from_the_trainer_layout_and_from_other_devices(engine, para
         got = run_requests(placed, got_params, prompts, [1], GREEDY)
         assert got[0][0] == ref[0][0]
         np.testing.assert_allclose(got[0][1], ref[0][1], atol=1e-5)
+
+
+def test_compilation_cache_dir_stores_compiled_programs(tmp_path, tiny_model):
+    """`Engine(compilation_cache_dir=...)` turns JAX's persistent cache on even after earlier compiles
+    (the test session has compiled plenty): the next compiled program lands in the directory."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    from agentrl_jax.rollout.compile_cache import use_compilation_cache
+
+    cache = tmp_path / "xla"
+    try:
+        Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), compilation_cache_dir=str(cache),
+               **ENGINE_KW)
+        assert jax.config.jax_compilation_cache_dir == str(cache)
+        use_compilation_cache(cache, min_compile_seconds=0)  # the tiny program compiles in far less than 1 s
+        jax.jit(lambda x: x * 3 + 1)(jnp.arange(7.0)).block_until_ready()
+        assert any(cache.iterdir())
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        compilation_cache.reset_cache()

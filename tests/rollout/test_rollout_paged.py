@@ -274,9 +274,11 @@ def test_sharded_paged_driver_equals_single_device(tiny_model):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
-def test_randomized_no_leaks(tiny_model):
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_randomized_no_leaks(tiny_model, prefix_cache):
     """Random arrivals, lengths, stops, multi-turn sessions, weight updates, cancellations and a
-    tight page pool: every request is answered (or cancelled) and every page ends free."""
+    tight page pool: every request is answered (or cancelled) and every page ends free (but the
+    prefix cache's own)."""
     engine = one_device_engine(tiny_model, page_size=3, num_pages=24)
     other = make_model(1)
     rng = random.Random(0)
@@ -313,9 +315,9 @@ def test_randomized_no_leaks(tiny_model):
         outcomes["cancelled"] = sum(t.cancelled() for t in tasks)
         await driver.update_params(tiny_model, version=2)
         await driver.generate([1, 2, 3], GREEDY, max_new_tokens=2)  # one more tick: closed sessions released
-        return driver.pages_in_use(), driver.preemptions + driver.evictions
+        return driver.pages_in_use() - driver.stats().get("prefix_cache_pages", 0), driver.preemptions + driver.evictions
 
-    used, pressure = drive(engine, tiny_model, run)
+    used, pressure = drive(engine, tiny_model, run, prefix_cache=prefix_cache)
     assert used == 0
     assert sum(outcomes.values()) == 14 and outcomes["done"] > 0
     assert pressure > 0, "the pool never ran short: the test does not exercise preemption"
@@ -331,7 +333,8 @@ def test_rollout_config_page_fields_are_validated():
     with pytest.raises(ConfigError, match="rollout.prefill_token_budget"):
         apply_overrides(Config(), ["rollout.prefill_token_budget=10"])
     rollout = apply_overrides(Config(), ["rollout.page_size=32", "rollout.kv_cache_bytes=1000000"]).rollout
-    assert rollout.engine_kwargs() == {"page_size": 32, "kv_cache_bytes": 1000000, "kv_cache_memory_fraction": None}
+    assert rollout.engine_kwargs() == {"page_size": 32, "kv_cache_bytes": 1000000, "kv_cache_memory_fraction": None,
+                                       "compilation_cache_dir": None}
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton decode kernel runs on GPU only")

@@ -37,3 +37,25 @@ def test_stop_matcher_always_checks_pieces_it_cannot_judge():
     assert StopMatcher(["end "], texts).could_complete(0)  # a stop ending in whitespace: every token
     with pytest.raises(ValueError, match="empty stop string"):
         StopMatcher([""], texts)
+
+
+def test_first_match_over_a_dispatch_equals_matching_token_by_token():
+    """The driver checks a whole dispatch's tokens per slot at once; the answer (where the first
+    stop string completes, and which) must be the one a token-by-token check gives."""
+    import numpy as np
+
+    texts = TokenTexts(lambda ids: "".join(VOCAB[i] for i in ids))
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        sequence = rng.integers(0, len(VOCAB), 40).tolist()
+        cut = int(rng.integers(0, 40))
+        before, new = sequence[:cut], sequence[cut:]
+        step = StopMatcher(["</code>", "bx>", "a b"], texts)
+        expected = (None, None)
+        for i in range(len(new)):
+            stop = step.match(before + new[: i + 1])
+            if stop is not None:
+                expected = (i, stop)
+                break
+        batched = StopMatcher(["</code>", "bx>", "a b"], texts)
+        assert batched.first_match(before, new) == expected, trial

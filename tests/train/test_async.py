@@ -96,6 +96,7 @@ def test_staleness_bound_holds_and_rollouts_overlap_training(async_runs):
             # admission, not discarding: every step trains its full batch
             assert m["rollout/trajectories"] == 8
             assert m["rollout/finish/answer"] == 1.0 and m["rollout/masked_episodes"] == 0
+            assert 0 < m["rollout/engine/slot_occupancy"] <= 1 and m["rollout/engine/kept_tokens"] > 0
             assert m["skipped"] == 0 and np.isfinite(m["loss"])
         # the pipeline really overlapped: some trained tokens came from the previous version,
         # and some episodes continued across a weight update (partial rollouts)

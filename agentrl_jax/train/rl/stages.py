@@ -188,6 +188,8 @@ async def finish_step(rl: RL, state: TrainState, version: int, step: int, trajec
     """
     c = rl.config
     metrics.update(rollout_metrics(trajectories))
+    # Engine counters since the driver started (slot occupancy, KV pool use, prefix-cache hits).
+    metrics.update({f"rollout/engine/{k}": float(v) for k, v in rl.driver.stats().items()})
     metrics["throughput/trajectories_per_s"] = len(trajectories) / max(metrics.get("time/step", 0.0), 1e-9)
     if step % max(c.logging.log_every, 1) == 0:
         rl.writer.write(step + 1, metrics)

@@ -1,0 +1,215 @@
+"""The driver's synchronous side: one tick of engine work at a time, in the driver's worker thread.
+
+A tick (`Dispatcher.tick`):
+
+1. release what finished or was given up: closed sessions' pages, cancelled requests;
+2. apply a pending weight update if its boundary is reached;
+3. give every decoding slot the pages its next dispatch needs (evicting idle sessions or
+   preempting the newest sequence when a shard runs out: `Scheduler.reserve_pages`);
+4. prefill every waiting sequence that fits, in ONE `Engine.prefill_insert` call under a
+   token budget (`Scheduler.plan_prefill`);
+5. queue `generate(num_steps=steps)` for all slots, and only then read the PREVIOUS
+   dispatch's results (copied to the host asynchronously), so the device never waits on
+   the host;
+6. walk each slot's new tokens and stop at eos / stop ids / stop strings / `max_new_tokens`
+   / `max_target_length`; tokens after a stop are dropped (a stopped sequence decodes one
+   dispatch too many, which is discarded).
+
+Nothing here touches asyncio: finished requests come back as ``(future, value)`` pairs that
+the driver resolves on its event loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from agentrl_jax.rollout.engine import Engine
+from agentrl_jax.rollout.prefix_cache import PrefixCache
+from agentrl_jax.rollout.request import Completion, Request
+from agentrl_jax.rollout.scheduler import Scheduler
+from agentrl_jax.rollout.scheduler import Sequence as Track
+
+
+class Dispatcher:
+    """Engine state, params and the in-flight dispatch between ticks.
+
+    Args:
+      engine: the paged engine.
+      params: the engine's params (`Engine.load_params`).
+      version: their version tag.
+      steps: decode steps per dispatch.
+      budget: new tokens prefilled per tick.
+      prefix_cache: keep full prompt pages across requests (`prefix_cache.PrefixCache`).
+    """
+
+    def __init__(self, engine: Engine, params: Any, version: int, steps: int, budget: int, prefix_cache: bool = False):
+        self.engine = engine
+        self.prefix_cache = prefix_cache
+        self.params, self.version = params, version
+        self.steps = steps
+        self.state = None
+        self.sched = Scheduler(engine, steps, budget)
+        # the last decode dispatch, read one tick later: (results, {slot: (track, admission)}, params version)
+        self.in_flight: tuple[Any, dict, int] | None = None
+        # decode work: dispatches, slot-steps dispatched for slots holding a sequence, and the
+        # tokens of those that were kept (the rest came after a stop or before a preemption)
+        self.dispatches = self.live_slot_steps = self.kept_tokens = 0
+
+    @property
+    def idle(self) -> bool:
+        """Nothing decodes and nothing waits for a prefill."""
+        return not self.sched.slots and not self.sched.waiting
+
+    def drop_state(self) -> None:
+        """Forget the decode state and every page (open sessions will re-prefill their history)."""
+        self.state, self.sched.cache = None, None
+        for session in self.sched.sessions:
+            session.pages, session.shard = [], None
+        self.sched.sessions.clear()
+
+    def stats(self) -> dict[str, float]:
+        """Decode occupancy and KV pages (see `Driver.stats`)."""
+        engine, sched = self.engine, self.sched
+        slot_steps = self.dispatches * self.steps * engine.max_concurrent_decodes
+        out = {
+            "decode_dispatches": self.dispatches, "live_slot_steps": self.live_slot_steps,
+            "kept_tokens": self.kept_tokens,
+            "slot_occupancy": self.live_slot_steps / slot_steps if slot_steps else 0.0,
+            "kept_token_fraction": self.kept_tokens / self.live_slot_steps if self.live_slot_steps else 0.0,
+            "preemptions": sched.preemptions, "evictions": sched.evictions, "shared_prefills": sched.shared_prefills,
+        }
+        if sched.cache is not None:
+            out.update(prefix_cache_pages=len(sched.cache), prefix_cache_hits=sched.cache.hits,
+                       prefix_cache_hit_tokens=sched.cache.hit_tokens)
+        plan = engine.memory_plan
+        if self.state is not None and plan is not None:
+            P = engine.page_size
+            slots = sum(engine.slots.length_bound(s) for s in sched.slots)
+            sessions = sum(s.num_cached_tokens for s in sched.sessions)
+            out.update(
+                kv_pool_tokens=plan.tokens, kv_pool_bytes_per_device=plan.bytes_per_device,
+                kv_held_tokens=engine.pages.num_used() * P,
+                kv_written_tokens=slots + sessions + sum(p.done for p in sched.waiting),
+            )
+        return out
+
+    def requests(self) -> list[Request]:
+        """Every request that waits for a prefill or decodes."""
+        sched = self.sched
+        return [*(s.request for p in sched.waiting for s in p.sequences), *(t.request for t in sched.slots.values())]
+
+    def tick(self, inbox: list[Request], update) -> tuple[list, bool]:
+        """One boundary (see the module docstring). Returns the ``(future, value)`` pairs to resolve and
+        whether ``update`` (``(params, version, drain, future)`` or None) was applied."""
+        sched = self._prepare(inbox)
+        resolved: list = []
+        update_done = False
+        if update is not None and (not update[2] or not sched.slots):
+            self.params, self.version = update[0], update[1]
+            update_done = True
+            if sched.cache is not None:
+                sched.cache.clear()  # KV of the old weights
+        if sched.slots:  # pages for the next dispatch of every decoding slot (may preempt)
+            sched.reserve_pages(lambda track: self._finish(track, "capacity", None, resolved))
+        rows, admitted = [], []
+        if sched.waiting and not (update is not None and not update_done):
+            rows, admitted = sched.plan_prefill(resolved)
+        if rows:
+            self.state, first = self.engine.prefill_insert(self.params, self.state, rows)
+        previous, self.in_flight = self.in_flight, None
+        if sched.slots:  # queued before the host reads anything: the device never waits on the host
+            self.state, generated = self.engine.generate(self.params, self.state, num_steps=self.steps)
+            generated.copy_to_host_async()
+            self.in_flight = (generated, {s: (t, t.admitted) for s, t in sched.slots.items()}, self.version)
+            self.dispatches += 1
+            self.live_slot_steps += len(sched.slots) * self.steps
+        if previous is not None:
+            self._read_dispatch(*previous, resolved)
+        if rows:  # first tokens come after every token of the previous dispatch
+            tokens, valid, log_prob, truncated = (c.tolist() for c in _columns(first.convert_to_numpy()))
+            for m, track in enumerate(admitted):
+                if valid[m] and track.slot is not None:  # not valid: a resumed sequence's forced token
+                    one = slice(m, m + 1)
+                    self._accept(track, tokens[one], valid[one], log_prob[one], truncated[one], self.version, resolved)
+        if not sched.slots:
+            self.in_flight = None  # nobody left to read it
+        return resolved, update_done
+
+    def _prepare(self, inbox: list[Request]) -> Scheduler:
+        sched = self.sched
+        if self.state is None:
+            self.state = self.engine.init_decode_state()  # a fresh page allocator
+            sched.cache = PrefixCache(self.engine.pages, self.engine.page_size) if self.prefix_cache else None
+        sched.release_closed()
+        sched.drop_cancelled()
+        for request in inbox:
+            sched.enqueue(request)
+        return sched
+
+    def _read_dispatch(self, generated, tracks: dict, version: int, resolved: list) -> None:
+        """Accept one dispatch's tokens for the sequences that are still in the slots they had then."""
+        tokens, valid, log_prob, truncated = (c.T.tolist() for c in _columns(generated.convert_to_numpy()))
+        for slot, (track, admitted) in tracks.items():
+            if self.sched.slots.get(slot) is not track or track.admitted != admitted:
+                continue  # finished or preempted (and maybe resumed) since: these tokens are dropped
+            self.kept_tokens += self._accept(
+                track, tokens[slot], valid[slot], log_prob[slot], truncated[slot], version, resolved
+            )
+
+    def _accept(self, track: Track, tokens: list[int], valid: list, log_prob: list[float], truncated: list[float],
+                version: int, resolved: list) -> int:
+        """Append one slot's tokens of a dispatch up to the first stop, and finish the track there.
+
+        The same outcome as checking token by token, in this order: a step the device did not
+        advance (valid = 0: ``max_target_length``) ends the turn without its token; else the token
+        is appended, then a stop id, a completed stop string, ``max_new_tokens`` and
+        ``max_target_length`` end it. Returns how many tokens were appended.
+        """
+        request = track.request
+        sampled = valid.index(0) if 0 in valid else len(tokens)
+        held = len(track.tokens)
+        length_room = request.max_new_tokens - held
+        capacity_room = self.engine.max_target_length - track.kv_start - held
+        take = min(sampled, length_room, capacity_room)
+        stop_at, stop = next(((i, t) for i, t in enumerate(tokens[:take]) if t in request.stop_token_ids), (None, None))
+        if request.stops is not None:
+            at, string = request.stops.first_match(track.tokens, tokens[: take if stop_at is None else stop_at])
+            if at is not None:
+                stop_at, stop = at, string
+        if stop_at is not None:
+            take, reason = stop_at + 1, "stop"
+        elif take == length_room:
+            reason = "length"
+        elif take == capacity_room or take < len(tokens):
+            reason = "capacity"
+        else:
+            reason = None
+        track.tokens += tokens[:take]
+        track.logprobs += log_prob[:take]
+        track.truncated += truncated[:take]
+        track.versions += [version] * take
+        if reason is not None:
+            self._finish(track, reason, stop, resolved)
+        return take
+
+    def _finish(self, track: Track, reason: str, stop, resolved: list) -> None:
+        request = track.request
+        self.sched.end_turn(track)
+        request.completions[track.index] = Completion(
+            token_ids=track.tokens,
+            logprobs=track.logprobs,
+            truncated_logprobs=track.truncated,
+            finish_reason=reason,
+            params_versions=track.versions,
+            prompt_length=request.input_length,
+            stop=stop,
+        )
+        if all(c is not None for c in request.completions):
+            resolved.append((request.future, request.completions))
+
+
+def _columns(result) -> tuple:
+    """``(tokens, valid, log_prob, truncated_log_prob)`` of a host `ResultTokens`, as plain arrays."""
+    return result.tokens, result.valid.astype(np.int8), result.log_prob, result.truncated_log_prob
