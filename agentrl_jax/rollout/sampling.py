@@ -115,7 +115,9 @@ def request_keys(seed: int, num_samples: int) -> np.ndarray:
 @functools.cache
 def _cpu_device():
     try:
-        return jax.devices("cpu")[0]
+        # This process's own CPU device: under jax.distributed, jax.devices("cpu")[0] may be
+        # another host's, whose values this process cannot read.
+        return jax.local_devices(backend="cpu")[0]
     except RuntimeError:  # JAX_PLATFORMS without cpu
         return None
 
