@@ -214,7 +214,7 @@ def packed_attention(
 
     offsets, lengths = segment_table(segment_ids, max_segments)
     out = cudnn.dot_product_attention(
-        q, k, v, None, None, lengths, lengths, offsets, offsets,
+        q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
         scale=1.0 / math.sqrt(q.shape[-1]), mask_type=cudnn.MaskType.PADDING_CAUSAL,
     )
     return jnp.where((segment_ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))

@@ -17,6 +17,8 @@ from agentrl_jax.models import (
 )
 from agentrl_jax.models.layers import (
     apply_rope,
+    attention,
+    packed_attention,
     packed_causal_mask,
     rms_norm,
     rope_inverse_frequencies,
@@ -88,6 +90,36 @@ def test_packed_causal_mask_hand_values():
         ]
     )
     np.testing.assert_array_equal(mask, want)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's packed kernel needs a CUDA GPU (Hopper+)")
+def test_cudnn_packed_attention_matches_the_masked_reference():
+    """Values and gradients of the fused packed kernel == XLA with the segment mask (bf16)."""
+    B, T, H, KV, K = 2, 256, 4, 2, 64
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(B, T, n, K)), jnp.bfloat16) for n in (H, KV, KV))
+    segments = np.zeros((B, T), np.int32)
+    segments[0, :100], segments[0, 100:130], segments[0, 130:250] = 1, 2, 3
+    segments[1, :256] = 1
+    segments = jnp.asarray(segments)
+    real = (segments > 0)[:, :, None, None]
+
+    def fused(q, k, v):
+        return packed_attention(q, k, v, segments, 8)
+
+    def masked(q, k, v):
+        out = attention(q, k, v, packed_causal_mask(segments, None, B, T), "xla")
+        return jnp.where(real, out, 0)
+
+    cotangent = jnp.asarray(rng.normal(size=(B, T, H, K)), jnp.float32) * real
+    got, want = (np.asarray(jax.jit(f)(q, k, v), np.float32) for f in (fused, masked))
+    np.testing.assert_allclose(got, want, atol=2e-2)
+
+    def grads(f):
+        return jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cotangent), argnums=(0, 1, 2)))(q, k, v)
+
+    for g_fused, g_masked in zip(grads(fused), grads(masked)):
+        np.testing.assert_allclose(np.asarray(g_fused, np.float32), np.asarray(g_masked, np.float32), atol=5e-2)
 
 
 CONFIG = DecoderConfig(
