@@ -199,7 +199,7 @@ def packed_attention(
     turns a mask into a ``[B, 1, T, T]`` bias, which is T^2 memory per row. cuDNN itself
     has a packed ("THD", ragged offsets) flash-attention mode, reached through
     ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`` with per-segment
-    offsets and lengths (Hopper or newer). Outputs at padding positions are set to 0 (the
+    offsets and lengths (Hopper or newer). Outputs and gradients at padding positions are 0 (the
     kernel does not define them, and a NaN there would leak into weight gradients).
 
     Args:
@@ -213,11 +213,15 @@ def packed_attention(
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     offsets, lengths = segment_table(segment_ids, max_segments)
+    real = (segment_ids > 0)[:, :, None, None]
+    # cuDNN's backward writes nonzero dK at padding keys no query attends to (measured on an
+    # H200, cuDNN of jax 0.11.2); the selects make every padding gradient exactly 0.
+    q, k, v = (jnp.where(real, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
     out = cudnn.dot_product_attention(
         q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
         scale=1.0 / math.sqrt(q.shape[-1]), mask_type=cudnn.MaskType.PADDING_CAUSAL,
     )
-    return jnp.where((segment_ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+    return jnp.where(real, out, jnp.zeros((), out.dtype))
 
 
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
