@@ -23,12 +23,13 @@ attention path takes a static per-row segment table of that size).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax.train.batch import pack_first_fit
+from agentrl_jax.train.batch import bucket_length, pack_first_fit
 
 # Per-token fields and their padding value in packed rows (ids of padding are never targets
 # of a loss token; params_versions -1 marks "not sampled").
@@ -215,3 +216,42 @@ def packing_stats(plan: PackPlan) -> dict[str, float]:
         "pack/fill": real / max(plan.num_rows * plan.row_length, 1),
         "pack/padded_fill": real / max(held * plan.padded_length, 1),
     }
+
+
+def row_length_for(lengths: Sequence[int], row_tokens: int) -> int:
+    """``row_tokens``, or the bucketed longest trajectory where one is longer (it never splits)."""
+    longest = max((int(n) for n in lengths), default=1)
+    return row_tokens if longest <= row_tokens else bucket_length(longest)
+
+
+def packed_logprobs(
+    forward: Callable[[Any, dict[str, np.ndarray]], Any],
+    params: Any,
+    inputs: dict[str, np.ndarray],
+    *,
+    row_tokens: int,
+    micro_batch_tokens: int,
+    max_segments: int = 64,
+    pad_token_id: int = 0,
+) -> np.ndarray:
+    """Per-token values (logprobs) of padded forward inputs, computed on packed rows.
+
+    Every forward pass of the trainer (old, reference, teacher) goes through here when
+    packing is on, so they share one layout; the result is in the padded layout again.
+
+    Args:
+      forward: ``(params, packed micro-batch arrays) -> [rows, S]`` (a jitted packed forward).
+      inputs: ``input_ids``, ``positions``, ``segment_ids``, ``targets`` ``[N, T]`` (padded).
+      row_tokens, micro_batch_tokens, max_segments: see :func:`plan_packing`.
+
+    Returns:
+      ``[N, T]`` float32 numpy; 0 off the trajectories.
+    """
+    lengths = (np.asarray(inputs["segment_ids"]) > 0).sum(axis=1)
+    plan = plan_packing(lengths, row_length_for(lengths, row_tokens), padded_length=inputs["input_ids"].shape[1],
+                        micro_batch_tokens=micro_batch_tokens, max_segments=max_segments)
+    packed = pack_arrays(plan, inputs, pad_token_id=pad_token_id)
+    step = plan.rows_per_micro
+    parts = [np.asarray(forward(params, {k: v[s : s + step] for k, v in packed.items()}))
+             for s in range(0, plan.num_rows, step)]
+    return unpack(plan, np.concatenate(parts, axis=0).astype(np.float32))

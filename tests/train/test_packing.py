@@ -18,7 +18,7 @@ from agentrl_jax.losses import global_normalizer
 from agentrl_jax.models import Decoder, DecoderConfig, split_params
 from agentrl_jax.models.layers import segment_table
 from agentrl_jax.train.batch import TokenRecord, build_batch
-from agentrl_jax.train.packing import pack_arrays, packing_stats, plan_packing, unpack
+from agentrl_jax.train.packing import pack_arrays, packed_logprobs, packing_stats, plan_packing, unpack
 from agentrl_jax.train.step import LossSettings, forward_logprobs, init_train_state, policy_loss, update_step
 
 FIELDS = ("input_ids", "positions", "segment_ids", "targets", "loss_mask", "advantages", "sequence_ids",
@@ -111,6 +111,13 @@ def test_packed_logprobs_equal_padded(chunk_size):
     real = padded["segment_ids"] > 0
     for a, b in ((lp_pad, lp_pack), (ent_pad, ent_pack)):
         np.testing.assert_allclose(np.asarray(unpack(plan, b))[real], np.asarray(a)[real], atol=1e-5, rtol=0)
+    if chunk_size == 7:  # the trainer's route: plan, pack, micro-batches of 96 tokens, unpack
+        forward = lambda p, arrays: fwd(graphdef, p, {k: jnp.asarray(v) for k, v in arrays.items()},  # noqa: E731
+                                        packed=True, **kw)[0]
+        inputs = {k: padded[k] for k in ("input_ids", "positions", "segment_ids", "targets")}
+        got = packed_logprobs(forward, params, inputs, row_tokens=48, micro_batch_tokens=96)
+        np.testing.assert_allclose(got[real], np.asarray(lp_pad)[real], atol=1e-5, rtol=0)
+        assert (got[~real] == 0).all()
 
 
 def _grads(settings, arrays, normalizer, num_sequences, micro_rows):
