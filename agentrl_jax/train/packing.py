@@ -31,6 +31,8 @@ import numpy as np
 
 from agentrl_jax.train.batch import bucket_length, pack_first_fit
 
+# Bound on trajectories per packed row: the static segment table of cuDNN's packed kernel.
+MAX_SEGMENTS = 64
 # Per-token fields and their padding value in packed rows (ids of padding are never targets
 # of a loss token; params_versions -1 marks "not sampled").
 _FILL = {"params_versions": -1}
@@ -107,7 +109,7 @@ def plan_packing(
     trajectories: Sequence[int] | None = None,
     micro_batch_tokens: int = 0,
     row_multiple: int = 1,
-    max_segments: int = 64,
+    max_segments: int = MAX_SEGMENTS,
 ) -> PackPlan:
     """First-fit-decreasing packing of (a subset of) a padded batch into token-budget rows.
 
@@ -231,7 +233,7 @@ def packed_logprobs(
     *,
     row_tokens: int,
     micro_batch_tokens: int,
-    max_segments: int = 64,
+    max_segments: int = MAX_SEGMENTS,
     pad_token_id: int = 0,
 ) -> np.ndarray:
     """Per-token values (logprobs) of padded forward inputs, computed on packed rows.
@@ -255,3 +257,13 @@ def packed_logprobs(
     parts = [np.asarray(forward(params, {k: v[s : s + step] for k, v in packed.items()}))
              for s in range(0, plan.num_rows, step)]
     return unpack(plan, np.concatenate(parts, axis=0).astype(np.float32))
+
+
+def plan_minibatch(
+    segment_ids: np.ndarray, trajectories: Sequence[int], *, row_tokens: int, micro_batch_tokens: int
+) -> PackPlan:
+    """The update's plan for one minibatch: ``trajectories`` (padded rows) of a ``[N, T]`` batch."""
+    lengths = (np.asarray(segment_ids) > 0).sum(axis=1)
+    chosen = [int(i) for i in trajectories if lengths[i] > 0]
+    return plan_packing(lengths, row_length_for(lengths[chosen], row_tokens), padded_length=segment_ids.shape[1],
+                        trajectories=chosen, micro_batch_tokens=micro_batch_tokens)
