@@ -152,8 +152,12 @@ def run_dense(cfg, rows: int, row_tokens: int, steps: int, attention) -> dict:
     return dict(out, layout="dense")
 
 
-def packed_peak_bytes(cfg, row_tokens: int, attention, segments: int = 64) -> dict:
-    """Compiled memory of one packed update on one row of ``row_tokens`` tokens (nothing runs)."""
+def peak_bytes(cfg, row_tokens: int, attention, segments: int = 64, packed: bool = True) -> dict:
+    """Compiled memory of one update on one row of ``row_tokens`` tokens (nothing runs).
+
+    ``packed``: the row as a packed row (segment ids; cuDNN's packed kernel when
+    ``segments`` > 0); otherwise as one padded trajectory (the mask-free ``lengths`` path).
+    """
     graphdef, params = nnx.eval_shape(lambda: _model(cfg, attention))
     optimizer = optax.adamw(1e-6)
     state = jax.eval_shape(lambda p: TrainState(p, optimizer.init(p), jnp.zeros((), jnp.int32),
@@ -162,12 +166,13 @@ def packed_peak_bytes(cfg, row_tokens: int, attention, segments: int = 64) -> di
     floats = jax.ShapeDtypeStruct((1, row_tokens), jnp.float32)
     batch = {k: ints for k in ("input_ids", "positions", "segment_ids", "targets", "sequence_ids")}
     batch.update({k: floats for k in ("loss_mask", "advantages", "rollout_logprobs")})
-    settings = LossSettings(loss="ppo", hparams=HPARAMS, chunk_size=2048, packed=True, max_segments=segments,
-                            old_from_current=True)
-    update = _update(graphdef, optimizer, settings, 1, 64)
+    settings = LossSettings(loss="ppo", hparams=HPARAMS, chunk_size=2048, packed=packed,
+                            max_segments=segments if packed else 0, old_from_current=True)
+    update = _update(graphdef, optimizer, settings, 1, 64 if packed else None)
     mem = update.lower(state, batch, jax.ShapeDtypeStruct((), jnp.float32)).compile().memory_analysis()
     peak = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    return {"row_tokens": row_tokens, "peak_gib": peak / 2**30, "temp_gib": mem.temp_size_in_bytes / 2**30}
+    return {"row_tokens": row_tokens, "packed": packed, "peak_gib": peak / 2**30,
+            "temp_gib": mem.temp_size_in_bytes / 2**30}
 
 
 def main() -> None:
@@ -182,6 +187,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--memory-rows", default="8192,16384,32768", help="row lengths for the memory table ('': skip)")
     p.add_argument("--memory-sizes", default="", help="shapes for the memory table (default: --size)")
+    p.add_argument("--memory-layouts", default="packed", help="'packed', 'padded' or both (comma-separated)")
     p.add_argument("--only", default="padded,packed,dense,memory")
     p.add_argument("--out", default=None, help="append result lines (JSON) to this file")
     p.add_argument("--masked-packed", action="store_true",
@@ -224,8 +230,9 @@ def main() -> None:
         for size in (args.memory_sizes or args.size).split(","):
             mcfg = DecoderConfig(architecture="qwen3", qk_norm=True, rope_theta=1e6, **SHAPES[size])
             for n in (int(x) for x in args.memory_rows.split(",")):
-                attempt("memory", lambda: dict(packed_peak_bytes(mcfg, n, attention, segments), size=size,
-                                               layout="memory"))
+                for layout in args.memory_layouts.split(","):
+                    attempt("memory", lambda: dict(peak_bytes(mcfg, n, attention, segments, layout == "packed"),
+                                                   size=size, layout="memory"))
 
 
 if __name__ == "__main__":
