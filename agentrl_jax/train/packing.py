@@ -173,23 +173,33 @@ def pack_arrays(plan: PackPlan, padded: dict[str, np.ndarray], *, pad_token_id: 
     loss_mask is 0). Any other field is gathered with 0 on padding (``pad_token_id`` for
     ``input_ids``/``targets``, -1 for ``params_versions``).
     """
-    index = plan.gather_index()
+    for name, value in padded.items():
+        if tuple(np.shape(value)[:2]) != (len(plan.lengths), plan.padded_length):
+            raise ValueError(
+                f"pack_arrays: {name} has shape {np.shape(value)}, expected [{len(plan.lengths)}, {plan.padded_length}]"
+            )
+    return gather_rows(padded, plan.gather_index(), plan.segment_ids(), pad_token_id=pad_token_id)
+
+
+def gather_rows(padded: dict, index, segment_ids, *, pad_token_id: int = 0) -> dict:
+    """:func:`pack_arrays` given the plan's ``gather_index`` and ``segment_ids``: numpy on the
+    host, or ``jnp`` inside ``jit`` (the update packs its minibatch from the step's device
+    arrays this way).
+    """
+    xp = np if isinstance(index, np.ndarray) else jnp
+    padded_length = next(iter(padded.values())).shape[1]
     real = index >= 0
-    safe = np.where(real, index, 0)
+    safe = xp.where(real, index, 0)
     out = {}
     for name, value in padded.items():
-        value = np.asarray(value)
-        if value.shape[:2] != (len(plan.lengths), plan.padded_length):
-            raise ValueError(
-                f"pack_arrays: {name} has shape {value.shape}, expected [{len(plan.lengths)}, {plan.padded_length}]"
-            )
         if name in _LAYOUT_FIELDS:
             continue
         fill = pad_token_id if name in ("input_ids", "targets") else _FILL.get(name, 0)
-        out[name] = np.where(real, value.reshape(-1)[safe], np.asarray(fill, value.dtype)).astype(value.dtype)
-    out["positions"] = np.where(real, safe % plan.padded_length, 0).astype(np.int32)
-    out["segment_ids"] = plan.segment_ids()
-    out["sequence_ids"] = np.where(real, safe // plan.padded_length, 0).astype(np.int32)
+        flat = value.reshape(-1)
+        out[name] = xp.where(real, xp.take(flat, safe, axis=0), xp.asarray(fill, value.dtype)).astype(value.dtype)
+    out["positions"] = xp.where(real, safe % padded_length, 0).astype(np.int32)
+    out["segment_ids"] = xp.asarray(segment_ids, np.int32)
+    out["sequence_ids"] = xp.where(real, safe // padded_length, 0).astype(np.int32)
     return out
 
 
