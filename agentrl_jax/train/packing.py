@@ -118,7 +118,8 @@ def plan_packing(
       row_length: S, the token budget of one packed row; no trajectory may be longer.
       padded_length: T of the padded layout the plan maps from.
       trajectories: the padded rows to pack (e.g. one minibatch); default all with length > 0.
-      micro_batch_tokens: token budget of a micro-batch; 0: the whole plan is one micro-batch.
+      micro_batch_tokens: token budget of a micro-batch; 0: the whole plan is one micro-batch
+        (its row count rounded up to a power of two: few compiled shapes).
         Rows per micro-batch is ``micro_batch_tokens // row_length`` rounded down to a
         multiple of ``row_multiple`` (at least ``row_multiple``).
       row_multiple: rows per micro-batch are a multiple of this (the data-parallel size).
@@ -143,8 +144,8 @@ def plan_packing(
     rows = [tuple(int(chosen[j]) for j in members) for members in _first_fit(lengths[chosen], row_length, max_segments)]
     if micro_batch_tokens:
         rows_per_micro = max(micro_batch_tokens // row_length // row_multiple, 1) * row_multiple
-    else:
-        rows_per_micro = -(-max(len(rows), 1) // row_multiple) * row_multiple
+    else:  # one micro-batch; its row count a power of two, so the update compiles for few shapes
+        rows_per_micro = -(-(1 << (max(len(rows), 1) - 1).bit_length()) // row_multiple) * row_multiple
     num_rows = -(-max(len(rows), 1) // rows_per_micro) * rows_per_micro
     return PackPlan(
         rows=tuple(rows),
