@@ -10,6 +10,7 @@ its vocabulary decode to nothing.
 
     python bench/rl_step.py --size 1.7b --steps 3
     python bench/rl_step.py --size tiny --steps 2     # CPU smoke run
+    python bench/rl_step.py --size 1.7b --steps 3 --pack   # packed rows (algorithm.pack_rows)
 
 Prints the per-step `time/*` metrics of the last step (compiles are in the first).
 """
@@ -61,6 +62,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--work-dir", default=None)
+    p.add_argument("--pack", action="store_true",
+                   help="algorithm.pack_rows: rows of 4096 tokens, micro-batches of 8192 tokens")
     args = p.parse_args()
 
     import jax
@@ -82,6 +85,8 @@ def main() -> None:
         "sft.steps=0", f"total_steps={args.steps}", "eval.num_tasks=4", "eval.samples_per_task=1",
         "checkpoint.resume=false", "environment.max_turns=1", "logging.sample_trajectories=0",
     ]
+    if args.pack:
+        overrides += ["algorithm.pack_rows=true", "algorithm.pack_row_tokens=4096", "algorithm.micro_batch_tokens=8192"]
     train(load_config("demo", overrides))
     rows = [json.loads(line) for line in open(os.path.join(work, "run", "metrics", "metrics.jsonl"))]
     steps = [r for r in rows if "time/rollout" in r]

@@ -161,6 +161,14 @@ class AlgorithmConfig(_Section):
     ppo_epochs: int = _f(1, "Passes over each batch.")
     minibatches: int = _f(1, "Optimizer updates per epoch (the batch is split into this many).")
     micro_batch_size: int = _f(0, "Rows per forward/backward (0: the whole minibatch).")
+    pack_rows: bool = _f(
+        False, "Pack several trajectories per row of pack_row_tokens tokens (segment ids, positions restarting) for "
+        "every forward pass and the update; micro-batches then count tokens (micro_batch_tokens), not rows. "
+        "Same loss and gradients as padded rows, without the padding's compute (train/packing.py).")
+    pack_row_tokens: int = _f(4096, "pack_rows: tokens per packed row (a longer trajectory gets a row of its own, "
+                              "bucketed).")
+    micro_batch_tokens: int = _f(0, "pack_rows: token budget of one forward/backward (a whole number of rows; "
+                                 "0: the whole minibatch at once).")
     correction: Literal["none", "tis", "mis", "icepop"] = _f(
         "none", "Off-policy correction of the old/rollout discrepancy (seeds/003)."
     )
@@ -192,6 +200,8 @@ class AlgorithmConfig(_Section):
         _require(self.ppo_epochs >= 1, self._path("ppo_epochs"), "must be >= 1")
         _require(self.minibatches >= 1, self._path("minibatches"), "must be >= 1")
         _require(self.micro_batch_size >= 0, self._path("micro_batch_size"), "must be >= 0")
+        _require(self.pack_row_tokens >= 1, self._path("pack_row_tokens"), "must be >= 1")
+        _require(self.micro_batch_tokens >= 0, self._path("micro_batch_tokens"), "must be >= 0")
         _require(
             self.correction_floor < 1 < self.correction_cap,
             "algorithm.correction_floor/correction_cap",

@@ -32,6 +32,7 @@ from agentrl_jax.models.layers import (
     apply_rope,
     attention,
     cache_causal_mask,
+    packed_attention,
     packed_causal_mask,
     rms_norm,
     rope_frequencies,
@@ -183,6 +184,7 @@ class Decoder(nnx.Module):
         segment_ids: jax.Array | None = None,
         attention_mask: jax.Array | None = None,
         lengths: jax.Array | None = None,
+        max_segments: int | None = None,
         cache: KVCache | None = None,
         cache_index: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
@@ -203,6 +205,9 @@ class Decoder(nnx.Module):
           lengths: ``[B]`` int32, for right-padded rows of one sequence each: tokens
             ``[0, lengths[b])`` are real. Replaces ``segment_ids``/``attention_mask`` with a
             mask-free causal attention (cuDNN flash attention on GPU).
+          max_segments: static bound on segments per row of packed ``segment_ids``. With
+            ``attention_impl="cudnn"`` it selects cuDNN's packed flash-attention kernel
+            (no ``[B, T, T]`` mask; ``layers.packed_attention``); ignored otherwise.
           cache: a ``KVCache`` with k, v ``[L, B, S, KV, K]``, or None.
           cache_index: ``[B]`` int32 write offsets; required with ``cache``.
 
@@ -232,6 +237,13 @@ class Decoder(nnx.Module):
             body = _remat(
                 lambda h, w: (block(h, w, mask=None, kv_write=None, lengths=lengths)[0], None), self.remat
             )
+            hidden, _ = jax.lax.scan(body, hidden, layer_weights)
+            new_cache = None
+        elif cache is None and segment_ids is not None and max_segments and self.attention_impl == "cudnn":
+            if attention_mask is not None:
+                raise ValueError("Decoder: the packed cuDNN path takes segment_ids (0 = padding), not attention_mask")
+            packed = (segment_ids, max_segments)
+            body = _remat(lambda h, w: (block(h, w, mask=None, kv_write=None, packed=packed)[0], None), self.remat)
             hidden, _ = jax.lax.scan(body, hidden, layer_weights)
             new_cache = None
         elif cache is None:
@@ -300,6 +312,7 @@ def _decoder_block(
     mask: jax.Array | None,
     kv_write,
     lengths: jax.Array | None = None,
+    packed: tuple[jax.Array, int] | None = None,
 ) -> tuple[jax.Array, Any]:
     """One pre-norm block: ``h + Attn(RMSNorm(h))``, then ``h + SwiGLU(RMSNorm(h))``.
 
@@ -308,6 +321,7 @@ def _decoder_block(
       kv_write: None, or ``(k, v) -> (keys, values, cache_state)`` that stores the new
         ``[B, T, KV, K]`` keys/values in the cache and returns the layer's whole
         ``[B, S, KV, K]`` keys and values plus the updated cache.
+      packed: ``(segment_ids, max_segments)`` for cuDNN's packed kernel, or None.
 
     Returns:
       ``(h [B, T, D], cache_state or None)``.
@@ -331,7 +345,10 @@ def _decoder_block(
     if kv_write is not None:
         k, v, cache_state = kv_write(k, v)
         k, v = k.astype(dtype), v.astype(dtype)
-    out = attention(q, k, v, mask, implementation, lengths=lengths)
+    if packed is not None:
+        out = packed_attention(q, k, v, *packed)
+    else:
+        out = attention(q, k, v, mask, implementation, lengths=lengths)
     h = h + jnp.einsum("bthk,hkd->btd", out, cast["wo"])
     x = rms_norm(h, cast["mlp_norm"], eps)
     h = h + swiglu(x, cast["w_gate"], cast["w_up"], cast["w_down"])

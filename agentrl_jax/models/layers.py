@@ -163,6 +163,67 @@ def attention(
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
 
 
+def segment_table(segment_ids: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array]:
+    """Start offsets and lengths of the segments of packed rows, as cuDNN's packed layout wants.
+
+    Segments are contiguous, numbered 1, 2, ... from the start of each row, with padding
+    (id 0) at the end (``train.packing`` lays rows out this way).
+
+    Args:
+      segment_ids: ``[B, T]`` int.
+      max_segments: M, a static bound on segments per row.
+
+    Returns:
+      ``(offsets [B, M + 1], lengths [B, M])`` int32, -1 where a row has fewer segments.
+    """
+    B, T = segment_ids.shape
+    flat = (segment_ids + jnp.arange(B)[:, None] * (max_segments + 1)).reshape(-1)
+    counts = jax.ops.segment_sum(jnp.ones_like(flat, jnp.int32), flat, num_segments=B * (max_segments + 1))
+    lengths = counts.reshape(B, max_segments + 1)[:, 1:]
+    starts = jnp.cumsum(lengths, axis=1) - lengths
+    real = lengths > 0
+    offsets = jnp.concatenate([jnp.where(real, starts, -1), jnp.full((B, 1), -1, jnp.int32)], axis=1)
+    return offsets.astype(jnp.int32), jnp.where(real, lengths, -1).astype(jnp.int32)
+
+
+def packed_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    segment_ids: jax.Array,
+    max_segments: int,
+) -> jax.Array:
+    """Causal attention within the segments of packed rows on cuDNN's fused packed kernel.
+
+    ``jax.nn.dot_product_attention`` (JAX 0.10) takes no segment ids: its cuDNN route
+    turns a mask into a ``[B, 1, T, T]`` bias, which is T^2 memory per row. cuDNN itself
+    has a packed ("THD", ragged offsets) flash-attention mode, reached through
+    ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`` with per-segment
+    offsets and lengths (Hopper or newer). Outputs and gradients at padding positions are 0 (the
+    kernel does not define them, and a NaN there would leak into weight gradients).
+
+    Args:
+      q: ``[B, T, H, K]``; k, v: ``[B, T, KV, K]``.
+      segment_ids: ``[B, T]`` (see :func:`segment_table`).
+      max_segments: static bound on segments per row.
+
+    Returns:
+      ``[B, T, H, K]``.
+    """
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    offsets, lengths = segment_table(segment_ids, max_segments)
+    real = (segment_ids > 0)[:, :, None, None]
+    # cuDNN's backward writes nonzero dK at padding keys no query attends to (measured on an
+    # H200, cuDNN of jax 0.11.2); the selects make every padding gradient exactly 0.
+    q, k, v = (jnp.where(real, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
+    out = cudnn.dot_product_attention(
+        q, k, v, q_seqlen=lengths, kv_seqlen=lengths, q_offsets=offsets, kv_offsets=offsets,
+        scale=1.0 / math.sqrt(q.shape[-1]), mask_type=cudnn.MaskType.PADDING_CAUSAL,
+    )
+    return jnp.where(real, out, jnp.zeros((), out.dtype))
+
+
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU MLP (Shazeer 2020): ``(silu(x W_g) * (x W_u)) W_d``.
 

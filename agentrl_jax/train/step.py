@@ -55,6 +55,12 @@ class LossSettings:
       correction_hparams: its (key, value) pairs.
       chunk_size: tokens per logprob chunk (bounds the [chunk, V] float32 buffer).
       packed: rows hold several trajectories (pass sequence ids to the losses).
+      max_segments: with ``packed``, the bound on trajectories per row (``train.packing``);
+        > 0 lets cuDNN run its packed flash-attention kernel (0: a segment mask).
+      old_from_current: the old logprobs are the current policy's, ``sg(logp)``, taken from
+        the update's own forward (on-policy batch, one minibatch, one epoch: the params
+        have not moved since the batch was sampled, so a separate old-logprob forward
+        would compute the same numbers).
     """
 
     loss: str = "ppo"
@@ -68,6 +74,8 @@ class LossSettings:
     correction_hparams: tuple[tuple[str, Any], ...] = ()
     chunk_size: int = 1024
     packed: bool = False
+    max_segments: int = 0
+    old_from_current: bool = False
 
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int, learning_rate: float | None = None):
@@ -106,6 +114,7 @@ def forward_logprobs(
     chunk_size: int = 1024,
     with_entropy: bool = False,
     packed: bool = False,
+    max_segments: int = 0,
 ):
     """Tempered logprobs of ``batch['targets']`` (and entropy) from one forward pass.
 
@@ -114,12 +123,17 @@ def forward_logprobs(
       packed: rows hold several segments (segment-id mask). Otherwise each row is one
         right-padded trajectory and attention runs mask-free with row lengths (the fused
         flash path on GPU).
+      max_segments: with ``packed``, the static bound on segments per row (> 0: cuDNN's
+        packed kernel when the model's attention is "cudnn").
     Returns:
       logp [B, T] float32 (and entropy [B, T] when ``with_entropy``).
     """
     model = nnx.merge(graphdef, params)
     if packed:
-        hidden, _ = model(batch["input_ids"], batch["positions"], segment_ids=batch["segment_ids"])
+        hidden, _ = model(
+            batch["input_ids"], batch["positions"], segment_ids=batch["segment_ids"],
+            max_segments=max_segments or None,
+        )
     else:
         lengths = jnp.sum(batch["segment_ids"] > 0, axis=1).astype(jnp.int32)
         hidden, _ = model(batch["input_ids"], batch["positions"], lengths=lengths)
@@ -152,7 +166,10 @@ def policy_loss(
         chunk_size=settings.chunk_size,
         with_entropy=True,
         packed=settings.packed,
+        max_segments=settings.max_segments,
     )
+    if settings.old_from_current:
+        micro = {**micro, "old_logprobs": jax.lax.stop_gradient(logp)}
     return loss_from_logprobs(logp, entropy, micro, normalizer, settings, num_sequences)
 
 

@@ -45,6 +45,8 @@ INVALID = [
     (["algorithm.group_size=1"], "algorithm.group_size"),
     (["algorithm.minibatches=3"], "algorithm.minibatches"),
     (["algorithm.micro_batch_size=3"], "algorithm.micro_batch_size"),
+    (["algorithm.pack_row_tokens=0"], "algorithm.pack_row_tokens"),
+    (["algorithm.micro_batch_tokens=-1"], "algorithm.micro_batch_tokens"),
     (["rollout.max_prompt_length=4096"], "rollout.max_prompt_length"),
     (["model.attention_impl=cudnn", "model.compute_dtype=float32"], "model.attention_impl"),
     (["algorithm.truncated_episodes=drop"], "algorithm.truncated_episodes"),

@@ -99,6 +99,19 @@ class OldPolicy:
 
     # ---------------------------------------------------------------- logprobs
 
+    def from_update(self, *, epochs: int, minibatches: int, needs_old_before_update: bool,
+                    token_versions: np.ndarray, loss_mask: np.ndarray, version: int) -> bool:
+        """Whether the update may take ``old = sg(logp)`` from its own forward (no old pass).
+
+        Exact when the old policy is the params being trained (``recompute``), every loss
+        token was sampled by them (on-policy), and they do not move before the only update
+        of the step (one epoch, one minibatch). ``needs_old_before_update``: something other
+        than the update reads the old logprobs first (the OPD / hybrid teacher advantages).
+        """
+        sampled = loss_mask > 0
+        return (self.mode == "recompute" and epochs == 1 and minibatches == 1 and not needs_old_before_update
+                and bool(sampled.any()) and bool((token_versions[sampled] == version).all()))
+
     def logprobs(self, logprob_fn: LogprobFn, params: Any, version: int, inputs: dict[str, np.ndarray],
                  token_versions: np.ndarray, loss_mask: np.ndarray, micro_rows: int) -> Any:
         """Old logprobs [R, T] of ``inputs['targets']``: what ``logprob_fn`` returns (kept on device)

@@ -120,8 +120,10 @@ def train_step(rl: RL, state: TrainState, version: int, step: int, trajectories:
     batch = stages.build_step_batch(rl, trajectories)  # advantages
     if batch is None:
         return state, stages.empty_step(rl, state, step, len(trajectories)), None
-    arrays, score_metrics = stages.score(rl, batch, state.params, version, trajectories, verdicts)
-    state, metrics = stages.update(rl, state, arrays, batch.loss_mask, step)
+    old_from_update = stages.old_from_update(rl, batch, version)  # on-policy: no separate old pass
+    arrays, score_metrics = stages.score(rl, batch, state.params, version, trajectories, verdicts,
+                                         old_from_update=old_from_update)
+    state, metrics = stages.update(rl, state, arrays, batch.loss_mask, step, old_from_update=old_from_update)
     jax.block_until_ready(state.params)
     metrics.update(score_metrics)
     masked = [metrics[k] for k in ("mis_masked_frac", "icepop_masked_frac") if k in metrics]

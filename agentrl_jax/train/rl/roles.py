@@ -26,7 +26,8 @@ from agentrl_jax.envs.agent_loop import AgentLoop
 from agentrl_jax.losses.registry import loss_hparams
 from agentrl_jax.train.guidance.hindsight import Judge
 from agentrl_jax.train.guidance.old_policy import OldPolicy
-from agentrl_jax.train.multihost import put_global
+from agentrl_jax.train.multihost import put_global, to_host
+from agentrl_jax.train.packing import MAX_SEGMENTS, gather_rows, packed_logprobs
 from agentrl_jax.train.step import (
     LossSettings,
     TrainState,
@@ -93,6 +94,8 @@ def loss_settings(config: Config) -> LossSettings:
         entropy_coef=a.entropy_coef,
         correction=a.correction,
         correction_hparams=tuple(sorted(correction_hparams.items())),
+        packed=a.pack_rows,
+        max_segments=MAX_SEGMENTS if a.pack_rows else 0,
     )
 
 
@@ -100,6 +103,15 @@ def update_on_rows(state: TrainState, arrays: dict[str, jax.Array], rows: jax.Ar
                    **kwargs) -> tuple[TrainState, dict[str, jax.Array]]:
     """``update_step`` on the minibatch ``rows`` of the step's batch, gathered on device."""
     minibatch = jax.tree.map(lambda x: x[rows], arrays)
+    return update_step(state, minibatch, normalizer, **kwargs)
+
+
+def update_on_packed_rows(state: TrainState, arrays: dict[str, jax.Array], gather: jax.Array,
+                          segment_ids: jax.Array, normalizer: jax.Array, *, pad_token_id: int,
+                          **kwargs) -> tuple[TrainState, dict[str, jax.Array]]:
+    """``update_step`` on a minibatch packed on device from the step's padded arrays
+    (``train.packing``: ``gather`` and ``segment_ids`` are the plan's ``[R, S]`` layout)."""
+    minibatch = gather_rows(arrays, gather, segment_ids, pad_token_id=pad_token_id)
     return update_step(state, minibatch, normalizer, **kwargs)
 
 
@@ -147,34 +159,56 @@ class RL:
         return jnp.asarray(value) if self.mesh is None else put_global(value, self.mesh)
 
     def logprobs(self, model: Frozen, inputs: dict[str, np.ndarray], micro_rows: int) -> jax.Array:
-        """Tempered logprobs [R, T] of ``inputs['targets']`` under ``model``, in micro-batches, on device."""
+        """Tempered logprobs [R, T] of ``inputs['targets']`` under ``model``, in micro-batches, on device.
+
+        With ``algorithm.pack_rows`` the rows are packed (``train.packing``; micro-batches of
+        ``algorithm.micro_batch_tokens``) and the result is unpacked to the padded rows.
+        """
         if "logprobs" not in self._compiled:
             self._compiled["logprobs"] = jax.jit(
-                functools.partial(forward_logprobs, temperature=self.config.rollout.temperature),
+                functools.partial(forward_logprobs, temperature=self.config.rollout.temperature,
+                                  packed=self.settings.packed, max_segments=self.settings.max_segments),
                 static_argnums=(0,))
         fn = self._compiled["logprobs"]
+        a = self.config.algorithm
+        if a.pack_rows:
+            forward = lambda params, part: to_host(fn(  # noqa: E731
+                model.graphdef, params, {k: self.put(v) for k, v in part.items()}))
+            return self.put(packed_logprobs(forward, model.params, inputs, row_tokens=a.pack_row_tokens,
+                                            micro_batch_tokens=a.micro_batch_tokens,
+                                            pad_token_id=self.tokenizer.pad_token_id))
         rows = inputs["input_ids"].shape[0]
         parts = [fn(model.graphdef, model.params, {k: self.put(v[start: start + micro_rows])
                                                    for k, v in inputs.items()})
                  for start in range(0, rows, micro_rows)]
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
-    def update_fn(self, state: TrainState, rows: int, micro: int):
+    def update_fn(self, state: TrainState, rows: int, micro: int, *, old_from_update: bool = False,
+                  num_sequences: int | None = None):
         """The jitted update of ``rows``-row minibatches in ``micro`` micro-batches.
+
+        Padded rows: ``fn(state, arrays, rows, normalizer)``. Packed rows (``algorithm.pack_rows``;
+        ``num_sequences``: the padded rows of the step): ``fn(state, arrays, gather,
+        segment_ids, normalizer)``. ``old_from_update``: the old logprobs are ``sg(logp)`` of
+        the update's own forward (``LossSettings.old_from_current``).
 
         Explicit shardings: the state keeps its own (params and optimizer state as laid
         out on the mesh), the batch and the metrics are replicated; the state is donated.
         """
-        key = ("update", rows, micro)
+        packed = self.config.algorithm.pack_rows
+        key = ("update", rows, micro, old_from_update, num_sequences if packed else None)
         if key not in self._compiled:
             shardings = {}
             if self.mesh is not None:
                 state_sharding = jax.tree.map(lambda x: x.sharding, state)
                 replicated = NamedSharding(self.mesh, PartitionSpec())
-                shardings = {"in_shardings": (state_sharding, replicated, replicated, replicated),
+                shardings = {"in_shardings": (state_sharding,) + (replicated,) * (4 if packed else 3),
                              "out_shardings": (state_sharding, replicated)}
-            self._compiled[key] = jax.jit(
-                functools.partial(update_on_rows, graphdef=self.roles.policy, optimizer=self.optimizer,
-                                  settings=self.settings, num_micro_batches=micro, num_sequences=None),
-                donate_argnums=(0,), **shardings)
+            settings = dataclasses.replace(self.settings, old_from_current=old_from_update)
+            common = dict(graphdef=self.roles.policy, optimizer=self.optimizer, settings=settings,
+                          num_micro_batches=micro)
+            body = (functools.partial(update_on_packed_rows, pad_token_id=self.tokenizer.pad_token_id,
+                                      num_sequences=num_sequences, **common) if packed
+                    else functools.partial(update_on_rows, num_sequences=None, **common))
+            self._compiled[key] = jax.jit(body, donate_argnums=(0,), **shardings)
         return self._compiled[key]

@@ -34,6 +34,7 @@ from agentrl_jax.train.guidance.teacher import (
     teacher_logprobs,
 )
 from agentrl_jax.train.multihost import to_host
+from agentrl_jax.train.packing import packing_stats, plan_minibatch
 from agentrl_jax.train.rl.collect import evaluate
 from agentrl_jax.train.rl.roles import RL, Frozen
 from agentrl_jax.train.sft import batch_arrays
@@ -65,10 +66,22 @@ def micro_rows(rl: RL, rows: int) -> int:
     return a.micro_batch_size or rows // a.minibatches
 
 
+def old_from_update(rl: RL, batch, version: int) -> bool:
+    """Whether this step's update takes the old logprobs from its own forward: on-policy, one
+    epoch, one minibatch, ``old_logprobs=recompute``, no teacher reading them first
+    (``guidance.old_policy.OldPolicy.from_update``). Then ``score`` runs no old-logprob pass."""
+    a = rl.config.algorithm
+    return rl.old_policy.from_update(
+        epochs=a.ppo_epochs, minibatches=a.minibatches, needs_old_before_update=rl.config.hybrid.mode != "none",
+        token_versions=batch.params_versions, loss_mask=batch.loss_mask, version=version)
+
+
 def score(rl: RL, batch, params: Any, version: int, trajectories: list[Trajectory],
-          verdicts: list[Verdict] | None) -> tuple[dict[str, jax.Array], dict[str, float]]:
-    """The batch on device with the logprobs the update needs: old (``guidance.old_policy``),
-    reference (KL term) and, with ``hybrid.mode``, advantages that mix in the teacher's signal.
+          verdicts: list[Verdict] | None, *, old_from_update: bool = False
+          ) -> tuple[dict[str, jax.Array], dict[str, float]]:
+    """The batch on device with the logprobs the update needs: old (``guidance.old_policy``;
+    none with ``old_from_update``), reference (KL term) and, with ``hybrid.mode``, advantages
+    that mix in the teacher's signal.
 
     Returns (arrays, metrics); ``arrays['old_logprobs']`` etc. stay on the training mesh.
     """
@@ -77,14 +90,16 @@ def score(rl: RL, batch, params: Any, version: int, trajectories: list[Trajector
     micro = micro_rows(rl, batch.shape[0])
     policy = Frozen(rl.roles.policy, params)
     arrays = {k: rl.put(v) for k, v in host.items()}
-    arrays["old_logprobs"] = rl.put(rl.old_policy.logprobs(
-        lambda p, x, m: rl.logprobs(Frozen(rl.roles.policy, p), x, m), policy.params, version, inputs,
-        batch.params_versions, batch.loss_mask, micro))
+    metrics = {"old_policy/from_update": float(old_from_update)}
+    if not old_from_update:
+        arrays["old_logprobs"] = rl.put(rl.old_policy.logprobs(
+            lambda p, x, m: rl.logprobs(Frozen(rl.roles.policy, p), x, m), policy.params, version, inputs,
+            batch.params_versions, batch.loss_mask, micro))
+        metrics.update(_gap_metrics(batch, to_host(arrays["old_logprobs"]), version))
     if rl.settings.kl_coef > 0:
         arrays["ref_logprobs"] = rl.logprobs(Frozen(rl.roles.policy, rl.roles.reference), inputs, micro)
-    old_host = to_host(arrays["old_logprobs"])
-    metrics = _gap_metrics(batch, old_host, version)
     if rl.config.hybrid.mode != "none":
+        old_host = to_host(arrays["old_logprobs"])
         advantages, teacher_metrics = _teacher_advantages(rl, trajectories, verdicts, batch, old_host, micro)
         arrays["advantages"] = rl.put(advantages)
         metrics.update(teacher_metrics)
@@ -126,20 +141,24 @@ def _teacher_advantages(rl: RL, trajectories, verdicts, batch, old_logprobs, mic
 
 
 def update(rl: RL, state: TrainState, arrays: dict[str, jax.Array], loss_mask: np.ndarray,
-           step: int) -> tuple[TrainState, dict[str, float]]:
+           step: int, *, old_from_update: bool = False) -> tuple[TrainState, dict[str, float]]:
     """``ppo_epochs`` x ``minibatches`` jitted updates; minibatch order from ``fold_in(rng, step)``.
 
     ``loss_mask``: the batch's [R, T] mask on the host (which minibatches have a loss token).
     A minibatch of only masked / padding rows is skipped (counted): an optimizer step on zero
-    gradients would still move the params (Adam's momentum, weight decay).
+    gradients would still move the params (Adam's momentum, weight decay). With
+    ``algorithm.pack_rows`` each minibatch is packed into token-budget rows on device.
     """
     a = rl.config.algorithm
     rows = loss_mask.shape[0]
     per_minibatch = rows // a.minibatches
     max_response = int(loss_mask.sum(axis=1).max()) or 1
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
-    fn = rl.update_fn(state, per_minibatch, per_minibatch // micro_rows(rl, rows))
-    collected, empty_minibatches = [], 0
+    if a.pack_rows:  # one plan (and row count) per minibatch, below
+        segment_ids = to_host(arrays["segment_ids"])
+    else:
+        fn = rl.update_fn(state, per_minibatch, per_minibatch // micro_rows(rl, rows), old_from_update=old_from_update)
+    collected, pack_metrics, empty_minibatches = [], [], 0
     for epoch in range(a.ppo_epochs):
         order = to_host(jax.random.permutation(jax.random.fold_in(key, epoch), rows))
         for mb in range(a.minibatches):
@@ -149,13 +168,26 @@ def update(rl: RL, state: TrainState, arrays: dict[str, jax.Array], loss_mask: n
                 continue
             normalizer = rl.put(global_normalizer(loss_mask[idx], a.aggregation,
                                                   max_response_length=int(a.loss_normalizer) or max_response))
-            state, metrics = fn(state, arrays, rl.put(idx.astype(np.int32)), normalizer)
+            if a.pack_rows:
+                plan = plan_minibatch(segment_ids, idx, row_tokens=a.pack_row_tokens,
+                                      micro_batch_tokens=a.micro_batch_tokens)
+                packed_fn = rl.update_fn(state, plan.num_rows, plan.num_micro_batches,
+                                         old_from_update=old_from_update, num_sequences=rows)
+                state, metrics = packed_fn(state, arrays, rl.put(plan.gather_index().astype(np.int32)),
+                                           rl.put(plan.segment_ids()), normalizer)
+                pack_metrics.append(packing_stats(plan))
+            else:
+                state, metrics = fn(state, arrays, rl.put(idx.astype(np.int32)), normalizer)
             collected.append(metrics)
     collected = [{k: float(to_host(v)) for k, v in m.items()} for m in collected]
     out = {k: float(np.mean([m[k] for m in collected])) for k in collected[0]} if collected else {}
     out["skipped_updates"] = float(sum(m["skipped"] for m in collected) + empty_minibatches)
     out["learning_rate"] = float(rl.schedule(int(to_host(state.step))))
     out["train_tokens"] = float(loss_mask.sum())
+    out.update({k: float(np.mean([m[k] for m in pack_metrics])) for k in (pack_metrics[0] if pack_metrics else ())})
+    if old_from_update and "logprob_gap_abs" in out:
+        # the update's forward was the old policy's: its gap to the engine is the same metric
+        out["logprob_gap_train_infer"] = out["logprob_gap_abs"]
     return state, out
 
 
