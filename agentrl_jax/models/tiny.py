@@ -17,8 +17,25 @@ import os
 from collections.abc import Iterable
 
 QWEN_CHAT_TEMPLATE = (
+    # ChatML turns; with ``tools`` a system block lists their JSON schemas and asks for
+    # Hermes-style calls, and assistant ``tool_calls`` render as <tool_call> JSON blocks (the
+    # format envs/tools/parsers.py reads), so the scratch model can train native tool calls.
+    "{%- set system = messages[0].content if messages and messages[0].role == 'system' else '' %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' + (system + '\\n\\n' if system else '') + '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a tool with <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n</tool_call>'"
+    " + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- if not (tools and loop.first and message.role == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- ('\\n' if message['content'] or not loop.first else '') + '<tool_call>\\n{\"name\": \"' + call.function.name"
+    " + '\", \"arguments\": ' + (call.function.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
