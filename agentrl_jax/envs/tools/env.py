@@ -122,35 +122,36 @@ class ToolCallingEnv(Environment):
         self.messages.append(parsed.assistant_message())
         if not parsed.calls:
             return await self._finish(parsed.content, "answer")
-        results = await asyncio.gather(*(self._answer(i, call) for i, call in enumerate(parsed.calls)))
-        messages = [{"role": "tool", "name": name, "content": self._limit(result.text)} for name, result in results]
+        checked = [self.registry.check(call) for call in parsed.calls]
+        results = await asyncio.gather(*(self._answer(i, call) for i, call in enumerate(checked)))
+        messages = [{"role": "tool", "name": call.name or "error", "content": self._limit(result.text)}
+                    for call, result in zip(checked, results)]
         self.messages += messages
-        info = {"calls": [c.name for c in parsed.calls], "malformed": [c.kind for c in parsed.calls
-                                                                       if isinstance(c, MalformedCall)]}
+        info = {"calls": [c.name for c in checked],
+                "malformed": [c.kind for c in checked if isinstance(c, MalformedCall)]}
         if self.turns >= self.config.max_turns:
             return await self._finish(None, "max_turns", info)
         return StepResult("", 0.0, False, info, tool_stats=dataclasses.replace(self.tool_stats),
                           observation_messages=messages)
 
-    async def _answer(self, index: int, call: ToolCall | MalformedCall) -> tuple[str, ToolResult]:
-        """(tool name, result) of the index-th call of a turn; counts it."""
-        call = self.registry.check(call)
+    async def _answer(self, index: int, call: ToolCall | MalformedCall) -> ToolResult:
+        """The result of the index-th (checked) call of a turn; counts it."""
         self.tool_stats.calls += 1
         if isinstance(call, MalformedCall):
             self.tool_stats.errors += 1
             self.tool_stats.malformed += 1
             self.malformed_counts[call.kind] += 1
             help_text = CALL_HELP[self.config.tool_format] if call.kind == "bad_json" else ""
-            return call.name or "error", ToolResult(f"Error: {call.reason}. {help_text}".strip(), ok=False)
+            return ToolResult(f"Error: {call.reason}. {help_text}".strip(), ok=False)
         if index >= self.config.max_calls_per_turn or self.tool_stats.calls > self.config.max_tool_calls:
             self.tool_stats.calls -= 1  # not run: not a call
             limit = (f"at most {self.config.max_calls_per_turn} calls per turn" if index >= self.config.max_calls_per_turn
                      else f"the tool call limit ({self.config.max_tool_calls}) is reached; give your final answer")
-            return call.name, ToolResult(f"Not run: {limit}.", ok=False)
+            return ToolResult(f"Not run: {limit}.", ok=False)
         result = await self.registry.run(call, timeout_s=self.config.tool_timeout_s)
         self.tool_stats.timeouts += int(result.timed_out)
         self.tool_stats.errors += int(not result.ok and not result.timed_out)
-        return call.name, result
+        return result
 
     def _limit(self, text: str) -> str:
         text = truncate_middle(text, self.config.max_observation_chars)
