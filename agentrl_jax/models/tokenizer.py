@@ -230,6 +230,53 @@ class Tokenizer:
         """:meth:`append_messages` for one message."""
         return self.append_messages(ids, [message], add_generation_prompt=add_generation_prompt, **kwargs)
 
+    def conversation_ids(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> tuple[list[int], list[int]]:
+        """``(ids, loss_mask)`` of a whole conversation as the agent loop would have built it.
+
+        For SFT on multi-turn tool conversations in the native layout: the prompt (the
+        messages before the first assistant turn, with the generation prompt), then each
+        assistant turn as the template renders it after its generation prompt, with its
+        end-of-turn token (loss_mask 1), and the other messages appended with
+        :meth:`append_messages` (loss_mask 0). Equal to the ids of an episode that sampled
+        exactly these turns.
+
+        Raises:
+          ValueError: no assistant message, or a template that renders an assistant turn
+            not as a continuation of its generation prompt.
+        """
+        first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), None)
+        if first is None:
+            raise ValueError("Tokenizer.conversation_ids: the conversation has no assistant message")
+        kwargs = dict(tools=tools, **template_kwargs)
+        ids = self.apply_chat(messages[:first], add_generation_prompt=True, **kwargs)
+        mask = [0] * len(ids)
+        i = first
+        while i < len(messages):
+            if messages[i].get("role") == "assistant":
+                turn = self._assistant_turn_ids(messages[:i], messages[i], kwargs)
+                ids, mask, i = ids + turn, mask + [1] * len(turn), i + 1
+                continue
+            j = next((k for k in range(i, len(messages)) if messages[k].get("role") == "assistant"), len(messages))
+            ids, glue = self.append_messages(ids, messages[i:j], add_generation_prompt=j < len(messages), **kwargs)
+            mask, i = mask + [0] * len(glue), j
+        return ids, mask
+
+    def _assistant_turn_ids(self, history: Sequence[Message], message: Message, kwargs: dict[str, Any]) -> list[int]:
+        """The ids a policy samples for ``message`` after ``history``: its rendered text and eos."""
+        prefix = self.render_chat(history, add_generation_prompt=True, **kwargs)
+        full = self.render_chat([*history, message], add_generation_prompt=False, **kwargs)
+        if not full.startswith(prefix):
+            raise ValueError("Tokenizer.conversation_ids: the chat template does not render an assistant turn as "
+                             "a continuation of its generation prompt; this template is not supported")
+        end, end_of_turn = self._end_of_turn(full, len(prefix))
+        return self.encode(full[len(prefix):end]) + [int(self.hf.convert_tokens_to_ids(end_of_turn))]
+
 
 def _anchor(calls_tool: bool) -> list[dict[str, Any]]:
     """The fixed conversation deltas are rendered after: a question and an assistant turn

@@ -245,3 +245,26 @@ def test_native_search_calls_the_retriever_and_scores_the_answer_tag():
     assert answered.done and answered.correct and answered.reward == 1.0
     (no_tag,) = play(env, task, ["Quellin"])
     assert no_tag.done and not no_tag.correct and no_tag.reward == 0.0
+
+
+def test_native_arithmetic_demonstration_replays_in_the_env(loop_thread, pool, verifier, tmp_path):
+    """An SFT demonstration in the native layout, rendered by the scratch model's template, is
+    what the environment answers and grades: the sampled turns parse into the same call."""
+    import numpy as np
+
+    from agentrl_jax.envs.arithmetic import arithmetic_config, demonstration, make_tasks
+    from agentrl_jax.models.tiny import train_tiny_tokenizer
+    from agentrl_jax.models.tokenizer import Tokenizer
+
+    task = make_tasks(1, 4, seed=0)[0]
+    demo = demonstration(task, "tool", np.random.default_rng(0), layout="native")
+    tok = Tokenizer(train_tiny_tokenizer(tmp_path / "tok", [task["question"], str(demo)] * 10, 320))
+    env = NativeReToolEnv(pool, verifier, arithmetic_config())
+    messages = loop_thread.run(env.reset(task)) + demo
+    ids, mask = tok.conversation_ids(messages, tools=env.tools)
+    edges = [0, *np.flatnonzero(np.diff(mask)) + 1, len(mask)]
+    turns = [tok.decode(ids[a:b], skip_special_tokens=True) for a, b in zip(edges[:-1], edges[1:]) if mask[a]]
+    assert turns[0].startswith("<tool_call>\n{\"name\": \"python\"") and len(turns) == 2
+    first, final = loop_thread.run(_play_async(env, task, turns))
+    assert first.observation_messages == [demo[1]]
+    assert final.done and final.correct and final.finish_reason == "answer"

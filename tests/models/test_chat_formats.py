@@ -161,3 +161,15 @@ def test_llama_eos_ids_and_single_call_limit(tokenizers):
         ToolCall("python", {"code": "1"}).message_form(), ToolCall("python", {"code": "2"}).message_form()]}
     with pytest.raises(Exception, match="one tool call per turn"):
         tok.render_chat([*INITIAL, two_calls])
+
+
+@pytest.mark.parametrize("thinking", [True, False], ids=["think", "no_think"])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_sft_record_of_a_conversation_equals_the_sampled_episode(tokenizers, name, thinking):
+    """``conversation_ids`` (SFT records in the native layout) builds what the agent loop built."""
+    fmt, tok = FORMATS[name], tokenizers[name]
+    for num_turns in (1, 3):
+        *_, (ids, mask, messages, _) = episode(tok, fmt, thinking, num_turns)
+        assert tok.conversation_ids(messages, tools=TOOLS, **template_kwargs(fmt, thinking)) == (ids, mask)
+    with pytest.raises(ValueError, match="no assistant message"):
+        tok.conversation_ids(INITIAL)
