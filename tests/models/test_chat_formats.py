@@ -15,6 +15,7 @@ import pytest
 from chat_formats import FORMATS, build_tokenizer
 
 from agentrl_jax.envs.tools.parsers import ToolCall, format_calls, parser_for
+from agentrl_jax.train.sft import conversation_to_record
 
 TOOLS = [
     {"type": "function", "function": {"name": "python", "description": "Run Python code.", "parameters": {
@@ -173,3 +174,6 @@ def test_sft_record_of_a_conversation_equals_the_sampled_episode(tokenizers, nam
         assert tok.conversation_ids(messages, tools=TOOLS, **template_kwargs(fmt, thinking)) == (ids, mask)
     with pytest.raises(ValueError, match="no assistant message"):
         tok.conversation_ids(INITIAL)
+    if not fmt.thinking_kwarg:  # the SFT record takes the tokenizer's own template kwargs
+        record = conversation_to_record(tok, messages, tools=TOOLS)
+        assert (record.token_ids, record.loss_mask) == (ids, mask)

@@ -90,7 +90,10 @@ class ToolCallingEnv(Environment):
                  count_tokens: Callable[[str], int] | None = None):
         self.make_registry, self.config, self.grader, self.count_tokens = make_registry, config, grader, count_tokens
         self.parse = parser_for(config.tool_format)
-        self.registry: ToolRegistry | None = None  # built at reset, with ``tools``
+        self.registry: ToolRegistry | None = None  # built at reset: tools hold per-episode state
+        # The schemas are known before the first episode (SFT prompts list them too); building
+        # a registry allocates nothing until a tool runs.
+        self.tools = make_registry().schemas()
         self.task: dict[str, Any] | None = None
 
     def initial_messages(self, task: dict[str, Any]) -> list[dict[str, str]]:
