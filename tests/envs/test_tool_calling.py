@@ -268,3 +268,13 @@ def test_native_arithmetic_demonstration_replays_in_the_env(loop_thread, pool, v
     first, final = loop_thread.run(_play_async(env, task, turns))
     assert first.observation_messages == [demo[1]]
     assert final.done and final.correct and final.finish_reason == "answer"
+
+
+def test_native_retool_without_an_answer_and_cut_short(loop_thread, pool, verifier):
+    settings = ReToolConfig(reward_weights=RewardWeights(outcome_scheme="pm1"))
+    env = NativeReToolEnv(pool, verifier, settings)
+    (step,) = loop_thread.run(_play_async(env, TASK, ["I do not know."]))
+    assert step.done and step.finish_reason == "no_answer" and step.reward == -1.0 and step.correct is False
+    loop_thread.run(env.reset(TASK))
+    cut = env.truncated_result("max_tokens", 100)
+    assert cut.finish_reason == "max_tokens" and cut.reward == -1.0 and cut.reward_components["outcome"] == -1.0

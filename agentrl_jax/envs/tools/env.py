@@ -14,7 +14,8 @@ What happens to each kind of turn (never an exception):
   (and ``errors``) and per kind in ``malformed_counts``.
 - calls beyond ``max_calls_per_turn`` in one turn, or beyond ``max_tool_calls`` in the
   episode: not run; their tool message asks for fewer calls / the final answer.
-- no call: the final answer, graded by :meth:`ToolCallingEnv.grade` (episode done).
+- no call: the final answer, graded by :meth:`ToolCallingEnv.grade` (episode done; "no_answer"
+  when the grader finds no answer in it, e.g. no ``\\boxed{}``).
 - ``max_turns`` turns without a final answer: done ("max_turns"), graded as no answer.
 - cut short by the agent loop: ``truncated_result`` grades it as no answer.
 
@@ -164,17 +165,20 @@ class ToolCallingEnv(Environment):
                 text = truncate_middle(text, int(len(text) * 0.8))
         return text
 
-    async def grade(self, final_text: str | None) -> Grade:
-        """Grades the final answer (None: the episode ended without one)."""
-        if self.grader is not None and final_text is not None:
+    async def grade(self, final_text: str) -> Grade:
+        """Grades the final turn's text (the content outside any call)."""
+        if self.grader is not None:
             grade = self.grader(final_text, self.task)
             return await grade if asyncio.iscoroutine(grade) else grade
-        correct = final_text is not None and final_text.strip() == str(self.task.get("answer", "")).strip()
+        correct = final_text.strip() == str(self.task.get("answer", "")).strip()
         return Grade(float(correct), correct, {"outcome": float(correct)}, final_text)
 
     async def _finish(self, final_text: str | None, finish_reason: str, info: dict[str, Any] | None = None
                       ) -> StepResult:
-        grade = await self.grade(final_text)
+        """The final StepResult; ``final_text`` None: the episode ended without an answer."""
+        grade = self.unanswered_grade() if final_text is None else await self.grade(final_text)
+        if finish_reason == "answer" and grade.answer is None:  # a final turn the grader found no answer in
+            finish_reason = "no_answer"
         info = dict(info or {}, answer=grade.answer, malformed_counts=dict(self.malformed_counts),
                     messages=list(self.messages))
         return StepResult("", grade.reward, True, info, finish_reason=finish_reason, correct=grade.correct,

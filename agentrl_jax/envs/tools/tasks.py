@@ -62,8 +62,8 @@ class NativeReToolEnv(ToolCallingEnv):
             raise KeyError("NativeReToolEnv task is missing field 'answer'")
         return await super().reset(task)
 
-    async def grade(self, final_text: str | None) -> Grade:
-        boxes = find_boxed_spans(final_text) if final_text is not None else []
+    async def grade(self, final_text: str) -> Grade:
+        boxes = find_boxed_spans(final_text)
         answer = boxes[-1][2] if boxes else None
         verdict = await self.verifier.averify(answer, str(self.task["answer"]))
         return self._shaped(bool(verdict.correct), answer)
@@ -99,8 +99,8 @@ class NativeSearchEnv(ToolCallingEnv):
         self.answers = golden_answers(task)
         return await super().reset(task)
 
-    async def grade(self, final_text: str | None) -> Grade:
-        action = parse_action(final_text or "")
+    async def grade(self, final_text: str) -> Grade:
+        action = parse_action(final_text)
         answer = action.content if action.kind == "answer" else None
         reward, components = search_reward(answer, self.answers, formatted=well_formed(self.response),
                                            config=self.settings)
