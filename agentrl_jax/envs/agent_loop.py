@@ -225,6 +225,7 @@ class AgentLoop:
             rollout_logprobs=np.asarray(logprobs, np.float32),
             params_versions=np.asarray(versions, np.int32),
             turns=turns,
+            tools=env.tools,
             reward=reward,
             reward_components=components,
             tool_stats=dataclasses.replace(tool_stats),

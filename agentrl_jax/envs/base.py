@@ -157,6 +157,9 @@ class Trajectory:
     rollout_logprobs: np.ndarray
     params_versions: np.ndarray
     turns: list[dict[str, str]] = dataclasses.field(default_factory=list)  # role/content, for logs
+    #: Native chat layout: the tool schemas the prompt was rendered with (a re-render of the
+    #: prompt, e.g. the hindsight teacher's, must list them too); None: no tools listed.
+    tools: list[dict[str, Any]] | None = None
     reward: float = 0.0
     reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
     tool_stats: ToolStats = dataclasses.field(default_factory=ToolStats)
