@@ -93,6 +93,7 @@ def test_tool_messages_are_appended_through_the_template_and_masked(setup):
     prompt = tok.apply_chat(env.initial_messages(TASK), tools=env.tools, add_generation_prompt=True)
     assert len(prompt) < 256
     assert ids[:len(prompt)] == prompt and '"name": "calculator"' in tok.decode(prompt)
+    assert t.tools == env.tools and t.tools[0]["function"]["name"] == "calculator"
     # prompt, turn 1, tool glue 1, turn 2, tool glue 2, turn 3: mask runs 0 1 0 1 0 1.
     segments = runs(mask)
     assert [v for v, _, _ in segments] == [0, 1, 0, 1, 0, 1]
