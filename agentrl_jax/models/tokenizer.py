@@ -179,11 +179,6 @@ class Tokenizer:
                              "when messages follow it; this template is not supported")
         return end_of_turn, turn_tail, rest[len(turn_tail):]
 
-    def message_delta(self, message: Message, *, add_generation_prompt: bool) -> tuple[str, str]:
-        """``(turn_tail, delta)`` of one message; see :meth:`messages_delta`."""
-        _, turn_tail, delta = self.messages_delta([message], add_generation_prompt=add_generation_prompt)
-        return turn_tail, delta
-
     def append_messages(
         self,
         ids: Sequence[int],
