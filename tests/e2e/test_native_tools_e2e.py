@@ -1,7 +1,8 @@
 """The demo in the native tool-call layout, end to end through the real entry point.
 
 `launch/tpu_pod.py --config configs/demo.py --set environment.layout=native`: the scratch
-tokenizer's ChatML template lists the `python` tool in the system turn, the policy's turns
+tokenizer's ChatML template lists the `python` tool in the system turn, SFT runs on
+demonstrations in the native layout (a `python` tool call, its tool message, the answer), the policy's turns
 end at its end-of-turn token, tool calls are parsed in the Hermes format, and 2 RL steps run
 through the real engine, driver, sandbox pool and trainer on a (data=2, fsdp=2, tensor=2)
 mesh. (The random scratch model rarely writes a well-formed call; the tool-message appends
@@ -26,7 +27,7 @@ NATIVE_TINY = [
     "rollout.max_concurrent=8", "rollout.max_new_tokens_per_turn=8", "rollout.max_prompt_length=640",
     "rollout.max_sequence_length=704", "data.prompts_per_step=2", "algorithm.group_size=4",
     "algorithm.entropy_coef=0.01", "environment.num_train_tasks=16", "environment.num_eval_tasks=2",
-    "eval.num_tasks=2", "eval.samples_per_task=1", "sft.steps=0", "total_steps=2", "checkpoint.resume=false",
+    "eval.num_tasks=2", "eval.samples_per_task=1", "sft.steps=2", "sft.batch_size=4", "sft.max_length=768", "total_steps=2", "checkpoint.resume=false",
     "logging.sample_trajectories=2", "environment.layout=native", "environment.tool_format=hermes",
 ]
 
@@ -46,6 +47,8 @@ def test_demo_trains_two_steps_in_the_native_tool_call_layout(tmp_path):
     for m in steps.values():
         assert math.isfinite(m["loss"]) and m["skipped"] == 0 and m["update_norm"] > 0
         assert m["logprob_gap_train_infer"] < 1e-4 and m["rollout/sampled_tokens"] > 0
+    sft = [json.loads(line) for line in (out / "sft_metrics" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in sft if "sft/loss" in r] == [0, 1]  # SFT on native demonstrations
     samples = [json.loads(line) for line in (out / "metrics" / "samples.jsonl").read_text().splitlines()]
     text = "\n".join(str(s) for s in samples)
     assert "<tools>" in text and '"name": "python"' in text.replace('\\"', '"')
