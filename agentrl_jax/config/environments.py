@@ -21,6 +21,10 @@ constructs the section its ``name`` selects, so config files name one class for 
 environment). A key of another environment's section is an error naming the keys the
 selected one knows.
 
+``environment.layout`` picks how tools are called: "inline" tags in one assistant turn, or
+"native" chat turns in the model's own tool-call format (``environment.tool_format``;
+envs/tools/). A section lists the layouts its environment implements in ``layouts``.
+
 The built-in sections (arithmetic, retool, search) translate themselves into their
 environment's settings with that environment's ``from_config`` (``envs/retool.py``,
 ``envs/arithmetic.py``, ``envs/search.py``); nothing in ``train/`` knows their fields.
@@ -117,9 +121,19 @@ class EnvironmentConfig(_Section):
     tool_weight: float = _f(0.0, "Weight of the (capped) tool-call shaping.")
     overlong_buffer: int = _f(0, "DAPO overlong shaping buffer in tokens (0: off).")
     sandbox: SandboxConfig = _section(SandboxConfig, "The code-execution sandbox.")
+    layout: Literal["inline", "native"] = _f(
+        "inline", "How tools are called: 'inline' tags inside one assistant turn (<code>/<interpreter>, "
+                  "<search>/<information>), or 'native' chat turns (assistant -> tool messages -> assistant) in "
+                  "the model's own tool-call format, with the tools listed by its chat template "
+                  "(docs/chat_formats.md).")
+    tool_format: Literal["hermes", "llama3"] = _f(
+        "hermes", "layout='native': the call format the model writes: 'hermes' (<tool_call> JSON blocks: "
+                  "Hermes, Qwen2.5, Qwen3) or 'llama3' (a JSON object per turn: Llama 3.1-3.3).")
 
     #: ``make_tasks`` returns tasks for both splits (no data files needed).
     generates_tasks: ClassVar[bool] = False
+    #: The layouts this environment implements.
+    layouts: ClassVar[tuple[str, ...]] = ("inline",)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> EnvironmentConfig:
         if cls is EnvironmentConfig:  # the base builds the section its name selects
@@ -144,6 +158,8 @@ class EnvironmentConfig(_Section):
                  f"{self.name!r} selects {selected.__name__}, but this section is a {type(self).__name__}; build it "
                  f"with EnvironmentConfig(name={self.name!r}, ...) or --set environment.name={self.name}")
         _require(self.max_turns >= 1, self._path("max_turns"), "must be >= 1")
+        _require(self.layout in self.layouts, self._path("layout"),
+                 f"{self.layout!r} is not implemented by environment.name={self.name!r} (it has {list(self.layouts)})")
         _require(self.max_tool_calls >= 0, self._path("max_tool_calls"), "must be >= 0")
         for key in ("format_weight", "tool_weight", "overlong_buffer"):
             _require(getattr(self, key) >= 0, self._path(key), f"must be >= 0, got {getattr(self, key)}")
@@ -214,6 +230,7 @@ class ArithmeticEnvConfig(EnvironmentConfig):
     demo_tool_fraction: float = _f(0.5, "arithmetic SFT: fraction of demonstrations that call the tool.")
 
     generates_tasks: ClassVar[bool] = True
+    layouts: ClassVar[tuple[str, ...]] = ("inline", "native")
 
     def validate(self) -> None:
         super().validate()
@@ -236,6 +253,11 @@ class ArithmeticEnvConfig(EnvironmentConfig):
         from agentrl_jax.envs.arithmetic import ArithmeticEnv
 
         settings = ArithmeticEnv.config_from(config)
+        if self.layout == "native":
+            from agentrl_jax.envs.tools import NativeReToolEnv
+
+            return lambda: NativeReToolEnv(pool, verifier, settings, tool_format=self.tool_format,
+                                           count_tokens=count_tokens)
         return lambda: ArithmeticEnv(pool, verifier, settings, count_tokens=count_tokens)
 
 
@@ -246,6 +268,8 @@ class ReToolEnvConfig(EnvironmentConfig):
 
     name: str = _f("retool", "Which environment runs the episodes.")
 
+    layouts: ClassVar[tuple[str, ...]] = ("inline", "native")
+
     def check_paths(self, config: Config) -> None:
         _require(bool(config.model.path), "model.path",
                  f"is required for environment.name={self.name!r} (set it with --set model.path=...)")
@@ -255,6 +279,11 @@ class ReToolEnvConfig(EnvironmentConfig):
         from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv
 
         settings = ReToolConfig.from_config(config)
+        if self.layout == "native":
+            from agentrl_jax.envs.tools import NativeReToolEnv
+
+            return lambda: NativeReToolEnv(pool, verifier, settings, tool_format=self.tool_format,
+                                           count_tokens=count_tokens)
         return lambda: ReToolEnv(pool, verifier, settings, count_tokens=count_tokens)
 
 
@@ -272,6 +301,8 @@ class SearchEnvConfig(EnvironmentConfig):
         "em", "search: answer score in the reward (exact match, token F1, substring match); "
               "environment.format_weight is the weight of the format term.")
     retriever_timeout_s: float = _f(10.0, "search: HTTP timeout of one retrieval request (retried 3 times).")
+
+    layouts: ClassVar[tuple[str, ...]] = ("inline", "native")
 
     def validate(self) -> None:
         super().validate()
@@ -304,6 +335,11 @@ class SearchEnvConfig(EnvironmentConfig):
 
         del pool, verifier  # a search episode runs no code and grades by string match
         retriever, settings = make_retriever(self), SearchConfig.from_config(config)
+        if self.layout == "native":
+            from agentrl_jax.envs.tools import NativeSearchEnv
+
+            return lambda: NativeSearchEnv(retriever, settings, tool_format=self.tool_format,
+                                           count_tokens=count_tokens)
         return lambda: SearchEnv(retriever, settings, count_tokens=count_tokens)
 
 

@@ -7,8 +7,8 @@ Each section is a frozen dataclass whose fields carry their documentation; the m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from agentrl_jax.config.core import (SECTION_PATHS, ConfigError, DType, _f, _require, _section, _Section,
                                      check_registered_names)
@@ -48,8 +48,15 @@ class ModelConfig(_Section):
     )
     remat: Literal["none", "full", "dots_saveable"] = _f("full", "Rematerialization policy per layer.")
     scratch: ScratchModelConfig = _section(ScratchModelConfig, "Tiny from-scratch model (when path is empty).")
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"doc": (
+        "Variables every chat-template render gets (prompts, appended tool messages, SFT records), e.g. "
+        "{\"enable_thinking\": false} for Qwen3; JSON on the command line.")})
 
     def validate(self) -> None:
+        reserved = sorted(set(self.chat_template_kwargs) & {"messages", "tools", "add_generation_prompt",
+                                                              "tokenize"})
+        _require(not reserved, self._path("chat_template_kwargs"),
+                 f"sets {reserved}, which each render passes itself; remove them")
         _require(
             not (self.attention_impl == "cudnn" and self.compute_dtype == "float32"),
             self._path("attention_impl"),

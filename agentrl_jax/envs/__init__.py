@@ -9,10 +9,13 @@ from agentrl_jax.envs.retrieval import (BM25Index, LocalRetriever, Passage, Remo
 from agentrl_jax.envs.search import SearchConfig, SearchEnv, exact_match, normalize_answer, token_f1
 from agentrl_jax.envs.search_corpus import make_search_corpus, write_search_corpus
 from agentrl_jax.envs.sandbox import ExecResult, SandboxPoolConfig, SandboxPool
+from agentrl_jax.envs.tools import (NativeReToolEnv, NativeSearchEnv, Tool, ToolCallingEnv, ToolEnvConfig,
+                                    ToolRegistry, ToolResult)
 
 __all__ = [
     "FINISH_REASONS", "TRUNCATED_REASONS",
-    "ArithmeticEnv", "BM25Index", "Environment", "ExecResult", "LocalRetriever", "Passage", "RemoteRetriever",
+    "ArithmeticEnv", "BM25Index", "NativeReToolEnv", "NativeSearchEnv", "Tool", "ToolCallingEnv", "ToolEnvConfig",
+    "ToolRegistry", "ToolResult", "Environment", "ExecResult", "LocalRetriever", "Passage", "RemoteRetriever",
     "RemoteRetrieverConfig", "RemoteSandbox", "RemoteSandboxConfig", "ReToolConfig", "ReToolEnv", "Retriever",
     "RetrieverError", "SandboxPoolConfig", "SandboxPool", "SearchConfig", "SearchEnv", "StepResult", "ToolStats",
     "Trajectory", "arithmetic_config", "demonstration", "exact_match", "interpreter_text", "load_corpus",

@@ -11,6 +11,15 @@ outputs appear inline):
         if step.done: break
         ids += tokenize(step.observation_text)                         loss_mask 0
 
+Native chat layout (assistant -> tool messages -> assistant): the environment answers with
+``StepResult.observation_messages`` instead of text, and the loop appends them with
+``Tokenizer.append_messages``: the template's text after the assistant's end-of-turn token
+(plus that token when the policy did not sample it), the messages with their role headers,
+and the next assistant header, all with loss_mask 0. The prompt lists ``env.tools``.
+The ids so built equal a render of the whole conversation by the chat template, except
+where the template rewrites earlier turns (docs/chat_formats.md): the trajectory keeps the
+tokens as sampled.
+
 The environment answers through the typed episode contract (``envs.base.StepResult``):
 ``finish_reason``, ``correct``, ``reward_components`` and ``tool_stats`` are fields, and the
 loop tells the environment the policy's token count in ``env.num_sampled_tokens`` before
@@ -125,7 +134,7 @@ class AgentLoop:
     ) -> Trajectory:
         tok = self.tokenizer
         messages = await env.reset(task)
-        prompt = list(tok.apply_chat(messages, add_generation_prompt=True))
+        prompt = list(tok.apply_chat(messages, tools=env.tools, add_generation_prompt=True))
         ids: list[int] = list(prompt)
         mask: list[int] = [0] * len(prompt)
         logprobs: list[float] = [0.0] * len(prompt)
@@ -173,8 +182,9 @@ class AgentLoop:
                 if context_full or len(ids) + 1 >= self.max_total_tokens:
                     finish = "max_tokens"
                     break
-                observation = tok.encode(step.observation_text)
-                turns.append({"role": "tool", "content": step.observation_text})
+                observation = self._observation_ids(ids, step, env.tools)
+                turns += (step.observation_messages if step.observation_messages is not None
+                          else [{"role": "tool", "content": step.observation_text}])
                 if len(ids) + len(observation) + 1 >= self.max_total_tokens:
                     finish = "context_overflow"
                     break
@@ -215,6 +225,7 @@ class AgentLoop:
             rollout_logprobs=np.asarray(logprobs, np.float32),
             params_versions=np.asarray(versions, np.int32),
             turns=turns,
+            tools=env.tools,
             reward=reward,
             reward_components=components,
             tool_stats=dataclasses.replace(tool_stats),
@@ -223,6 +234,16 @@ class AgentLoop:
             task_metadata={k: v for k, v in task.items() if k != "question"},
             masked=masked,
         )
+
+    def _observation_ids(self, ids: list[int], step: StepResult, tools: list[dict[str, Any]] | None) -> list[int]:
+        """The ids that answer a turn: the observation text as is (inline layout), or the
+        messages rendered by the chat template after the assistant's turn (native layout: the
+        end-of-turn token if the policy did not sample one, the template's glue, the role
+        headers, the contents and the next generation prompt)."""
+        if step.observation_messages is None:
+            return self.tokenizer.encode(step.observation_text)
+        return self.tokenizer.append_messages(ids, step.observation_messages, tools=tools,
+                                              add_generation_prompt=True, close_turn=True)[1]
 
     @staticmethod
     def _graded(step: StepResult) -> tuple[float, dict[str, float]]:

@@ -92,15 +92,24 @@ def _corrupt(number: int, rng: np.random.Generator, num_digits_changed: int) -> 
 
 
 def demonstration(task: dict[str, Any], style: str, rng: np.random.Generator, *, fenced: bool = False,
-                  memory_exact_up_to_digits: int = 2) -> list[dict[str, str]]:
+                  memory_exact_up_to_digits: int = 2, layout: str = "inline") -> list[dict[str, Any]]:
     """An SFT demonstration as turns; only `assistant` turns are trained on (loss_mask 1).
 
     style "tool": code, the interpreter's exact output, then the copied boxed answer.
     style "memory": a direct boxed guess, right for tasks up to `memory_exact_up_to_digits`
     digits and corrupted in one or two digits above it (what a tiny model would guess).
+    layout "native": the tool turn is an assistant message with a ``python`` tool call and the
+    output a ``tool`` message, for the chat template to render (envs/tools/).
     """
     answer = int(task["answer"])
     expression = f"{task['a']}{task['op']}{task['b']}"
+    if layout not in ("inline", "native"):
+        raise ValueError(f"demonstration layout must be 'inline' or 'native', got {layout!r}")
+    if style == "tool" and layout == "native":
+        call = {"type": "function", "function": {"name": "python", "arguments": {"code": f"print({expression})"}}}
+        return [{"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "python", "content": str(answer)},
+                {"role": "assistant", "content": f"\\boxed{{{answer}}}"}]
     if style == "tool":
         code = f"```python\nprint({expression})\n```" if fenced else f"print({expression})"
         code_turn = f"<code>\n{code}\n</code>" if fenced else f"<code>{code}</code>"

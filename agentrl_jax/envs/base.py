@@ -41,8 +41,9 @@ TRUNCATED_REASONS = frozenset({"max_tokens", "context_overflow"})
 @dataclasses.dataclass
 class ToolStats:
     calls: int = 0
-    errors: int = 0  # non-zero exit or sandbox failure
+    errors: int = 0  # non-zero exit or sandbox failure, or a malformed call
     timeouts: int = 0
+    malformed: int = 0  # of the errors: calls that could not run (bad JSON, unknown tool, wrong arguments)
 
     @property
     def successful(self) -> int:
@@ -72,6 +73,10 @@ class StepResult:
     reward_components: when ``done``, the terms of ``reward`` (e.g. outcome, format, tool),
       logged as ``reward/<name>``.
     tool_stats: the episode's tool calls so far; the loop keeps the latest one given.
+    observation_messages: native chat layout: the messages that answer the turn (e.g. one
+      ``{"role": "tool", "content": ...}`` per call). The loop closes the assistant's turn and
+      appends them through the chat template (role headers, end-of-turn tokens: loss_mask 0)
+      instead of ``observation_text``, which must then be "".
     """
 
     observation_text: str
@@ -82,6 +87,7 @@ class StepResult:
     correct: bool | None = None
     reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
     tool_stats: ToolStats | None = None
+    observation_messages: list[dict[str, Any]] | None = None
 
     def __post_init__(self):
         misplaced = [k for k in _CONTRACT_FIELDS if k in self.info]
@@ -90,6 +96,9 @@ class StepResult:
                             f"them as fields, e.g. StepResult(text, reward, done, {misplaced[0]}=...)")
         if self.tool_stats is not None and not isinstance(self.tool_stats, ToolStats):
             raise TypeError(f"StepResult.tool_stats must be a ToolStats, got {type(self.tool_stats).__name__}")
+        if self.observation_messages is not None and self.observation_text:
+            raise ValueError("StepResult: give observation_text (inline layout) or observation_messages (native "
+                             "chat layout), not both")
 
 
 class Environment(abc.ABC):
@@ -97,6 +106,9 @@ class Environment(abc.ABC):
 
     #: strings at which the rollout driver stops decoding and calls `step` (kept in the text).
     stop_strings: tuple[str, ...] = ()
+    #: Native chat layout: JSON-schema tool descriptions the chat template shows the model
+    #: (``Tokenizer.apply_chat(tools=...)``); None: the prompt lists no tools.
+    tools: list[dict[str, Any]] | None = None
     #: The policy's sampled tokens so far in this episode (all turns), set by the agent loop
     #: before each ``step``: what length-based shaping (DAPO's overlong term) scores.
     num_sampled_tokens: int = 0
@@ -145,6 +157,9 @@ class Trajectory:
     rollout_logprobs: np.ndarray
     params_versions: np.ndarray
     turns: list[dict[str, str]] = dataclasses.field(default_factory=list)  # role/content, for logs
+    #: Native chat layout: the tool schemas the prompt was rendered with (a re-render of the
+    #: prompt, e.g. the hindsight teacher's, must list them too); None: no tools listed.
+    tools: list[dict[str, Any]] | None = None
     reward: float = 0.0
     reward_components: dict[str, float] = dataclasses.field(default_factory=dict)
     tool_stats: ToolStats = dataclasses.field(default_factory=ToolStats)

@@ -14,11 +14,28 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 QWEN_CHAT_TEMPLATE = (
+    # ChatML turns; with ``tools`` a system block lists their JSON schemas and asks for
+    # Hermes-style calls, and assistant ``tool_calls`` render as <tool_call> JSON blocks (the
+    # format envs/tools/parsers.py reads), so the scratch model can train native tool calls.
+    "{%- set system = messages[0].content if messages and messages[0].role == 'system' else '' %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' + (system + '\\n\\n' if system else '') + '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\nCall a tool with <tool_call>\\n{\"name\": <name>, \"arguments\": <object>}\\n</tool_call>'"
+    " + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- if not (tools and loop.first and message.role == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- ('\\n' if message['content'] or not loop.first else '') + '<tool_call>\\n{\"name\": \"' + call.function.name"
+    " + '\", \"arguments\": ' + (call.function.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -154,42 +171,53 @@ def train_tiny_tokenizer(
     *,
     chat_template: str = QWEN_CHAT_TEMPLATE,
     individual_digits: bool = False,
+    special_tokens: Sequence[str] = CHATML_SPECIAL_TOKENS,
+    eos_token: str = "<|im_end|>",
+    pad_token: str = "<|endoftext|>",
+    bos_token: str | None = None,
+    split_pattern: str | None = None,
+    generation_eos_tokens: Sequence[str] = (),
 ) -> str:
     """Train a byte-level BPE tokenizer and save it as a transformers tokenizer directory.
 
     With ``individual_digits`` every digit is its own token (as in Llama 3 and Qwen), which
     makes copying and arithmetic over numbers learnable by tiny models.
 
-    The special tokens are ChatML's (``<|endoftext|>`` id 0, ``<|im_start|>`` id 1,
-    ``<|im_end|>`` id 2); eos is ``<|im_end|>``, pad is ``<|endoftext|>``.
+    By default the special tokens are ChatML's (``<|endoftext|>`` id 0, ``<|im_start|>`` id 1,
+    ``<|im_end|>`` id 2); eos is ``<|im_end|>``, pad is ``<|endoftext|>``. Another model
+    family's layout takes its own ``special_tokens`` (ids in order from 0), eos, pad and bos,
+    and ``split_pattern``: the pre-tokenizer regex of its tokenizer.json (Llama 3 and Qwen2
+    split text with one, then map bytes), which decides where BPE may merge across a chat
+    template's glue. ``generation_eos_tokens`` are written to generation_config.json as its
+    eos ids (Llama 3.1 Instruct stops at several).
 
     Returns:
       ``path`` as a string.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.BPE())
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    if individual_digits:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    else:
-        tokenizer.pre_tokenizer = byte_level
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_pattern is None)
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if individual_digits else []
+    if split_pattern is not None:
+        steps.append(pre_tokenizers.Split(Regex(split_pattern), behavior="isolated"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([*steps, byte_level]) if steps else byte_level
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(CHATML_SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(list(texts), trainer=trainer)
+    named = {eos_token, pad_token, bos_token}
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
+        eos_token=eos_token,
+        pad_token=pad_token,
+        **({"bos_token": bos_token} if bos_token else {}),
+        additional_special_tokens=[t for t in special_tokens if t not in named],
     )
     fast.chat_template = chat_template
     out = os.fspath(path)
@@ -201,4 +229,7 @@ def train_tiny_tokenizer(
     tok_config["chat_template"] = chat_template
     with open(config_path, "w") as f:
         json.dump(tok_config, f, indent=2)
+    if generation_eos_tokens:
+        with open(os.path.join(out, "generation_config.json"), "w") as f:
+            json.dump({"eos_token_id": [tokenizer.token_to_id(t) for t in generation_eos_tokens]}, f)
     return out

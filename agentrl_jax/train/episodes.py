@@ -102,6 +102,7 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     out["tools/use_rate"] = float(np.mean([t.tool_stats.calls > 0 for t in trajectories]))
     out["tools/errors"] = float(sum(t.tool_stats.errors for t in trajectories))
     out["tools/timeouts"] = float(sum(t.tool_stats.timeouts for t in trajectories))
+    out["tools/malformed"] = float(sum(t.tool_stats.malformed for t in trajectories))  # native layout: bad calls
     groups: dict[int, list[float]] = {}
     for t in trajectories:
         groups.setdefault(t.group_id, []).append(t.reward)

@@ -107,9 +107,9 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
         sft_conversations = setup.arithmetic_demonstrations(config, train_tasks)
     elif config.sft.steps:
         sft_conversations, data_stats["sft"] = setup.load_sft_conversations(config)
-    corpus = [m["content"] for conv in (sft_conversations or []) for m in conv] or [
-        t["question"] for t in train_tasks
-    ]
+    # Native-layout demonstrations carry their calls as tool_calls (rendered by the template).
+    corpus = [m["content"] or json.dumps(m.get("tool_calls") or "") for conv in (sft_conversations or [])
+              for m in conv] or [t["question"] for t in train_tasks]
     _check_multihost(config)
     resume_step = _resume_step(config, out)
     if jax.process_index() == 0:  # hosts may share output_dir: one writes, the others wait
@@ -118,7 +118,7 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
         setup.prepare_model_assets(config, corpus)
     multihost.barrier("model assets")
     model_path, tokenizer_path = setup.prepare_model_assets(config, corpus)
-    tokenizer = Tokenizer(tokenizer_path)
+    tokenizer = Tokenizer(tokenizer_path, chat_template_kwargs=config.model.chat_template_kwargs)
     mesh, engine_mesh = make_meshes(config)
     policy = _load_policy(config, model_path, mesh)
     check_reference_architecture(config, policy.config)
@@ -164,6 +164,7 @@ class _Job:
     def __init__(self, config, out, policy, mesh, engine_mesh, tokenizer, writer, checkpointer, sft_conversations):
         self.config, self.out, self.mesh, self.tokenizer = config, out, mesh, tokenizer
         self.writer, self.checkpointer, self.sft_conversations = writer, checkpointer, sft_conversations
+        self.tools = None  # the environment's tool schemas, for SFT prompts (set by run)
         self.graphdef, self.params = split_params(policy)
         self.engine = Engine(policy, mesh=engine_mesh, max_concurrent_decodes=config.rollout.max_concurrent,
                              max_target_length=config.rollout.max_sequence_length,
@@ -179,6 +180,8 @@ class _Job:
                         prefill_token_budget=r.prefill_token_budget or None, prefix_cache=r.prefix_cache)
         async with driver:
             results: dict[str, Any] = {"config": c.name, "seed": c.seed}
+            # SFT prompts list the tools the environment's prompts list (native layout).
+            self.tools = getattr(env_factory(), "tools", None) if self.sft_conversations else None
             start = await self._starting_policy(driver, results)
             finished = start.restored is not None and "end" in results and start.step == c.total_steps
             if start.restored is not None and not finished:
@@ -234,7 +237,7 @@ class _Job:
             t0 = time.perf_counter()
             with MetricsWriter(self.out / "sft_metrics", total_steps=c.sft.steps) as sft_writer:
                 self.params = _sft(c, self.graphdef, self.params, self.tokenizer, self.sft_conversations,
-                                   sft_writer, self.mesh)
+                                   sft_writer, self.mesh, tools=self.tools)
             results["sft_seconds"] = time.perf_counter() - t0
             if uses_initial_policy(c):
                 save_pytree(self.out / INITIAL_POLICY_DIR, self.params)
@@ -317,8 +320,8 @@ def _check_multihost(config: Config) -> None:
                           "agree on which batch trains when)")
 
 
-def _sft(config, graphdef, params, tokenizer, conversations, writer, mesh):
-    records = [conversation_to_record(tokenizer, conv) for conv in conversations]
+def _sft(config, graphdef, params, tokenizer, conversations, writer, mesh, *, tools=None):
+    records = [conversation_to_record(tokenizer, conv, tools=tools) for conv in conversations]
     too_long = [r for r in records if len(r.token_ids) > config.sft.max_length]
     if too_long:
         logger.warning("SFT: %d of %d conversations exceed sft.max_length=%d tokens and are skipped",

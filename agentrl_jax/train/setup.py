@@ -166,7 +166,7 @@ def arithmetic_demonstrations(config: Config, tasks: list[dict[str, Any]]) -> li
     conversations = []
     for task in tasks:
         style = "tool" if rng.random() < config.environment.demo_tool_fraction else "memory"
-        turns = demonstration(task, style, rng, fenced=env_cfg.fenced)
+        turns = demonstration(task, style, rng, fenced=env_cfg.fenced, layout=config.environment.layout)
         conversations.append(initial_messages(env_cfg, task) + turns)
     return conversations
 

@@ -10,6 +10,12 @@ RL see the same token boundaries:
                                                              (loss_mask 0)
     end         = the end-of-turn token                      (loss_mask 1)
 
+A conversation in the native chat layout (an assistant message with ``tool_calls``, or a run
+whose environment lists ``tools``) is laid out as the agent loop builds it in that layout
+(``Tokenizer.conversation_ids``, docs/chat_formats.md): each assistant turn as its chat
+template renders it, with its end-of-turn token (loss_mask 1), and the tool messages with
+their role headers and the template's glue in between (loss_mask 0).
+
 The loss is the token-mean negative log-likelihood of the masked tokens: the REINFORCE
 loss with advantage 1 on loss tokens, through the same jitted update as RL.
 """
@@ -35,15 +41,20 @@ logger = logging.getLogger(__name__)
 OBSERVATION_ROLES = ("tool", "interpreter", "ipython", "observation")
 
 
-def conversation_to_record(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -> TokenRecord:
+def conversation_to_record(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *,
+                           tools: Sequence[Mapping[str, Any]] | None = None) -> TokenRecord:
     """Token ids and loss mask of one conversation (see the module docstring).
 
     Args:
       tokenizer: an ``agentrl_jax.models.tokenizer.Tokenizer``.
       messages: role/content dicts; at least one assistant message.
+      tools: the tool schemas of a native-layout run (the chat template lists them in the prompt).
     Raises:
       ValueError: naming the problem when there is no assistant message or a role is unknown.
     """
+    if tools is not None or any(m.get("tool_calls") for m in messages):
+        ids, mask = tokenizer.conversation_ids(list(messages), tools=tools)
+        return TokenRecord(ids, mask, [0.0] * len(ids), [-1] * len(ids), [float(x) for x in mask])
     first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
     if first is None:
         raise ValueError("SFT conversation has no assistant message")

@@ -451,7 +451,7 @@ def test_docs_example_runs(tmp_path, monkeypatch, capsys):
     (example,) = _doc_blocks("python")
     monkeypatch.chdir(tmp_path)
     exec(compile(example, str(DOC), "exec"), {"__name__": "docs_example"})  # noqa: S102  (the doc is ours)
-    assert capsys.readouterr().out.startswith("1.0 answer ToolStats(calls=2, errors=0, timeouts=0)")
+    assert capsys.readouterr().out.startswith("1.0 answer ToolStats(calls=2, errors=0, timeouts=0, malformed=0)")
     assert (tmp_path / "search_data" / "corpus.jsonl").is_file()
 
 

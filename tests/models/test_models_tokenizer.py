@@ -99,5 +99,5 @@ def test_template_that_rerenders_history_is_rejected(tmp_path):
         "{{ messages|length }}{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
     )
     path = train_tiny_tokenizer(tmp_path / "bad", TEXTS, vocab_size=280, chat_template=template)
-    with pytest.raises(ValueError, match="delta is not a suffix"):
+    with pytest.raises(ValueError, match="renders the first user message differently"):
         Tokenizer(path).append_message([5, 2], {"role": "user", "content": "hi"})

@@ -133,4 +133,8 @@ def test_load_hf_model_decodes_and_scores_pass_at_k(tmp_path, kernel_env, monkey
     assert outputs(nb, "error") == []
     text = text_of(nb)
     assert "pass@1" in text and "engine and trainer logprobs agree" in text
+    # The tool-calling episode: the calculator's result comes back as a masked tool message.
+    assert "finish: answer, correct: True" in text
+    assert "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"1234 * 5678\"}}" in text
+    assert "<|im_start|>tool\n7006652<|im_end|>\n<|im_start|>assistant\n«7006652<|im_end|>»" in text
     assert (tmp_path / "tiny_checkpoint" / "model" / "config.json").exists()

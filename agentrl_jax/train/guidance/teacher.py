@@ -94,7 +94,7 @@ def teacher_context(
             raise ValueError("teacher_context: placement 'user_message' needs a user message in trajectory.turns")
         last = users[-1]
         messages[last] = {"role": "user", "content": messages[last]["content"] + hint_format.format(hint=hint)}
-        teacher_prompt = tokenizer.apply_chat(messages, add_generation_prompt=True)
+        teacher_prompt = tokenizer.apply_chat(messages, tools=trajectory.tools, add_generation_prompt=True)
     else:
         raise ValueError(f"teacher_context: placement must be one of {PLACEMENTS}, got {placement!r}")
     return TeacherContext(
