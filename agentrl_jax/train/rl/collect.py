@@ -136,6 +136,7 @@ async def evaluate(rl: RL, tasks: list[dict], *, label: str) -> dict[str, float]
                 "correct": bool(t.reward_components.get("correct", t.reward > 0))
                 and not t.truncated and t.finish_reason != "env_error",
                 "tool_calls": t.tool_stats.calls,
+                "tool_errors": t.tool_stats.errors + t.tool_stats.timeouts,
                 "num_sampled_tokens": t.num_sampled_tokens,
                 "truncated": t.truncated,
                 "env_error": t.finish_reason == "env_error",
