@@ -45,7 +45,7 @@ def get_config() -> Config:
         name="retool_small",
         seed=0,
         output_dir="runs/retool_small",
-        total_steps=40,
+        total_steps=30,
         model=ModelConfig(
             compute_dtype="float32",
             param_dtype="float32",

@@ -34,6 +34,7 @@ def _check_run(out: Path, total_steps: int) -> dict:
     results = json.loads((out / "results.json").read_text())
     for stage in ("start", "end"):
         assert EVAL_KEYS <= set(results[stage]), results[stage]
+        assert {"held_out_range/pass_at_1", "held_out_combo/pass_at_1"} <= set(results[stage])  # scored per split
         assert 0.0 <= results[stage]["pass_at_1"] <= 1.0
     rows = [json.loads(line) for line in (out / "metrics" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward/mean" in r]
