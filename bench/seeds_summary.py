@@ -21,7 +21,7 @@ COLUMNS = [("pass_at_1", "pass@1"), ("pass_at_4", "pass@4"), ("tool_use_rate", "
            ("error_recovery_rate", "error recovery")]
 CURVES = [("reward/mean", "reward (mean, +1/-1)"), ("tools/use_rate", "tool-use rate"),
           ("tools/calls_per_episode", "tool calls per episode"),
-          ("tools/error_recovery_rate", "error recovery (correct | failed call)"),
+          ("tools/error_recovery_rate", "error recovery (correct | failed call), dashed: episodes with a failed call"),
           ("throughput/sampled_tokens_per_s", "rollout: sampled tokens / s")]
 
 
@@ -77,8 +77,13 @@ def plots(out: Path, seeds: list[str], plot_dir: Path) -> list[Path]:
     for ax, (key, title) in zip(axes.flat, CURVES):
         for seed in seeds:
             rows = [r for r in _rows(out / f"seed{seed}" / "metrics" / "metrics.jsonl") if key in r and r["step"] > 0]
-            ax.plot([r["step"] for r in rows], [r[key] for r in rows], label=f"seed {seed}")
-        ax.set_title(title)
+            line, = ax.plot([r["step"] for r in rows], [r[key] for r in rows], label=f"seed {seed}")
+            if key == "tools/error_recovery_rate":
+                rows = [r for r in _rows(out / f"seed{seed}" / "metrics" / "metrics.jsonl")
+                        if "tools/error_episode_rate" in r and r["step"] > 0]
+                ax.plot([r["step"] for r in rows], [r["tools/error_episode_rate"] for r in rows], "--",
+                        color=line.get_color())
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("RL step")
         ax.legend()
     ax = axes.flat[len(CURVES)]

@@ -16,8 +16,8 @@ math verifier, +1/-1 outcome reward), the paged rollout engine, the GRPO trainer
 4. GRPO in the environment; held-out pass@1 / pass@4, tool-use rate, calls per episode and
    error-recovery rate after SFT and after RL in results.json.
 
-    python launch/tpu_pod.py --config configs/retool_small.py                       # one GPU, ~10 min
-    bash bench/retool_small_seeds.sh runs/retool_small_seeds 0 1 2                  # three seeds at once
+    python launch/tpu_pod.py --config configs/retool_small.py          # one GPU, ~5 min alone
+    CONFIG=configs/retool_small.py bash bench/demo_seeds.sh runs/retool_small_seeds 0 1 2   # 3 seeds, ~7 min
 
 configs/retool_small_cpu.py is the same pipeline at a size a CPU test runs.
 """
