@@ -23,7 +23,7 @@ SMOKE = [
     "model.scratch.hidden_size=32", "model.scratch.intermediate_size=64", "model.scratch.num_layers=1",
     "model.scratch.head_dim=16", "model.scratch.vocab_size=400", "rollout.max_new_tokens_per_turn=48",
     "rollout.max_sequence_length=320", "environment.num_train_tasks=64", "environment.num_demonstrations=24",
-    "environment.num_eval_tasks=4", "eval.num_tasks=4", "eval.samples_per_task=1", "sft.steps=3",
+    "environment.num_eval_tasks=2", "eval.num_tasks=2", "eval.samples_per_task=1", "sft.steps=3",
     "sft.batch_size=8", "total_steps=1", "data.prompts_per_step=2", "algorithm.group_size=2",
     "logging.progress=false", "checkpoint.every_steps=0",
 ]
