@@ -56,7 +56,8 @@ def test_retool_small_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_retool_small_cpu_config_as_documented(tmp_path):
-    """`python launch/tpu_pod.py --config configs/retool_small_cpu.py` (docs/retool_small.md): 4-16 min on 2 cores, by load."""
+    """`python launch/tpu_pod.py --config configs/retool_small_cpu.py` (docs/retool_small.md), as written:
+    4-16 min on 2 cores, by load."""
     proc = subprocess.run([sys.executable, "launch/tpu_pod.py", "--config", "configs/retool_small_cpu.py",
                            "--set", f"output_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
                           timeout=3600)
