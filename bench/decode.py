@@ -42,7 +42,9 @@ QWEN3 = {
     "1.7b": (151936, 2048, 6144, 28, 16, 8, 128, True),
     "4b": (151936, 2560, 9728, 36, 32, 8, 128, True),
     "tiny": (512, 64, 128, 2, 4, 2, 16, True),
+    "retool_small": (768, 512, 1536, 8, 8, 4, 64, True),  # configs/retool_small.py's scratch model
 }
+FLOAT32_SIZES = ("tiny", "retool_small")  # run in float32, as their configs do
 HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100", 2.0e12))
 
 
@@ -65,7 +67,7 @@ def kv_bytes_per_token(size: str, dtype_bytes: int = 2) -> int:
 
 
 def qwen3_model(size: str):
-    """(random-init Decoder of the Qwen3 ``size`` shape, its dtype): float32 for "tiny", else bf16."""
+    """(random-init Decoder of the Qwen3 ``size`` shape, its dtype): float32 for FLOAT32_SIZES, else bf16."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -77,7 +79,7 @@ def qwen3_model(size: str):
         num_heads=heads, num_kv_heads=kv, head_dim=k, qk_norm=True, tie_word_embeddings=tie,
         rope_theta=1_000_000.0, max_position_embeddings=40960,
     )
-    dtype = jnp.float32 if size == "tiny" else jnp.bfloat16
+    dtype = jnp.float32 if size in FLOAT32_SIZES else jnp.bfloat16
     return Decoder(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)), dtype
 
 
@@ -206,7 +208,7 @@ def _hf_worker(size: str, batches: list[int], prompt: int, gen: int, cache: str)
     vocab, d, f, layers, heads, kv, k, tie = QWEN3[size]
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    dtype = torch.bfloat16 if cuda and size != "tiny" else torch.float32
+    dtype = torch.bfloat16 if cuda and size not in FLOAT32_SIZES else torch.float32
     config = transformers.Qwen3Config(
         vocab_size=vocab, hidden_size=d, intermediate_size=f, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv, head_dim=k, tie_word_embeddings=tie, max_position_embeddings=40960,

@@ -193,6 +193,13 @@ class EnvironmentConfig(_Section):
         del config, split
         return None
 
+    def make_demonstrations(self, config: Config, tasks: list[dict[str, Any]]) -> list[list[dict[str, str]]] | None:
+        """SFT cold-start conversations the environment writes itself from its training ``tasks``
+        (used when ``sft.steps > 0`` and ``data.sft_path`` is empty); None: they come from
+        ``data.sft_path`` only (the default)."""
+        del config, tasks
+        return None
+
     def make_env_factory(self, config: Config, *, pool: Any, verifier: Any,
                          count_tokens: Callable[[str], int] | None) -> Callable[[], Environment]:
         """A zero-argument constructor of a fresh environment (one per trajectory).
@@ -249,6 +256,11 @@ class ArithmeticEnvConfig(EnvironmentConfig):
         split_name = "train" if split == "train" else "held_out"
         return [t for d in widths for t in make_tasks(per, d, seed=config.seed, split=split_name)]
 
+    def make_demonstrations(self, config: Config, tasks: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
+        from agentrl_jax.train.setup import arithmetic_demonstrations
+
+        return arithmetic_demonstrations(config, tasks)
+
     def make_env_factory(self, config, *, pool, verifier, count_tokens):
         from agentrl_jax.envs.arithmetic import ArithmeticEnv
 
@@ -284,6 +296,65 @@ class ReToolEnvConfig(EnvironmentConfig):
 
             return lambda: NativeReToolEnv(pool, verifier, settings, tool_format=self.tool_format,
                                            count_tokens=count_tokens)
+        return lambda: ReToolEnv(pool, verifier, settings, count_tokens=count_tokens)
+
+
+@register_environment("retool_small")
+@dataclass(frozen=True)
+class ReToolSmallEnvConfig(EnvironmentConfig):
+    """Generated problems that need a program, in the ReTool environment, with scripted-solver SFT
+    demonstrations (envs/program_tasks.py, envs/program_demos.py; configs/retool_small.py)."""
+
+    name: str = _f("retool_small", "Which environment runs the episodes.")
+    families: tuple[str, ...] = _f(("bignum", "seqsum", "gcdlcm", "primes", "digits", "lineq", "binom", "modpow"),
+                                   "retool_small: problem families (envs/program_tasks.py FAMILIES).")
+    num_train_tasks: int = _f(20000, "retool_small: generated training tasks (when data.train_path is empty).")
+    num_eval_tasks: int = _f(160, "retool_small: generated held-out tasks (when data.eval_path is empty).")
+    combo_fraction: float = _f(0.5, "retool_small: fraction of held-out tasks that are held-out combinations "
+                                     "(the rest: training variants with held-out parameter ranges).")
+    num_demonstrations: int = _f(4000, "retool_small SFT: demonstrations written by the scripted solver, one "
+                                       "per training task from the first.")
+    demo_styles: tuple[float, float, float, float] = _f(
+        (0.45, 0.25, 0.2, 0.1), "retool_small SFT: weights of the demonstration styles tool, memory, fix (a buggy "
+                                "program, its traceback, the fix), give_up (a buggy program, then a guess).")
+
+    generates_tasks: ClassVar[bool] = True
+
+    def validate(self) -> None:
+        super().validate()
+        from agentrl_jax.envs.program_tasks import FAMILIES
+
+        unknown = sorted(set(self.families) - set(FAMILIES))
+        _require(bool(self.families) and not unknown, self._path("families"),
+                 f"unknown families {unknown or 'none given'}; known: {', '.join(FAMILIES)}")
+        for key in ("num_train_tasks", "num_eval_tasks", "num_demonstrations"):
+            _require(getattr(self, key) >= 1, self._path(key), "must be >= 1")
+        _require(0 <= self.combo_fraction <= 1, self._path("combo_fraction"), "must be in [0, 1]")
+        _require(min(self.demo_styles) >= 0 and sum(self.demo_styles) > 0, self._path("demo_styles"),
+                 f"must be non-negative weights with a positive sum, got {self.demo_styles}")
+
+    def make_tasks(self, config: Config, split: Literal["train", "eval"]) -> list[dict[str, Any]]:
+        from agentrl_jax.envs.program_tasks import make_tasks
+
+        train, held_out = make_tasks(self.num_train_tasks, self.num_eval_tasks, seed=config.seed,
+                                     families=self.families, combo_fraction=self.combo_fraction)
+        return train if split == "train" else held_out
+
+    def make_demonstrations(self, config: Config, tasks: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
+        from agentrl_jax.envs.program_demos import STYLES, demonstrations, run_blocking
+        from agentrl_jax.envs.retool import ReToolConfig
+        from agentrl_jax.train.setup import make_sandbox
+
+        async def write():
+            async with make_sandbox(config) as pool:
+                return await demonstrations(tasks[:self.num_demonstrations], pool, ReToolConfig.from_config(config),
+                                            fractions=dict(zip(STYLES, self.demo_styles)), seed=config.seed)
+        return run_blocking(write())
+
+    def make_env_factory(self, config, *, pool, verifier, count_tokens):
+        from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv
+
+        settings = ReToolConfig.from_config(config)
         return lambda: ReToolEnv(pool, verifier, settings, count_tokens=count_tokens)
 
 

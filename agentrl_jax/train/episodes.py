@@ -103,6 +103,13 @@ def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
     out["tools/errors"] = float(sum(t.tool_stats.errors for t in trajectories))
     out["tools/timeouts"] = float(sum(t.tool_stats.timeouts for t in trajectories))
     out["tools/malformed"] = float(sum(t.tool_stats.malformed for t in trajectories))  # native layout: bad calls
+    # Recovery: of the episodes with a failed tool call (traceback, timeout), the fraction that
+    # still ended with a correct answer (evaluation.summarize's error_recovery_rate).
+    failed = [t for t in trajectories if t.tool_stats.errors + t.tool_stats.timeouts > 0]
+    out["tools/error_episode_rate"] = len(failed) / len(trajectories)
+    if failed:
+        out["tools/error_recovery_rate"] = float(np.mean([
+            bool(t.reward_components.get("correct", t.reward > 0)) and not t.truncated for t in failed]))
     groups: dict[int, list[float]] = {}
     for t in trajectories:
         groups.setdefault(t.group_id, []).append(t.reward)

@@ -8,6 +8,11 @@ with n samples of a task of which c are correct,
 averaged over tasks; computed as a numerically stable product. avg@k is the mean
 correctness of the k samples.
 
+Tool use, over all samples: ``tool_use_rate`` (a sample with at least one tool call),
+``calls_per_episode`` (mean tool calls), ``tool_error_rate`` (a sample with at least one
+failed call: a traceback, a non-zero exit, a timeout) and ``error_recovery_rate`` (of
+those, the fraction still answered correctly; absent when no call failed).
+
 Metric names spell "@" as "_at_" (`pass_at_1`, `avg_at_4`): "@" is not legal in a
 tensorboard tag, and one name serves metrics.jsonl, tensorboard and results.json.
 """
@@ -37,14 +42,16 @@ def summarize(results: Mapping[str, Sequence[Mapping]], ks: Sequence[int] = (1,)
 
     Args:
       results: task id -> its samples, each a mapping with ``correct`` (bool) and
-        optionally ``tool_calls`` (int), ``num_sampled_tokens`` (int), ``truncated`` and
-        ``env_error`` (bool; such a sample should also have ``correct`` False).
+        optionally ``tool_calls`` and ``tool_errors`` (int, failed calls), ``num_sampled_tokens``
+        (int), ``truncated`` and ``env_error`` (bool; such a sample should also have
+        ``correct`` False).
       ks: the k values of pass@k (each <= the samples per task).
 
     Returns:
       ``pass_at_{k}`` per k, ``avg_at_{n}``, ``tool_use_rate`` (fraction of samples with a tool call),
-      ``mean_response_tokens``, ``num_tasks``; ``truncated_rate`` / ``env_error_rate`` when the
-      samples carry those flags.
+      ``calls_per_episode``, ``mean_response_tokens``, ``num_tasks``; ``truncated_rate`` /
+      ``env_error_rate`` when the samples carry those flags; ``tool_error_rate`` when they carry
+      ``tool_errors``, and ``error_recovery_rate`` when some sample has a failed call.
     """
     if not results:
         raise ValueError("summarize: no results")
@@ -58,6 +65,12 @@ def summarize(results: Mapping[str, Sequence[Mapping]], ks: Sequence[int] = (1,)
     samples = [x for s in results.values() for x in s]
     out[f"avg_at_{n}"] = float(np.mean([bool(x["correct"]) for x in samples]))
     out["tool_use_rate"] = float(np.mean([x.get("tool_calls", 0) > 0 for x in samples]))
+    out["calls_per_episode"] = float(np.mean([x.get("tool_calls", 0) for x in samples]))
+    if any("tool_errors" in x for x in samples):
+        failed = [x for x in samples if x.get("tool_errors", 0) > 0]
+        out["tool_error_rate"] = len(failed) / len(samples)
+        if failed:
+            out["error_recovery_rate"] = float(np.mean([bool(x["correct"]) for x in failed]))
     out["mean_response_tokens"] = float(np.mean([x.get("num_sampled_tokens", 0) for x in samples]))
     out["num_tasks"] = float(len(results))
     for flag in ("truncated", "env_error"):

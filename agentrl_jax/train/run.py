@@ -73,7 +73,8 @@ logger = logging.getLogger(__name__)
 
 # make_env(config, sandbox pool, math verifier, tokenizer) -> zero-argument Environment constructor
 MakeEnv = Callable[[Config, Any, MathVerifier, Tokenizer], Callable[[], Environment]]
-TABLE_KEYS = ["pass_at_1", "tool_use_rate", "mean_response_tokens"]
+TABLE_KEYS = ["pass_at_1", "tool_use_rate", "calls_per_episode", "mean_response_tokens"]
+ERROR_KEYS = ["tool_error_rate", "error_recovery_rate"]  # in the table when the evaluation has them
 # The post-SFT policy, kept for the frozen copies (reference, teacher, judge) of a resumed run.
 INITIAL_POLICY_DIR = "init/sft_policy"
 # What a run that starts over (no checkpoint to resume from) removes from output_dir.
@@ -103,9 +104,9 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
     out.mkdir(parents=True, exist_ok=True)
     train_tasks, eval_tasks, data_stats = setup.load_task_data(config)
     sft_conversations = None
-    if config.sft.steps and config.environment.name == "arithmetic" and not config.data.sft_path:
-        sft_conversations = setup.arithmetic_demonstrations(config, train_tasks)
-    elif config.sft.steps:
+    if config.sft.steps and not config.data.sft_path:  # the environment's own demonstrations, if it writes any
+        sft_conversations = config.environment.make_demonstrations(config, train_tasks)
+    if config.sft.steps and sft_conversations is None:
         sft_conversations, data_stats["sft"] = setup.load_sft_conversations(config)
     # Native-layout demonstrations carry their calls as tool_calls (rendered by the template).
     corpus = [m["content"] or json.dumps(m.get("tool_calls") or "") for conv in (sft_conversations or [])
@@ -264,8 +265,9 @@ def _write_outputs(config: Config, out: Path, results: dict[str, Any], params, m
         save_hf_checkpoint(params, model_config, out / "export")
         tokenizer.hf.save_pretrained(str(out / "export"))
     rows = {k: results[k] for k in ("start", "end") if k in results}
-    table = results_table(rows, TABLE_KEYS + [k for k in next(iter(rows.values()), {}) if k.startswith("pass_at_")
-                                            and k != "pass_at_1"])
+    first = next(iter(rows.values()), {})
+    table = results_table(rows, TABLE_KEYS + [k for k in first if k.startswith("pass_at_") and k != "pass_at_1"]
+                          + [k for k in ERROR_KEYS if any(k in row for row in rows.values())])
     results["table"] = table
     if jax.process_index() == 0:
         (out / "results.json.tmp").write_text(json.dumps(results, indent=2))

@@ -56,3 +56,19 @@ def test_results_table():
     text = results_table({"start": {"pass_at_1": 0.25}, "end": {"pass_at_1": 0.5}}, ["pass_at_1", "tool_use_rate"])
     assert text.splitlines() == ["| stage | pass_at_1 | tool_use_rate |", "|---|---|---|",
                                  "| start | 0.250 | nan |", "| end | 0.500 | nan |"]
+
+
+def test_summarize_tool_errors_and_recovery():
+    """Calls per episode, the rate of episodes with a failed call, and the share of those answered right."""
+    sample = lambda correct, calls, errors: {"correct": correct, "tool_calls": calls, "tool_errors": errors}  # noqa: E731
+    res = {
+        "a": [sample(True, 2, 1), sample(False, 1, 1), sample(True, 1, 0), sample(False, 0, 0)],
+        "b": [sample(True, 3, 2), sample(False, 2, 2), sample(False, 2, 1), sample(True, 1, 0)],
+    }
+    s = summarize(res, ks=(1,))
+    assert s["calls_per_episode"] == pytest.approx(12 / 8)
+    assert s["tool_error_rate"] == pytest.approx(5 / 8)
+    assert s["error_recovery_rate"] == pytest.approx(2 / 5)
+    clean = summarize({"a": [sample(True, 1, 0), sample(False, 0, 0)]})
+    assert clean["tool_error_rate"] == 0.0 and "error_recovery_rate" not in clean  # no failed call: nothing to recover
+    assert "tool_error_rate" not in summarize({"a": [{"correct": True}]})  # samples that do not count errors

@@ -99,6 +99,19 @@ def test_rollout_metrics_count_every_ending():
     assert m["rollout/finish/env_error"] == pytest.approx(1 / 7)
 
 
+def test_rollout_metrics_error_recovery():
+    """Of the episodes with a failed tool call, the share that still ended correct (truncated ones never do)."""
+    from agentrl_jax.envs.base import ToolStats
+
+    trajectories = [_traj(0, 1.0), _traj(0, 1.0), _traj(0, -1.0), _traj(1, 1.0, finish="max_tokens")]
+    for t, stats in zip(trajectories, [ToolStats(2, 1, 0), ToolStats(1, 0, 0), ToolStats(1, 0, 1), ToolStats(2, 1, 0)]):
+        t.tool_stats = stats
+    m = rollout_metrics(trajectories)
+    assert m["tools/error_episode_rate"] == pytest.approx(3 / 4)
+    assert m["tools/error_recovery_rate"] == pytest.approx(1 / 3)
+    assert "tools/error_recovery_rate" not in rollout_metrics(trajectories[1:2])
+
+
 def test_dynamic_sampling_looks_at_trained_episodes_only():
     assert not informative([_traj(0, 1.0), _traj(0, -1.0, masked=True)])
     assert informative([_traj(0, 1.0), _traj(0, -1.0), _traj(0, -1.0, masked=True)])

@@ -136,6 +136,7 @@ async def evaluate(rl: RL, tasks: list[dict], *, label: str) -> dict[str, float]
                 "correct": bool(t.reward_components.get("correct", t.reward > 0))
                 and not t.truncated and t.finish_reason != "env_error",
                 "tool_calls": t.tool_stats.calls,
+                "tool_errors": t.tool_stats.errors + t.tool_stats.timeouts,
                 "num_sampled_tokens": t.num_sampled_tokens,
                 "truncated": t.truncated,
                 "env_error": t.finish_reason == "env_error",
@@ -145,5 +146,10 @@ async def evaluate(rl: RL, tasks: list[dict], *, label: str) -> dict[str, float]
         for i, g in enumerate(groups)
     }
     summary = summarize(results, ks=sorted({1, k}))
+    splits = sorted({str(t["split"]) for t in tasks if "split" in t})
+    if len(splits) > 1:  # tasks that say which held-out split they belong to: scored per split too
+        for name in splits:
+            subset = {i: r for i, r in results.items() if str(tasks[int(i)].get("split")) == name}
+            summary.update({f"{name}/{k_}": v for k_, v in summarize(subset, ks=sorted({1, k})).items()})
     logger.info("eval %s: %s", label, json.dumps({k_: round(v, 4) for k_, v in summary.items()}))
     return summary
