@@ -36,7 +36,7 @@ import numpy as np
 from agentrl_jax.envs.arithmetic import bridge_thought
 from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.rewards.boxed import extract_boxed
-from agentrl_jax.rewards.hints import hint_leaks_answer
+from agentrl_jax.rewards.hints import hint_leaks_answer, placebo_hints
 from agentrl_jax.rollout.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -268,3 +268,42 @@ def apply_prm_reward(trajectories: Sequence[Trajectory], verdicts: Sequence[Verd
         if v.score is not None:
             t.reward_components["prm_score"] = v.score
             t.reward = t.reward + weight * v.score
+
+
+def is_failed(trajectory: Trajectory) -> bool:
+    """The episode did not solve its task: ``correct`` when the environment reports it, else reward <= 0."""
+    correct = trajectory.reward_components.get("correct")
+    return not correct if correct is not None else trajectory.reward <= 0
+
+
+def teacher_hints(trajectories: Sequence[Trajectory], verdicts: Sequence[Verdict], *,
+                  only_failed: bool) -> tuple[list[str | None], dict[str, float]]:
+    """The hints the teacher reads: the verdicts' hints, with ``only_failed`` none on solved episodes.
+
+    A judge may also "correct" a solved episode; distilling toward a hint there pushes on a
+    trajectory the outcome reward already calls right. Dropped hints are counted
+    (``judge/dropped_on_solved``, a share of all episodes).
+    """
+    hints = [v.hint for v in verdicts]
+    dropped = 0
+    if only_failed:
+        for i, t in enumerate(trajectories):
+            if hints[i] is not None and not is_failed(t):
+                hints[i] = None
+                dropped += 1
+    return hints, {"judge/dropped_on_solved": dropped / max(len(hints), 1)}
+
+
+def placebo_for(trajectories: Sequence[Trajectory], hints: Sequence[str | None],
+                count_tokens: Callable[[str], int], rng: np.random.Generator) -> tuple[list[str | None], dict[str, float]]:
+    """Placebo hints (``rewards.hints.placebo_hints``): other tasks' hints of the same token length.
+
+    Tasks are told apart by their prompt token ids. Metrics, as shares of the hinted
+    episodes: ``placebo/same_length``, ``placebo/other_length``, ``placebo/unmatched``.
+    """
+    lengths = [count_tokens(h) if h is not None else 0 for h in hints]
+    keys = [np.asarray(t.prompt_token_ids).tobytes() for t in trajectories]
+    placebo, stats = placebo_hints(hints, lengths, keys, rng)
+    n = max(stats.hinted, 1)
+    return placebo, {"placebo/same_length": stats.same_length / n, "placebo/other_length": stats.other_length / n,
+                     "placebo/unmatched": stats.unmatched / n}
