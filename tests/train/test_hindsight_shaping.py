@@ -97,3 +97,34 @@ def test_shaped_teacher_advantages_against_numpy(mode):
     taught = mask * has[:, None]
     near = (np.abs(tea - logp) < 0.25) * taught
     assert metrics["opd/near_zero_fraction"] == pytest.approx(near.sum() / taught.sum(), rel=1e-5)
+
+
+def test_teacher_params_per_choice():
+    import jax.numpy as jnp
+
+    from agentrl_jax.train.teacher import TeacherParams
+
+    start = {"w": jnp.array([1.0, 2.0]), "b": jnp.array(0.5)}
+    frozen = {"w": jnp.array([9.0, 9.0]), "b": jnp.array(9.0)}
+    steps = [{"w": jnp.array([float(k), -float(k)]), "b": jnp.array(float(k))} for k in (1, 2, 3)]
+    reference = TeacherParams("reference", frozen=frozen)
+    policy = TeacherParams("policy")
+    snapshot = TeacherParams("lagged", initial=start, lag_steps=2)
+    ema = TeacherParams("lagged", initial=start, ema_decay=0.75)
+    want_ema = {k: np.asarray(v) for k, v in start.items()}
+    for step, params in enumerate(steps, 1):
+        assert reference.params(params) is frozen and policy.params(params) is params
+        for teacher in (reference, policy, snapshot, ema):
+            teacher.observe(params, step)
+        want_ema = {k: 0.75 * want_ema[k] + 0.25 * np.asarray(params[k]) for k in want_ema}
+        np.testing.assert_allclose(np.asarray(ema.params(params)["w"]), want_ema["w"], rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(ema.params(params)["b"]), want_ema["b"], rtol=1e-6)
+        expected = start if step == 1 else steps[1]  # snapshots at steps 2, 4, ...
+        np.testing.assert_array_equal(np.asarray(snapshot.params(params)["w"]), np.asarray(expected["w"]))
+    steps[1]["w"].delete()  # the donating update frees the policy's buffers; the snapshot owns its own
+    np.testing.assert_array_equal(np.asarray(snapshot.params(steps[2])["w"]), [2.0, -2.0])
+    for kwargs, message in [({"kind": "reference"}, "frozen params"), ({"kind": "lagged", "initial": start},
+                            "exactly one"), ({"kind": "lagged", "initial": start, "lag_steps": 2, "ema_decay": 0.5},
+                            "exactly one"), ({"kind": "student"}, "must be one of")]:
+        with pytest.raises(ValueError, match=message):
+            TeacherParams(**kwargs)
