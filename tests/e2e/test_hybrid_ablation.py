@@ -93,3 +93,45 @@ def test_documented_end_to_end_check_runs(tmp_path):
     hybrid = summary["arms"]["hybrid_lam0.3"]["runs"]["0"]
     assert len(hybrid["curve"]) == 3 and "judge/hint_fraction" in hybrid["step1"]
     assert (out / "ablation.png").exists() and "hybrid_lam0.3" in (out / "table.md").read_text()
+
+
+# ------------------------------------------------------------------ bench/hint_diagnostic.py
+
+
+def _diagnostic():
+    spec = importlib.util.spec_from_file_location("hint_diagnostic", ROOT / "bench" / "hint_diagnostic.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_scripted_failures_diverge_where_the_mistake_is(tmp_path):
+    from agentrl_jax.envs import make_tasks
+    from agentrl_jax.models.tiny import train_tiny_tokenizer
+    from agentrl_jax.models.tokenizer import Tokenizer
+
+    diagnostic = _diagnostic()
+    corpus = ["What is 123*456? <code>print(123*456)</code> <interpreter>56088</interpreter> \\boxed{56088}"] * 20
+    tokenizer = Tokenizer(train_tiny_tokenizer(tmp_path / "tok", corpus, vocab_size=300, individual_digits=True))
+    rng = np.random.default_rng(0)
+    for task in make_tasks(10, 4, seed=0):
+        for kind in ("memory", "wrong_code", "not_copied"):
+            episode, j = diagnostic.scripted_episode(tokenizer, task, kind, rng)
+            prompt = len(episode.prompt_token_ids)
+            text_before = tokenizer.decode(episode.token_ids[prompt:j].tolist())
+            wrong = tokenizer.decode(episode.token_ids[j:j + 1].tolist())
+            assert episode.loss_mask[j] == 1  # the policy chose the wrong token
+            if kind == "memory":
+                assert j == prompt  # wrong from the first token: no tool call
+            elif kind == "wrong_code":  # at a digit of the second operand
+                assert text_before.startswith(f"<code>print({task['a']}{task['op']}") and wrong.isdigit()
+                assert str(task["b"]).startswith(text_before.split(task["op"])[-1])
+            else:  # at a digit of the boxed copy of the printed result
+                assert f"<interpreter>{task['answer']}</interpreter>" in text_before and wrong.isdigit()
+                assert task["answer"].startswith(text_before.split("\\boxed{")[-1])
+    d = np.array([[0.0, -3.0, 0.1, -0.5], [0.2, 0.0, -2.0, 0.0]])
+    mask = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], np.float32)
+    stats = diagnostic.term_stats(d, mask, [2, 3])  # token j's logprob sits at index j - 1
+    assert stats["at_divergence"] == pytest.approx(-2.5)
+    assert stats["before_mean"] == pytest.approx(0.2 / 3) and stats["after_mean"] == pytest.approx(-0.2)
+    assert stats["before_near_zero"] == pytest.approx(1.0) and stats["after_near_zero"] == pytest.approx(0.5)
