@@ -27,7 +27,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -35,7 +34,6 @@ from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.train.batch import TokenRecord, build_batch
 
 PLACEMENTS = ("user_message", "assistant_prefix")
-TEACHERS = ("reference", "checkpoint", "policy", "lagged")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,11 +242,9 @@ def teacher_advantages(
       lam the OPD weight of this step (``losses.opd_lambda``); center, clip as
       ``losses.shaped_opd_term``.
     Returns: (advantages [R, T] float32, metrics over the tokens with a teacher signal:
-      opd/teacher_fraction is added by the caller; opd/advantage_mean and opd/kl_student_teacher
-      of the raw d; opd/min_token and opd/near_zero_fraction, the step-0 diagnostic of
-      ``losses.opd_term_diagnostics`` on the raw d).
+      opd/advantage_mean and opd/kl_student_teacher of the raw d).
     """
-    from agentrl_jax.losses import hindsight_advantages, opd_term_diagnostics, shaped_opd_term
+    from agentrl_jax.losses import hindsight_advantages, shaped_opd_term
 
     args = [jnp.asarray(x, jnp.float32) for x in (teacher_logp, logp, loss_mask)]
     taught_rows = jnp.asarray(has_teacher, bool)
@@ -261,65 +257,9 @@ def teacher_advantages(
         raise ValueError(f"teacher_advantages: mode must be 'opd' or 'hybrid', got {mode!r}")
     taught = loss_mask * np.asarray(has_teacher, np.float32)[:, None]
     n = max(float(taught.sum()), 1.0)
-    raw = shaped_opd_term(*args, taught_rows)
-    diagnostics = opd_term_diagnostics(raw, args[2], taught_rows)
     metrics = {
         "opd/advantage_mean": float(((teacher_logp - logp) * taught).sum() / n),
         "opd/kl_student_teacher": kl_on_sampled(teacher_logp, logp, taught),
-        "opd/min_token": float(diagnostics["min_token"]),
-        "opd/near_zero_fraction": float(diagnostics["near_zero_fraction"]),
     }
     return np.asarray(adv, np.float32), metrics
 
-
-def _owned_copy(params: Any) -> Any:
-    """A copy that owns its buffers: the donating update deletes the policy's own."""
-    return jax.tree.map(jnp.copy, params)
-
-
-class TeacherParams:
-    """Which params score the teacher's contexts (``hybrid.teacher``), and how they move.
-
-    - "reference" / "checkpoint": frozen params, given once (the seed's recipe);
-    - "policy": the params being trained, before this step's update (self-distillation
-      with privileged context, as SDPO / OPSD): d = log pi(y | x, hint) - log pi(y | x)
-      measures the hint alone;
-    - "lagged": a copy of the policy that follows it slowly: a snapshot every
-      ``lag_steps`` steps, or with ``ema_decay`` > 0 an EMA of the params
-      (theta_T <- decay * theta_T + (1 - decay) * theta after every step), starting at
-      the starting policy.
-
-    Call ``params(policy_params)`` in the score stage and ``observe(new_params, step)``
-    after each update. The lagged params are not checkpointed: a resumed run restarts
-    them from the params it resumes with (docs/hybrid.md).
-    """
-
-    def __init__(self, kind: str, *, frozen: Any = None, initial: Any = None, lag_steps: int = 0,
-                 ema_decay: float = 0.0):
-        if kind not in TEACHERS:
-            raise ValueError(f"TeacherParams: kind must be one of {TEACHERS}, got {kind!r}")
-        if kind in ("reference", "checkpoint") and frozen is None:
-            raise ValueError(f"TeacherParams: teacher {kind!r} needs its frozen params")
-        if kind == "lagged" and (initial is None or (lag_steps < 1) == (not 0.0 < ema_decay < 1.0)):
-            raise ValueError("TeacherParams: 'lagged' needs the initial params and exactly one of lag_steps >= 1 "
-                             f"or 0 < ema_decay < 1 (got lag_steps={lag_steps}, ema_decay={ema_decay})")
-        self.kind, self.lag_steps, self.ema_decay = kind, lag_steps, ema_decay
-        self.frozen = frozen
-        self.lagged = _owned_copy(initial) if kind == "lagged" else None
-
-    def params(self, policy_params: Any) -> Any:
-        """The teacher's params this step, given the policy's (before the update)."""
-        if self.kind == "policy":
-            return policy_params
-        return self.lagged if self.kind == "lagged" else self.frozen
-
-    def observe(self, policy_params: Any, step: int) -> None:
-        """After the update of ``step`` (1-based): move a lagged teacher toward ``policy_params``."""
-        if self.kind != "lagged":
-            return
-        if self.ema_decay:
-            decay = self.ema_decay
-            self.lagged = jax.tree.map(lambda t, p: (decay * t + (1.0 - decay) * p).astype(t.dtype),
-                                       self.lagged, policy_params)
-        elif step % self.lag_steps == 0:
-            self.lagged = _owned_copy(policy_params)

@@ -120,9 +120,11 @@ def train_step(rl: RL, state: TrainState, version: int, step: int, trajectories:
     batch = stages.build_step_batch(rl, trajectories)  # advantages
     if batch is None:
         return state, stages.empty_step(rl, state, step, len(trajectories)), None
-    arrays, score_metrics = stages.score(rl, batch, state.params, version, trajectories, verdicts)
+    arrays, score_metrics = stages.score(rl, batch, state.params, version, trajectories, verdicts, step)
     state, metrics = stages.update(rl, state, arrays, batch.loss_mask, step)
     jax.block_until_ready(state.params)
+    if rl.roles.teacher is not None:  # a lagged teacher follows the policy
+        rl.roles.teacher.observe(state.params, step + 1)
     metrics.update(score_metrics)
     masked = [metrics[k] for k in ("mis_masked_frac", "icepop_masked_frac") if k in metrics]
     metrics.update(rl.old_policy.after_update(state.params, step, 1.0 - masked[0] if masked else None))

@@ -8,8 +8,8 @@ from agentrl_jax.envs import bridge_thought, make_tasks
 from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.models.tiny import train_tiny_tokenizer
 from agentrl_jax.models.tokenizer import Tokenizer
-from agentrl_jax.train.hindsight import Verdict, is_failed, placebo_for, teacher_hints
-from agentrl_jax.train.teacher import teacher_advantages
+from agentrl_jax.train.guidance.hindsight import Verdict, is_failed, placebo_for, teacher_hints
+from agentrl_jax.train.guidance.teacher import teacher_advantages
 
 
 @pytest.fixture(scope="module")
@@ -91,40 +91,56 @@ def test_shaped_teacher_advantages_against_numpy(mode):
     shaped = np_shaped(tea, logp, mask, np.nonzero(has)[0], center=True, clip=0.5)
     want = shaped if mode == "opd" else np.where(mask > 0, group + 0.3 * shaped, 0.0)
     np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6)
-    raw = np.where(mask > 0, tea - logp, np.inf)
-    mins = [raw[b].min() for b in np.nonzero(has)[0]]
-    assert metrics["opd/min_token"] == pytest.approx(np.mean(mins), rel=1e-5)
     taught = mask * has[:, None]
-    near = (np.abs(tea - logp) < 0.25) * taught
-    assert metrics["opd/near_zero_fraction"] == pytest.approx(near.sum() / taught.sum(), rel=1e-5)
+    assert metrics["opd/advantage_mean"] == pytest.approx(((tea - logp) * taught).sum() / taught.sum(), rel=1e-5)
+
+
+def test_term_diagnostics_against_numpy():
+    from agentrl_jax.train.guidance.signal import term_diagnostics
+
+    rng = np.random.default_rng(3)
+    tea, logp = rng.normal(-1, 1, (4, 7)), rng.normal(-1, 1, (4, 7))
+    tea[:, :3] = logp[:, :3] + rng.normal(0, 0.1, (4, 3))  # a stretch the hint does not concern
+    mask = np.ones((4, 7), np.float32)
+    mask[2, 5:] = 0
+    rows = np.array([True, True, True, False])
+    got = term_diagnostics(tea, logp, mask, rows, prefix="x/")
+    d = np.where(mask > 0, tea - logp, np.inf)
+    assert got["x/min_token"] == pytest.approx(np.mean([d[b].min() for b in range(3)]), rel=1e-5)
+    taught = mask * rows[:, None]
+    near = ((np.abs(tea - logp) < 0.25) * taught).sum() / taught.sum()
+    assert got["x/near_zero_fraction"] == pytest.approx(near, rel=1e-5)
 
 
 def test_teacher_params_per_choice():
     import jax.numpy as jnp
 
-    from agentrl_jax.train.teacher import TeacherParams
+    from agentrl_jax.train.guidance.signal import Teacher
 
     start = {"w": jnp.array([1.0, 2.0]), "b": jnp.array(0.5)}
     frozen = {"w": jnp.array([9.0, 9.0]), "b": jnp.array(9.0)}
     steps = [{"w": jnp.array([float(k), -float(k)]), "b": jnp.array(float(k))} for k in (1, 2, 3)]
-    reference = TeacherParams("reference", frozen=frozen)
-    policy = TeacherParams("policy")
-    snapshot = TeacherParams("lagged", initial=start, lag_steps=2)
-    ema = TeacherParams("lagged", initial=start, ema_decay=0.75)
+    reference = Teacher("g", "reference", frozen=frozen)
+    policy = Teacher("g", "policy")
+    snapshot = Teacher("g", "lagged", initial=start, lag_steps=2)
+    ema = Teacher("g", "lagged", initial=start, ema_decay=0.75)
     want_ema = {k: np.asarray(v) for k, v in start.items()}
     for step, params in enumerate(steps, 1):
-        assert reference.params(params) is frozen and policy.params(params) is params
+        assert reference.params_for(params) is frozen and reference.params is frozen
+        assert policy.params_for(params) is params
         for teacher in (reference, policy, snapshot, ema):
             teacher.observe(params, step)
         want_ema = {k: 0.75 * want_ema[k] + 0.25 * np.asarray(params[k]) for k in want_ema}
-        np.testing.assert_allclose(np.asarray(ema.params(params)["w"]), want_ema["w"], rtol=1e-6)
-        np.testing.assert_allclose(np.asarray(ema.params(params)["b"]), want_ema["b"], rtol=1e-6)
-        expected = start if step == 1 else steps[1]  # snapshots at steps 2, 4, ...
-        np.testing.assert_array_equal(np.asarray(snapshot.params(params)["w"]), np.asarray(expected["w"]))
+        np.testing.assert_allclose(np.asarray(ema.params_for(params)["w"]), want_ema["w"], rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(ema.params_for(params)["b"]), want_ema["b"], rtol=1e-6)
+        expected = start if step == 1 else steps[1]  # snapshots after updates 2, 4, ...
+        np.testing.assert_array_equal(np.asarray(snapshot.params_for(params)["w"]), np.asarray(expected["w"]))
     steps[1]["w"].delete()  # the donating update frees the policy's buffers; the snapshot owns its own
-    np.testing.assert_array_equal(np.asarray(snapshot.params(steps[2])["w"]), [2.0, -2.0])
+    np.testing.assert_array_equal(np.asarray(snapshot.params["w"]), [2.0, -2.0])
+    with pytest.raises(AttributeError, match="no params of its own"):
+        _ = policy.params
     for kwargs, message in [({"kind": "reference"}, "frozen params"), ({"kind": "lagged", "initial": start},
                             "exactly one"), ({"kind": "lagged", "initial": start, "lag_steps": 2, "ema_decay": 0.5},
                             "exactly one"), ({"kind": "student"}, "must be one of")]:
         with pytest.raises(ValueError, match=message):
-            TeacherParams(**kwargs)
+            Teacher("g", **kwargs)
