@@ -30,14 +30,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "configs/hybrid_ablation.py"
-_HYBRID = ["hybrid.mode=hybrid", "hybrid.judge=oracle"]
+# every arm with hints also logs the placebo diagnostic at steps 1, 11, 21 (a measurement, no effect on training)
+_HYBRID = ["hybrid.mode=hybrid", "hybrid.judge=oracle", "hybrid.placebo_diagnostic_every=10"]
 #: arm -> its overrides of configs/hybrid_ablation.py (which is the GRPO arm as it stands).
 ARMS: dict[str, list[str]] = {
     "grpo": [],
     "hybrid_lam0.1": [*_HYBRID, "hybrid.lam=0.1"],
     "hybrid_lam0.3": [*_HYBRID, "hybrid.lam=0.3"],
     "hybrid_lam1": [*_HYBRID, "hybrid.lam=1.0"],
-    "opd_only": ["hybrid.mode=opd", "hybrid.judge=oracle"],
+    "opd_only": ["hybrid.mode=opd", "hybrid.judge=oracle", "hybrid.placebo_diagnostic_every=10"],
     "placebo": [*_HYBRID, "hybrid.lam=0.3", "hybrid.placebo=true"],
     "self_distill": [*_HYBRID, "hybrid.lam=0.3", "hybrid.teacher=policy"],
 }

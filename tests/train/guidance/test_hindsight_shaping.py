@@ -144,3 +144,28 @@ def test_teacher_params_per_choice():
                             "exactly one"), ({"kind": "student"}, "must be one of")]:
         with pytest.raises(ValueError, match=message):
             Teacher("g", **kwargs)
+
+
+def test_issue16_config_fields_are_validated_naming_the_field():
+    from agentrl_jax.config import Config, ConfigError, apply_overrides
+
+    base = ["hybrid.mode=hybrid", "hybrid.judge=oracle"]
+    ok = apply_overrides(Config(), base + ["hybrid.teacher=lagged", "hybrid.teacher_ema_decay=0.9", "hybrid.center=true",
+                                           "hybrid.clip=2", "hybrid.lam_schedule=cosine_decay",
+                                           "hybrid.lam_decay_steps=10", "hybrid.placebo=true",
+                                           "hybrid.hint_only_failed=true", "hybrid.placebo_diagnostic_every=5"])
+    assert ok.hybrid.teacher == "lagged" and ok.hybrid.placebo
+    for overrides, field in [
+        (base + ["hybrid.teacher=lagged"], "hybrid.teacher_lag_steps"),
+        (base + ["hybrid.teacher=lagged", "hybrid.teacher_lag_steps=2", "hybrid.teacher_ema_decay=0.5"],
+         "hybrid.teacher_lag_steps"),
+        (base + ["hybrid.teacher_lag_steps=2"], "hybrid.teacher_lag_steps"),
+        (base + ["hybrid.teacher=policy", "hybrid.judge=teacher"], "hybrid.judge"),
+        (base + ["hybrid.clip=-1"], "hybrid.clip"),
+        (base + ["hybrid.lam_schedule=linear_warmup"], "hybrid.lam_warmup_steps"),
+        (["hybrid.center=true"], "hybrid.center"),
+        (["hybrid.mode=hybrid", "hybrid.placebo=true"], "hybrid.placebo"),
+        (["hybrid.mode=opd", "hybrid.hint_only_failed=true"], "hybrid.hint_only_failed"),
+    ]:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            apply_overrides(Config(), overrides)
