@@ -47,7 +47,8 @@ THRESHOLD = 0.5  # training accuracy, trailing mean over WINDOW steps
 WINDOW = 3
 BASELINE = "grpo"
 DIAGNOSTICS = ("rollout/all_equal_groups", "judge/hint_fraction", "judge/leaked", "opd/kl_student_teacher",
-               "opd/min_token", "opd/near_zero_fraction", "opd/placebo_min_token")
+               "opd/min_token", "opd/near_zero_fraction", "opd/placebo_min_token",
+               "opd/placebo_near_zero_fraction")
 
 
 def _launch(run_dir: Path, overrides: list[str]) -> None:
