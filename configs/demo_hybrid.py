@@ -1,6 +1,7 @@
 """The demo (configs/demo.py) with the Retool-RL hybrid advantage (seeds/000, issue 7).
 
-Same task, model, SFT cold start and GRPO settings as the demo; after each episode a judge
+Same task, model and GRPO settings as the demo (its SFT data also has hint-following
+demonstrations, below); after each episode a judge
 writes a bridge thought, the frozen post-SFT policy (the reference) scores the sampled
 tokens under [prompt + hint + response], and trajectories with a hint get
 A_t = A_grpo + lambda * (log pi_teacher(y_t) - log pi(y_t)); the others keep pure GRPO.
@@ -11,7 +12,8 @@ model judge (same judge-text format and parser, same hint-length limit) and read
 what a model judge would see: the task, the trajectory with the interpreter's feedback and
 the outcome. Its hints: "I should call the interpreter: <code>print(a*b)</code>" when the
 policy answered from memory, the exact expression when the code was wrong, "copy the
-printed result" when the result was not copied.
+printed result" when the result was not copied. A quarter of the SFT demonstrations carry
+such a hint and follow it (``environment.demo_hint_fraction``), so the teacher can read one.
 
     python launch/tpu_pod.py --config configs/demo_hybrid.py
 """
@@ -28,6 +30,9 @@ def get_config():
         config,
         name="demo_hybrid",
         output_dir="runs/demo_hybrid",
+        # a quarter of the SFT demonstrations carry the oracle's hint and follow it, so the
+        # post-SFT policy, the teacher, can read a hint (issue 16; docs/hybrid.md)
+        environment=dataclasses.replace(config.environment, demo_hint_fraction=0.25),
         hybrid=HybridConfig(
             mode="hybrid",
             lam=1.0,

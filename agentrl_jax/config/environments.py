@@ -234,7 +234,11 @@ class ArithmeticEnvConfig(EnvironmentConfig):
     max_digits: int = _f(4, "arithmetic: largest operand width of generated tasks.")
     num_train_tasks: int = _f(4000, "arithmetic: generated training tasks (when data.train_path is empty).")
     num_eval_tasks: int = _f(200, "arithmetic: generated held-out tasks (when data.eval_path is empty).")
-    demo_tool_fraction: float = _f(0.5, "arithmetic SFT: fraction of demonstrations that call the tool.")
+    demo_tool_fraction: float = _f(0.5, "arithmetic SFT: fraction of the unhinted demonstrations that call the tool.")
+    demo_hint_fraction: float = _f(
+        0.0, "arithmetic SFT: fraction of demonstrations whose user message ends with a bridge thought (the oracle "
+        "judge's hint in hybrid.hint_format) that the assistant follows (exact code, copied result); these teach "
+        "the post-SFT policy, later the teacher, to read hints (docs/hybrid.md).")
 
     generates_tasks: ClassVar[bool] = True
     layouts: ClassVar[tuple[str, ...]] = ("inline", "native")
@@ -244,8 +248,20 @@ class ArithmeticEnvConfig(EnvironmentConfig):
         _require(1 <= self.min_digits <= self.max_digits, "environment.min_digits/max_digits",
                  f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
         _require(0 <= self.demo_tool_fraction <= 1, self._path("demo_tool_fraction"), "must be in [0, 1]")
+        _require(0 <= self.demo_hint_fraction <= 1, self._path("demo_hint_fraction"), "must be in [0, 1]")
         _require(self.num_train_tasks >= 1, self._path("num_train_tasks"), "must be >= 1")
         _require(self.num_eval_tasks >= 1, self._path("num_eval_tasks"), "must be >= 1")
+
+    def validate_in(self, config: Config) -> None:
+        super().validate_in(config)
+        _require(not self.demo_hint_fraction or config.hybrid.hint_placement == "user_message",
+                 self._path("demo_hint_fraction"),
+                 f"({self.demo_hint_fraction}) writes the hint into the user message, as the teacher reads it with "
+                 f"hybrid.hint_placement='user_message'; with {config.hybrid.hint_placement!r} the demonstrations "
+                 "would teach another context than the teacher sees (set hint_placement='user_message')")
+        _require(not self.demo_hint_fraction or self.layout == "inline", self._path("demo_hint_fraction"),
+                 "hint-following demonstrations are written in the inline layout only; "
+                 "set environment.layout='inline' or demo_hint_fraction=0")
 
     def make_tasks(self, config: Config, split: Literal["train", "eval"]) -> list[dict[str, Any]]:
         from agentrl_jax.envs.arithmetic import make_tasks

@@ -314,11 +314,32 @@ class HybridConfig(_Section):
 
     mode: Literal["none", "opd", "hybrid"] = _f("none", "Teacher signal in the advantage: off, pure OPD, or hybrid.")
     lam: float = _f(1.0, "lambda: weight of the OPD term in the hybrid advantage A_group + lambda * A_opd.")
-    teacher: Literal["reference", "checkpoint"] = _f(
+    teacher: Literal["reference", "checkpoint", "policy", "lagged"] = _f(
         "reference", "The teacher: the frozen reference (model.reference_path if set, else the starting "
-        "policy; no extra memory when the dtypes match) or the HF checkpoint at hybrid.teacher_path.")
+        "policy; no extra memory when the dtypes match), the HF checkpoint at hybrid.teacher_path, the "
+        "current policy before the update (self-distillation with the hint, as SDPO / OPSD), or a lagged "
+        "copy of the policy (hybrid.teacher_lag_steps or hybrid.teacher_ema_decay).")
     teacher_path: str = _f("", "HF checkpoint of the teacher when hybrid.teacher='checkpoint'.")
-    teacher_dtype: DType = _f("bfloat16", "Dtype of the frozen teacher params.")
+    teacher_dtype: DType = _f("bfloat16", "Dtype of the frozen teacher params (reference / checkpoint teachers).")
+    teacher_lag_steps: int = _f(0, "teacher='lagged': copy the policy's params into the teacher every N steps.")
+    teacher_ema_decay: float = _f(0.0, "teacher='lagged': instead of snapshots, an EMA of the policy's params "
+                                       "(theta_T <- decay * theta_T + (1 - decay) * theta after every step).")
+    hint_only_failed: bool = _f(False, "Drop the judge's hints on episodes that solved their task (counted as "
+                                       "judge/dropped_on_solved).")
+    center: bool = _f(False, "Center the OPD term per trajectory (subtract its mean over the trajectory's loss "
+                             "tokens): the hint's uniform offset and the frozen teacher's KL-to-start part cancel.")
+    clip: float = _f(0.0, "Clip the OPD term per token to [-clip, clip] (after centering); 0: off.")
+    lam_schedule: Literal["constant", "linear_warmup", "linear_decay", "cosine_decay"] = _f(
+        "constant", "lambda over the RL steps (losses.opd_lambda): constant, linear warmup from 0 over "
+        "lam_warmup_steps, or a linear / cosine decay to lam_final over lam_decay_steps.")
+    lam_warmup_steps: int = _f(0, "lam_schedule='linear_warmup': steps of the ramp from 0 to lam.")
+    lam_decay_steps: int = _f(0, "lam_schedule='linear_decay' / 'cosine_decay': steps from lam to lam_final.")
+    lam_final: float = _f(0.0, "lambda at the end of a decay.")
+    placebo: bool = _f(False, "Placebo control: the teacher reads another task's hint of the same token length "
+                              "(rewards.hints.placebo_hints) instead of the trajectory's own.")
+    placebo_diagnostic_every: int = _f(
+        0, "Every N steps (from the first) also score the hinted trajectories under placebo hints and log "
+        "opd/placebo_min_token and opd/placebo_near_zero_fraction (one more teacher pass); 0: never.")
     judge: Literal["none", "policy", "reference", "teacher", "oracle"] = _f(
         "none", "Who writes bridge thoughts / PRM scores after an episode: nobody, a model through the "
         "rollout driver (current policy, reference or teacher params), or a scripted oracle (arithmetic only).")
@@ -357,6 +378,35 @@ class HybridConfig(_Section):
             _require("trajectory" in names, self._path("judge_template"), "must contain {trajectory}")
         _require(self.prm_weight == 0 or self.judge != "none", self._path("prm_weight"),
                  "needs a judge (hybrid.judge != 'none')")
+        self._validate_teacher_signal()
+
+    def _validate_teacher_signal(self) -> None:
+        """The issue-16 options: each must be able to act (a teacher, hints), none silently ignored."""
+        lagged = self.teacher == "lagged"
+        _require(not lagged or (self.teacher_lag_steps >= 1) != (0 < self.teacher_ema_decay < 1),
+                 self._path("teacher_lag_steps"), "teacher='lagged' needs exactly one of teacher_lag_steps >= 1 "
+                 f"or 0 < teacher_ema_decay < 1 (got {self.teacher_lag_steps}, {self.teacher_ema_decay})")
+        _require(lagged or (self.teacher_lag_steps == 0 and self.teacher_ema_decay == 0),
+                 self._path("teacher_lag_steps"), "teacher_lag_steps / teacher_ema_decay need teacher='lagged'")
+        _require(self.judge != "teacher" or self.teacher in ("reference", "checkpoint"), self._path("judge"),
+                 f"'teacher' decodes with the teacher's own params; teacher={self.teacher!r} has none "
+                 "(use judge='policy')")
+        _require(self.clip >= 0, self._path("clip"), "must be >= 0 (0: off)")
+        _require(self.lam_final >= 0, self._path("lam_final"), "must be >= 0")
+        ramp = {"linear_warmup": ("lam_warmup_steps", self.lam_warmup_steps),
+                "linear_decay": ("lam_decay_steps", self.lam_decay_steps),
+                "cosine_decay": ("lam_decay_steps", self.lam_decay_steps)}.get(self.lam_schedule)
+        if ramp:
+            _require(ramp[1] >= 1, self._path(ramp[0]), f"must be >= 1 with lam_schedule={self.lam_schedule!r}")
+        _require(self.placebo_diagnostic_every >= 0, self._path("placebo_diagnostic_every"), "must be >= 0")
+        shaped = {"center": self.center, "clip": self.clip, "placebo": self.placebo,
+                  "hint_only_failed": self.hint_only_failed, "placebo_diagnostic_every": self.placebo_diagnostic_every,
+                  "lam_schedule": self.lam_schedule != "constant", "teacher": lagged or self.teacher == "policy"}
+        for key, value in shaped.items():
+            _require(self.mode != "none" or not value, self._path(key), "has no effect with hybrid.mode='none'")
+        for key in ("placebo", "hint_only_failed", "placebo_diagnostic_every"):
+            _require(self.judge != "none" or not getattr(self, key), self._path(key),
+                     "needs hints: set hybrid.judge")
 
 
 @dataclass(frozen=True)

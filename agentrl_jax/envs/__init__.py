@@ -1,6 +1,7 @@
 """Environments, the tool sandbox pool and the Environment API the agent loop drives."""
 
-from agentrl_jax.envs.arithmetic import ArithmeticEnv, arithmetic_config, demonstration, make_tasks
+from agentrl_jax.envs.arithmetic import (ArithmeticEnv, arithmetic_config, bridge_thought, demonstration,
+                                        hinted_demonstration, make_tasks)
 from agentrl_jax.envs.base import FINISH_REASONS, TRUNCATED_REASONS, Environment, StepResult, ToolStats, Trajectory
 from agentrl_jax.envs.remote_sandbox import RemoteSandbox, RemoteSandboxConfig
 from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv, interpreter_text, parse_code, truncate_middle
@@ -18,7 +19,7 @@ __all__ = [
     "ToolRegistry", "ToolResult", "Environment", "ExecResult", "LocalRetriever", "Passage", "RemoteRetriever",
     "RemoteRetrieverConfig", "RemoteSandbox", "RemoteSandboxConfig", "ReToolConfig", "ReToolEnv", "Retriever",
     "RetrieverError", "SandboxPoolConfig", "SandboxPool", "SearchConfig", "SearchEnv", "StepResult", "ToolStats",
-    "Trajectory", "arithmetic_config", "demonstration", "exact_match", "interpreter_text", "load_corpus",
-    "make_search_corpus", "make_tasks", "normalize_answer", "parse_code", "token_f1", "truncate_middle",
+    "Trajectory", "arithmetic_config", "bridge_thought", "demonstration", "exact_match", "hinted_demonstration",
+    "interpreter_text", "load_corpus", "make_search_corpus", "make_tasks", "normalize_answer", "parse_code", "token_f1", "truncate_middle",
     "write_search_corpus",
 ]

@@ -124,4 +124,40 @@ def demonstration(task: dict[str, Any], style: str, rng: np.random.Generator, *,
     raise ValueError(f"demonstration style must be 'tool' or 'memory', got {style!r}")
 
 
-__all__ = ["ArithmeticEnv", "arithmetic_config", "demonstration", "make_tasks", "OPERATORS"]
+#: The mistakes a failed arithmetic episode can make, each with its bridge thought.
+MISTAKES = ("memory", "wrong_code", "not_copied")
+
+
+def bridge_thought(task: dict[str, Any], mistake: str) -> str:
+    """The hint a perfect judge writes for a failed episode of ``task`` (seeds/000's format:
+    one short first-person, actionable fix). None of them states the answer, so the
+    leakage guard (``rewards.hints``) lets them through.
+
+    mistake "memory": answered without the tool; "wrong_code": printed another
+    expression; "not_copied": the interpreter printed the result but the box holds another number.
+    """
+    expression = f"{task['a']}{task['op']}{task['b']}"
+    if mistake == "memory":
+        return f"I should call the interpreter: <code>print({expression})</code>"
+    if mistake == "wrong_code":
+        return f"I should print exactly {expression}: <code>print({expression})</code>"
+    if mistake == "not_copied":
+        return "I should copy the number the interpreter printed into the box, digit by digit."
+    raise ValueError(f"bridge_thought: mistake must be one of {MISTAKES}, got {mistake!r}")
+
+
+def hinted_demonstration(task: dict[str, Any], rng: np.random.Generator, *, fenced: bool = False,
+                         hint_format: str = "\nHint: {hint}") -> tuple[str, list[dict[str, str]]]:
+    """A hint-following SFT demonstration: (text appended to the user message, turns).
+
+    The hint is the bridge thought of a mistake drawn uniformly from ``MISTAKES``, in the
+    teacher's ``hint_format`` (placement ``user_message``); the assistant follows it: it
+    calls the interpreter with the exact expression and copies the printed result. Trained
+    on these, the post-SFT policy can read a hint when it later serves as the teacher.
+    """
+    mistake = MISTAKES[int(rng.integers(len(MISTAKES)))]
+    return hint_format.format(hint=bridge_thought(task, mistake)), demonstration(task, "tool", rng, fenced=fenced)
+
+
+__all__ = ["ArithmeticEnv", "MISTAKES", "arithmetic_config", "bridge_thought", "demonstration",
+           "hinted_demonstration", "make_tasks", "OPERATORS"]

@@ -27,6 +27,14 @@ from agentrl_jax.losses.corrections import (
 from agentrl_jax.losses.kl import entropy_bonus, kl_estimate, kl_loss, kl_reward_penalty
 from agentrl_jax.losses.logprobs import token_logprobs
 from agentrl_jax.losses.metrics import masked_max, masked_mean, masked_min
+from agentrl_jax.losses.opd import (
+    center_per_sequence,
+    clip_per_token,
+    hindsight_advantages,
+    opd_lambda,
+    opd_term_diagnostics,
+    shaped_opd_term,
+)
 from agentrl_jax.losses.policy import (
     cispo_loss,
     gspo_loss,
@@ -53,7 +61,9 @@ __all__ = [
     "Correction",
     "PolicyLoss",
     "aggregate",
+    "center_per_sequence",
     "cispo_loss",
+    "clip_per_token",
     "correct_discrepancy",
     "decoupled_loss",
     "drgrpo_advantages",
@@ -66,6 +76,7 @@ __all__ = [
     "grpo_advantages",
     "gspo_loss",
     "gspo_token_loss",
+    "hindsight_advantages",
     "hybrid_advantages",
     "icepop",
     "kl_estimate",
@@ -80,6 +91,8 @@ __all__ = [
     "masked_mean",
     "masked_min",
     "opd_advantages",
+    "opd_lambda",
+    "opd_term_diagnostics",
     "outcome_token_rewards",
     "ppo_clip_loss",
     "register_advantage",
@@ -90,6 +103,7 @@ __all__ = [
     "sequence_sums",
     "sequence_to_token_advantages",
     "sequence_to_tokens",
+    "shaped_opd_term",
     "should_reset_ewma",
     "token_logprobs",
     "truncated_is",

@@ -20,7 +20,8 @@ from agentrl_jax.sharding import DEFAULT_RULES
 from agentrl_jax.train.episodes import truncation_rule
 from agentrl_jax.train.guidance.hindsight import ArithmeticOracleJudge, ModelJudge
 from agentrl_jax.train.guidance.old_policy import OldPolicy
-from agentrl_jax.train.rl.roles import RL, Frozen, Roles, loss_settings
+from agentrl_jax.train.guidance.signal import Teacher
+from agentrl_jax.train.rl.roles import RL, Roles, loss_settings
 from agentrl_jax.train.step import make_optimizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -69,11 +70,14 @@ def build_rl(config: Config, *, roles: Roles, tokenizer, driver, env_factory, tr
     )
 
 
-def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, driver, start_step: int) -> Roles:
+def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, driver, start_step: int,
+                policy_params=None) -> Roles:
     """The policy (``graphdef``) and the frozen models ``config`` asks for, from ``initial_params``.
 
     Reference: ``model.reference_path`` if set, else a copy of the starting policy. Teacher:
-    the frozen reference or an HF checkpoint (``hybrid.teacher``). Judge: the oracle, or a
+    the frozen reference, an HF checkpoint, the current policy or a lagged copy of it
+    (``hybrid.teacher``, ``guidance.signal.Teacher``; a lagged teacher starts at
+    ``policy_params``, the params RL continues from, default ``initial_params``). Judge: the oracle, or a
     model judge decoding with the reference / teacher / current policy (``hybrid.judge``).
     """
     h, m = config.hybrid, config.model
@@ -91,12 +95,17 @@ def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, dr
 
     teacher = None
     if h.mode != "none" and h.teacher == "checkpoint":
-        teacher = Frozen(*split_params(load_hf_checkpoint(
+        teacher_graphdef, teacher_params = split_params(load_hf_checkpoint(
             h.teacher_path, dtype=DTYPES[h.teacher_dtype], compute_dtype=DTYPES[m.compute_dtype], mesh=mesh,
             rules=DEFAULT_RULES, attention_impl=attention_implementation(m.attention_impl, m.compute_dtype),
-            remat="none")))
-    elif h.mode != "none":
-        teacher = Frozen(graphdef, frozen(h.teacher_dtype))
+            remat="none"))
+        teacher = Teacher(teacher_graphdef, "checkpoint", frozen=teacher_params)
+    elif h.mode != "none" and h.teacher == "reference":
+        teacher = Teacher(graphdef, "reference", frozen=frozen(h.teacher_dtype))
+    elif h.mode != "none":  # the policy itself, or a lagged copy of it starting at the starting policy
+        start = initial_params if policy_params is None else policy_params
+        teacher = Teacher(graphdef, h.teacher, initial=start if h.teacher == "lagged" else None,
+                          lag_steps=h.teacher_lag_steps, ema_decay=h.teacher_ema_decay)
     judge = None
     if h.judge == "oracle":
         judge = ArithmeticOracleJudge(lambda s: len(tokenizer.encode(s)), max_hint_tokens=h.max_hint_tokens)

@@ -191,7 +191,7 @@ class _Job:
             # post-SFT policy), never the trained state; a finished run needs none of them.
             roles = Roles(self.graphdef) if finished else build_roles(
                 c, self.graphdef, start.initial_params, self.mesh, tokenizer=self.tokenizer, driver=driver,
-                start_step=start.step)
+                start_step=start.step, policy_params=start.state.params)
             del self.params, start.initial_params  # the frozen copies are made; the trained policy is the state
             rl = build_rl(c, roles=roles, tokenizer=self.tokenizer, driver=driver, env_factory=env_factory,
                           train_tasks=train_tasks, eval_tasks=eval_tasks, writer=self.writer,

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from agentrl_jax.config import Config, ConfigError
-from agentrl_jax.envs import ArithmeticEnv, Environment, SandboxPool, SandboxPoolConfig, demonstration
+from agentrl_jax.envs import (ArithmeticEnv, Environment, SandboxPool, SandboxPoolConfig, demonstration,
+                              hinted_demonstration)
 from agentrl_jax.envs.retool import initial_messages
 from agentrl_jax.rewards.verifier import MathVerifier
 
@@ -155,19 +156,29 @@ def env_factory(config: Config, pool: Any, verifier: MathVerifier, count_tokens=
 def arithmetic_demonstrations(config: Config, tasks: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
     """SFT conversations for the arithmetic demo: a mix of tool use and answers from memory.
 
-    A ``demo_tool_fraction`` of demonstrations call the interpreter and copy its result;
-    the rest answer directly, right on easy tasks and often wrong on long numbers. The
-    style is drawn independently of the task, so the SFT policy calls the tool about as
-    often as the demonstrator did, whatever the difficulty: RL has to learn when the tool
-    pays off. The SFT stage itself is not weakened.
+    A ``demo_hint_fraction`` of demonstrations carry a bridge thought at the end of the
+    user message (``hinted_demonstration``, in ``hybrid.hint_format``) and follow it; of
+    the others, a ``demo_tool_fraction`` call the interpreter and copy its result and the
+    rest answer directly, right on easy tasks and often wrong on long numbers. The style
+    is drawn independently of the task, so the SFT policy calls the tool about as often
+    as the demonstrator did, whatever the difficulty: RL has to learn when the tool pays
+    off. The SFT stage itself is not weakened. With ``demo_hint_fraction=0`` the random
+    stream, and so the data, is the same as before hints existed.
     """
     rng = np.random.default_rng([config.seed, 7])
     env_cfg = ArithmeticEnv.config_from(config)
+    hint_fraction = config.environment.demo_hint_fraction
     conversations = []
     for task in tasks:
-        style = "tool" if rng.random() < config.environment.demo_tool_fraction else "memory"
-        turns = demonstration(task, style, rng, fenced=env_cfg.fenced, layout=config.environment.layout)
-        conversations.append(initial_messages(env_cfg, task) + turns)
+        messages = initial_messages(env_cfg, task)
+        if hint_fraction and rng.random() < hint_fraction:
+            suffix, turns = hinted_demonstration(task, rng, fenced=env_cfg.fenced,
+                                                 hint_format=config.hybrid.hint_format)
+            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + suffix}
+        else:
+            style = "tool" if rng.random() < config.environment.demo_tool_fraction else "memory"
+            turns = demonstration(task, style, rng, fenced=env_cfg.fenced, layout=config.environment.layout)
+        conversations.append(messages + turns)
     return conversations
 
 

@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 from test_launch_e2e import ROOT, TINY, assert_counts_of_samples
 

@@ -10,7 +10,9 @@ the outcome, and answers in a fixed format:
 
 The last top-level ``\\boxed{}`` decides. Anything else is *malformed* (no hint); a hint
 longer than ``max_hint_tokens`` tokens is *too_long* (no hint, not truncated: half a hint
-would pollute the token-level supervision). Every outcome is counted (``judge_metrics``).
+would pollute the token-level supervision); a hint that states the task's gold answer is
+*leaked* (no hint: ``rewards.hints.hint_leaks_answer``, the leakage guard). Every outcome
+is counted (``judge_metrics``).
 
 A judge is any object with ``async __call__(trajectories) -> list[Verdict]``:
 - ``ModelJudge`` renders the template, decodes through the rollout ``Driver`` (optionally
@@ -31,8 +33,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from agentrl_jax.envs.arithmetic import bridge_thought
 from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.rewards.boxed import extract_boxed
+from agentrl_jax.rewards.hints import hint_leaks_answer, placebo_hints
 from agentrl_jax.rollout.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -51,9 +55,10 @@ First write one line `Score: s` with s between 0 and 1: how sound the process wa
 Then, if the attempt needs no correction, answer \\boxed{{-1}}. Otherwise answer \\boxed{{...}}
 with one short bridge thought in the first person: the single, minimal, actionable fix at
 the earliest point where the attempt went wrong (e.g. \\boxed{{I should define x with
-symbols('x') before using it in the sum.}}). Do not solve the problem."""
+symbols('x') before using it in the sum.}}). Do not solve the problem: never state the final
+answer or any number equal to it; a hint that contains the answer is discarded."""
 
-STATUSES = ("hint", "no_intervention", "malformed", "too_long", "error")
+STATUSES = ("hint", "no_intervention", "malformed", "too_long", "leaked", "error")
 NO_INTERVENTION = "-1"
 _SCORE = re.compile(r"score\s*[:=]\s*([-+]?\d*\.?\d+)", re.IGNORECASE)
 
@@ -84,13 +89,16 @@ class Judge(Protocol):
     async def __call__(self, trajectories: Sequence[Trajectory], policy: tuple[Any, int]) -> list[Verdict]: ...
 
 
-def parse_judge_output(text: str, *, count_tokens: Callable[[str], int], max_hint_tokens: int) -> Verdict:
+def parse_judge_output(text: str, *, count_tokens: Callable[[str], int], max_hint_tokens: int,
+                       answer: str | None = None) -> Verdict:
     """Parse a judge's text (module docstring format) into a Verdict.
 
     Args:
       text: the judge's answer.
       count_tokens: text -> number of tokens (the policy tokenizer's).
       max_hint_tokens: hints with more tokens are rejected as "too_long".
+      answer: the task's gold answer; a hint stating it is rejected as "leaked"
+        (None: no gold known, no check).
     """
     score = None
     scores = _SCORE.findall(text)
@@ -106,7 +114,15 @@ def parse_judge_output(text: str, *, count_tokens: Callable[[str], int], max_hin
     n = count_tokens(content)
     if n > max_hint_tokens:
         return Verdict("too_long", score=score, hint_tokens=n, raw=text)
+    if answer is not None and hint_leaks_answer(content, answer):
+        return Verdict("leaked", score=score, hint_tokens=n, raw=text)
     return Verdict("hint", hint=content, score=score, hint_tokens=n, raw=text)
+
+
+def gold_answer(trajectory: Trajectory) -> str | None:
+    """The task's gold answer for the leakage guard, or None when the task carries none."""
+    answer = trajectory.task_metadata.get("answer")
+    return None if answer is None else str(answer)
 
 
 def render_trajectory(trajectory: Trajectory) -> str:
@@ -181,7 +197,7 @@ class ModelJudge:
             return Verdict("error", raw=str(e))
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         return parse_judge_output(text, count_tokens=lambda s: len(self.tokenizer.encode(s)),
-                                  max_hint_tokens=self.max_hint_tokens)
+                                  max_hint_tokens=self.max_hint_tokens, answer=gold_answer(trajectory))
 
     async def __call__(self, trajectories: Sequence[Trajectory], policy: tuple[Any, int]) -> list[Verdict]:
         self.calls += 1
@@ -203,8 +219,10 @@ class ArithmeticOracleJudge:
     It reads the task's operands and the tool feedback: a correct episode gets
     ``\\boxed{-1}``; an answer from memory gets "call the interpreter with the exact
     expression"; a wrong expression in the code gets the exact expression; a correct
-    interpreter result that was not copied gets "copy it into the box". The text goes
-    through ``parse_judge_output`` like a model's, with the same hint limit.
+    interpreter result that was not copied gets "copy it into the box" (the hints are
+    ``envs.arithmetic.bridge_thought``'s, which the hint-following SFT data uses too).
+    The text goes through ``parse_judge_output`` like a model's, with the same hint limit
+    and leakage guard.
     """
 
     def __init__(self, count_tokens: Callable[[str], int], *, max_hint_tokens: int = 64):
@@ -213,23 +231,22 @@ class ArithmeticOracleJudge:
 
     def judge_text(self, trajectory: Trajectory) -> str:
         meta = trajectory.task_metadata
-        expression = f"{meta['a']}{meta['op']}{meta['b']}"
-        answer = str(meta["answer"])
         if trajectory.reward_components.get("correct", trajectory.reward > 0):
             return "Score: 1\n\\boxed{-1}"
         assistant = " ".join(t["content"] for t in trajectory.turns if t.get("role") == "assistant")
         feedback = " ".join(t["content"] for t in trajectory.turns if t.get("role") == "tool")
         if "<code>" not in assistant:
-            hint = f"I should call the interpreter: <code>print({expression})</code>"
-        elif answer in feedback:
-            hint = f"The interpreter printed {answer}; I should copy it into the answer."
+            mistake = "memory"
+        elif str(meta["answer"]) in feedback:
+            mistake = "not_copied"
         else:
-            hint = f"I should print exactly {expression}: <code>print({expression})</code>"
-        return f"Score: 0\n\\boxed{{{hint}}}"
+            mistake = "wrong_code"
+        return f"Score: 0\n\\boxed{{{bridge_thought(meta, mistake)}}}"
 
     async def __call__(self, trajectories: Sequence[Trajectory], policy: tuple[Any, int] = (None, 0)) -> list[Verdict]:
         return [parse_judge_output(self.judge_text(t), count_tokens=self.count_tokens,
-                                   max_hint_tokens=self.max_hint_tokens) for t in trajectories]
+                                   max_hint_tokens=self.max_hint_tokens, answer=gold_answer(t))
+                for t in trajectories]
 
 
 def judge_metrics(verdicts: Sequence[Verdict]) -> dict[str, float]:
@@ -251,3 +268,42 @@ def apply_prm_reward(trajectories: Sequence[Trajectory], verdicts: Sequence[Verd
         if v.score is not None:
             t.reward_components["prm_score"] = v.score
             t.reward = t.reward + weight * v.score
+
+
+def is_failed(trajectory: Trajectory) -> bool:
+    """The episode did not solve its task: ``correct`` when the environment reports it, else reward <= 0."""
+    correct = trajectory.reward_components.get("correct")
+    return not correct if correct is not None else trajectory.reward <= 0
+
+
+def teacher_hints(trajectories: Sequence[Trajectory], verdicts: Sequence[Verdict], *,
+                  only_failed: bool) -> tuple[list[str | None], dict[str, float]]:
+    """The hints the teacher reads: the verdicts' hints, with ``only_failed`` none on solved episodes.
+
+    A judge may also "correct" a solved episode; distilling toward a hint there pushes on a
+    trajectory the outcome reward already calls right. Dropped hints are counted
+    (``judge/dropped_on_solved``, a share of all episodes).
+    """
+    hints = [v.hint for v in verdicts]
+    dropped = 0
+    if only_failed:
+        for i, t in enumerate(trajectories):
+            if hints[i] is not None and not is_failed(t):
+                hints[i] = None
+                dropped += 1
+    return hints, {"judge/dropped_on_solved": dropped / max(len(hints), 1)}
+
+
+def placebo_for(trajectories: Sequence[Trajectory], hints: Sequence[str | None],
+                count_tokens: Callable[[str], int], rng: np.random.Generator) -> tuple[list[str | None], dict[str, float]]:
+    """Placebo hints (``rewards.hints.placebo_hints``): other tasks' hints of the same token length.
+
+    Tasks are told apart by their prompt token ids. Metrics, as shares of the hinted
+    episodes: ``placebo/same_length``, ``placebo/other_length``, ``placebo/unmatched``.
+    """
+    lengths = [count_tokens(h) if h is not None else 0 for h in hints]
+    keys = [np.asarray(t.prompt_token_ids).tobytes() for t in trajectories]
+    placebo, stats = placebo_hints(hints, lengths, keys, rng)
+    n = max(stats.hinted, 1)
+    return placebo, {"placebo/same_length": stats.same_length / n, "placebo/other_length": stats.other_length / n,
+                     "placebo/unmatched": stats.unmatched / n}

@@ -225,25 +225,34 @@ def teacher_advantages(
     has_teacher: np.ndarray,
     *,
     lam: float,
+    center: bool = False,
+    clip: float = 0.0,
 ) -> tuple[np.ndarray, dict[str, float]]:
     """Advantages [R, T] with the teacher's signal, and their metrics.
 
-    mode "opd":    A_t = tea_t - logp_t                              (every row)
-    mode "hybrid": A_t = A_group_t + lam * has_teacher * (tea_t - logp_t)
-    (``agentrl_jax.losses.opd_advantages`` / ``hybrid_advantages``); ``logp`` is the
-    policy's logprob of the sampled token before the update (stop-gradient).
+    With d_t = tea_t - logp_t and shape() the optional per-trajectory centering and per-token
+    clip of ``losses.shaped_opd_term``:
 
-    Args: group_advantages, teacher_logp, logp, loss_mask [R, T]; has_teacher [R] bool.
-    Returns: (advantages [R, T] float32, metrics: opd/teacher_fraction, opd/advantage_mean and
-      opd/kl_student_teacher over the tokens with a teacher signal).
+    mode "opd":    A_t = shape(d)_t                                  (every row with a teacher)
+    mode "hybrid": A_t = A_group_t + lam * has_teacher * shape(d)_t
+    (without shaping: ``agentrl_jax.losses.opd_advantages`` / ``hybrid_advantages``); ``logp``
+    is the policy's logprob of the sampled token before the update (stop-gradient).
+
+    Args: group_advantages, teacher_logp, logp, loss_mask [R, T]; has_teacher [R] bool;
+      lam the OPD weight of this step (``losses.opd_lambda``); center, clip as
+      ``losses.shaped_opd_term``.
+    Returns: (advantages [R, T] float32, metrics over the tokens with a teacher signal:
+      opd/advantage_mean and opd/kl_student_teacher of the raw d).
     """
-    from agentrl_jax.losses import hybrid_advantages, opd_advantages
+    from agentrl_jax.losses import hindsight_advantages, shaped_opd_term
 
     args = [jnp.asarray(x, jnp.float32) for x in (teacher_logp, logp, loss_mask)]
+    taught_rows = jnp.asarray(has_teacher, bool)
     if mode == "opd":
-        adv = opd_advantages(*args)
+        adv = shaped_opd_term(*args, taught_rows, center=center, clip=clip)
     elif mode == "hybrid":
-        adv = hybrid_advantages(jnp.asarray(group_advantages, jnp.float32), *args, jnp.asarray(has_teacher), lam=lam)
+        adv = hindsight_advantages(jnp.asarray(group_advantages, jnp.float32), *args, taught_rows, lam=lam,
+                                   center=center, clip=clip)
     else:
         raise ValueError(f"teacher_advantages: mode must be 'opd' or 'hybrid', got {mode!r}")
     taught = loss_mask * np.asarray(has_teacher, np.float32)[:, None]
@@ -253,3 +262,4 @@ def teacher_advantages(
         "opd/kl_student_teacher": kl_on_sampled(teacher_logp, logp, taught),
     }
     return np.asarray(adv, np.float32), metrics
+

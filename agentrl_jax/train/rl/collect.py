@@ -107,6 +107,10 @@ async def judge(rl: RL, trajectories: list[Trajectory], step: int,
     verdicts = await rl.roles.judge(trajectories, policy)
     if h.prm_weight > 0:
         apply_prm_reward(trajectories, verdicts, h.prm_weight)
+    leaked = [v for v in verdicts if v.status == "leaked"]
+    if leaked:
+        logger.info("judge: %d of %d hints stated the answer (refused by the leakage guard), e.g. %r",
+                    len(leaked), len(verdicts), leaked[0].raw[:200])
     malformed = [v for v in verdicts if v.status in ("malformed", "error")]
     if malformed:
         logger.info("judge: %d of %d answers malformed or failed (no hint), e.g. %r",

@@ -121,10 +121,12 @@ def train_step(rl: RL, state: TrainState, version: int, step: int, trajectories:
     if batch is None:
         return state, stages.empty_step(rl, state, step, len(trajectories)), None
     old_from_update = stages.old_from_update(rl, batch, version)  # on-policy: no separate old pass
-    arrays, score_metrics = stages.score(rl, batch, state.params, version, trajectories, verdicts,
+    arrays, score_metrics = stages.score(rl, batch, state.params, version, trajectories, verdicts, step,
                                          old_from_update=old_from_update)
     state, metrics = stages.update(rl, state, arrays, batch.loss_mask, step, old_from_update=old_from_update)
     jax.block_until_ready(state.params)
+    if rl.roles.teacher is not None:  # a lagged teacher follows the policy
+        rl.roles.teacher.observe(state.params, step + 1)
     metrics.update(score_metrics)
     masked = [metrics[k] for k in ("mis_masked_frac", "icepop_masked_frac") if k in metrics]
     metrics.update(rl.old_policy.after_update(state.params, step, 1.0 - masked[0] if masked else None))

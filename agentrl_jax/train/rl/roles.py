@@ -26,6 +26,7 @@ from agentrl_jax.envs.agent_loop import AgentLoop
 from agentrl_jax.losses.registry import loss_hparams
 from agentrl_jax.train.guidance.hindsight import Judge
 from agentrl_jax.train.guidance.old_policy import OldPolicy
+from agentrl_jax.train.guidance.signal import Teacher
 from agentrl_jax.train.multihost import put_global, to_host
 from agentrl_jax.train.packing import MAX_SEGMENTS, gather_rows, packed_logprobs
 from agentrl_jax.train.step import (
@@ -50,13 +51,14 @@ class Roles:
     Attributes:
       policy: the policy's graph definition (its params and optimizer state: ``TrainState``).
       reference: the frozen reference of the KL term (the policy's architecture), or None.
-      teacher: the frozen teacher of OPD / hybrid, or None.
+      teacher: the teacher of OPD / hybrid (``guidance.signal.Teacher``: frozen, the
+        current policy, or a lagged copy), or None.
       judge: the PRM judge (``guidance.hindsight.Judge``), or None.
     """
 
     policy: Any
     reference: Any = None
-    teacher: Frozen | None = None
+    teacher: Teacher | None = None
     judge: Judge | None = None
 
     def check(self, config: Config) -> None:

@@ -28,11 +28,7 @@ from agentrl_jax.train.episodes import (
     trajectory_record,
 )
 from agentrl_jax.train.guidance.hindsight import Verdict
-from agentrl_jax.train.guidance.teacher import (
-    hindsight_contexts,
-    teacher_advantages,
-    teacher_logprobs,
-)
+from agentrl_jax.train.guidance.signal import teacher_signal
 from agentrl_jax.train.multihost import to_host
 from agentrl_jax.train.packing import packing_stats, plan_minibatch
 from agentrl_jax.train.rl.collect import evaluate
@@ -77,11 +73,12 @@ def old_from_update(rl: RL, batch, version: int) -> bool:
 
 
 def score(rl: RL, batch, params: Any, version: int, trajectories: list[Trajectory],
-          verdicts: list[Verdict] | None, *, old_from_update: bool = False
+          verdicts: list[Verdict] | None, step: int, *, old_from_update: bool = False
           ) -> tuple[dict[str, jax.Array], dict[str, float]]:
     """The batch on device with the logprobs the update needs: old (``guidance.old_policy``;
     none with ``old_from_update``), reference (KL term) and, with ``hybrid.mode``, advantages
-    that mix in the teacher's signal.
+    that mix in the teacher's signal (``guidance.signal.teacher_signal``; ``step`` sets
+    lambda's schedule and the placebo draw).
 
     Returns (arrays, metrics); ``arrays['old_logprobs']`` etc. stay on the training mesh.
     """
@@ -100,7 +97,11 @@ def score(rl: RL, batch, params: Any, version: int, trajectories: list[Trajector
         arrays["ref_logprobs"] = rl.logprobs(Frozen(rl.roles.policy, rl.roles.reference), inputs, micro)
     if rl.config.hybrid.mode != "none":
         old_host = to_host(arrays["old_logprobs"])
-        advantages, teacher_metrics = _teacher_advantages(rl, trajectories, verdicts, batch, old_host, micro)
+        advantages, teacher_metrics = teacher_signal(
+            rl.config.hybrid, trajectories, verdicts, batch, old_host, step=step, seed=rl.config.seed,
+            tokenizer=rl.tokenizer, row_multiple=micro,
+            logprob_fn=lambda arrays: to_host(rl.logprobs(
+                Frozen(rl.roles.teacher.graphdef, rl.roles.teacher.params_for(params)), arrays, micro)))
         arrays["advantages"] = rl.put(advantages)
         metrics.update(teacher_metrics)
     return arrays, metrics
@@ -122,22 +123,6 @@ def _single_stale_version(versions: np.ndarray, mask: np.ndarray, current: int) 
     """A row whose sampled tokens all come from one params version older than ``current``."""
     sampled = versions[mask > 0]
     return bool(len(sampled)) and sampled.min() == sampled.max() < current
-
-
-def _teacher_advantages(rl: RL, trajectories, verdicts, batch, old_logprobs, micro):
-    """OPD / hybrid advantages [R, T] from the teacher's logprobs (seeds/000 sec. 4.5)."""
-    h = rl.config.hybrid
-    hints = [v.hint for v in verdicts] if verdicts is not None else None
-    contexts = hindsight_contexts(trajectories, hints, rl.tokenizer, mode=h.mode,
-                                  placement=h.hint_placement, hint_format=h.hint_format)
-    teacher_logp, has_teacher = teacher_logprobs(
-        lambda arrays: to_host(rl.logprobs(rl.roles.teacher, arrays, micro)),
-        trajectories, contexts, batch.shape, row_multiple=micro, pad_token_id=rl.tokenizer.pad_token_id,
-    )
-    adv, metrics = teacher_advantages(h.mode, batch.advantages, teacher_logp, old_logprobs,
-                                      batch.loss_mask, has_teacher, lam=h.lam)
-    metrics["opd/teacher_fraction"] = float(has_teacher[: len(trajectories)].mean())
-    return adv, metrics
 
 
 def update(rl: RL, state: TrainState, arrays: dict[str, jax.Array], loss_mask: np.ndarray,

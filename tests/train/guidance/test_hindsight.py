@@ -211,6 +211,40 @@ def test_parse_judge_output(text, status, hint, score):
     assert v.hint_tokens == (count_words(hint) if hint else (20 if status == "too_long" else 0))
 
 
+def test_leaked_hints_are_refused_and_counted():
+    """The leakage guard: a bridge thought that states the gold answer is no hint."""
+    text = "Score: 0\n\\boxed{The interpreter printed 4{,}080; I should copy it.}"
+    leaked = parse_judge_output(text, count_tokens=count_words, max_hint_tokens=20, answer="4080")
+    assert (leaked.status, leaked.hint, leaked.score) == ("leaked", None, 0.0)
+    kept = parse_judge_output(text, count_tokens=count_words, max_hint_tokens=20, answer="4081")
+    assert kept.status == "hint"
+    unchecked = parse_judge_output(text, count_tokens=count_words, max_hint_tokens=20)
+    assert unchecked.status == "hint"
+    metrics = judge_metrics([leaked, kept, unchecked, leaked])
+    assert metrics["judge/leaked"] == 0.5 and metrics["judge/hint_fraction"] == 0.5
+    assert "never state the final" in JUDGE_TEMPLATE and "discarded" in JUDGE_TEMPLATE
+
+
+def test_hinted_sft_prompt_is_the_teachers_context(tokenizer):
+    """The hint-following SFT data renders the user message exactly as the teacher context
+    (placement user_message) does, so the teacher is scored in the context it was trained on."""
+    from agentrl_jax.config import Config
+    from agentrl_jax.envs import bridge_thought, make_tasks
+    from agentrl_jax.train.setup import arithmetic_demonstrations
+
+    config = dataclasses.replace(Config(), environment=dataclasses.replace(
+        Config().environment, demo_hint_fraction=1.0, min_digits=2, max_digits=2))
+    task = make_tasks(1, 2, seed=0)[0]
+    conversation = arithmetic_demonstrations(config, [task])[0]
+    hint = conversation[0]["content"][len(task["question"]):].split("Hint: ", 1)[1]
+    assert hint in {bridge_thought(task, m) for m in ("memory", "wrong_code", "not_copied")}
+    sft_prompt = tokenizer.apply_chat(conversation[:1], add_generation_prompt=True)
+    trajectory = make_trajectory(tokenizer, task["question"], ["\\boxed{1}"], [], meta=task)
+    context = teacher_context(trajectory, hint, tokenizer, placement="user_message",
+                              hint_format=config.hybrid.hint_format)
+    assert context.token_ids[:context.prompt_length] == list(sft_prompt)
+
+
 def test_judge_prompt_renders_the_episode_and_outcome(tokenizer):
     t = make_trajectory(tokenizer, "What is 12*34?", ["<code>print(12*34)</code>", "\\boxed{407}"],
                         ["<interpreter>408</interpreter>"], correct=False, meta={"answer": "408"})
@@ -238,7 +272,8 @@ def test_oracle_judge_hints_from_the_tool_feedback(tokenizer):
     assert [v.status for v in verdicts] == ["no_intervention", "hint", "hint", "hint"]
     assert verdicts[1].hint == "I should call the interpreter: <code>print(12*34)</code>"
     assert "print exactly 12*34" in verdicts[2].hint
-    assert "printed 408" in verdicts[3].hint
+    assert verdicts[3].hint == "I should copy the number the interpreter printed into the box, digit by digit."
+    assert all("408" not in v.hint for v in verdicts[1:])  # no hint gives the answer away
     assert [v.score for v in verdicts] == [1.0, 0.0, 0.0, 0.0]
     strict = ArithmeticOracleJudge(lambda s: len(tokenizer.encode(s)), max_hint_tokens=3)
     assert [v.status for v in asyncio.run(strict(episodes))][1:] == ["too_long"] * 3

@@ -1,0 +1,255 @@
+"""The hindsight-OPD ablation of issue 16: arms x seeds from one shared SFT per seed, table + plot.
+
+The protocol (regime, arms, seeds, budget, threshold, metrics) is written in docs/hybrid.md
+("Ablation protocol") and was fixed before any arm was run; this script is its only
+implementation. Per seed it runs the SFT cold start of ``configs/hybrid_ablation.py`` once
+(exported), then every arm from that export with the arm's ``hybrid`` overrides, each as
+its own ``launch/tpu_pod.py`` process. Finished runs (a ``results.json`` with an end
+evaluation) are skipped, so a killed ablation continues where it stopped.
+
+    python bench/hybrid_ablation.py --out runs/hybrid_ablation               # the whole ablation
+    python bench/hybrid_ablation.py --out /tmp/smoke --seeds 0 --arms grpo hybrid_lam0.3 \\
+        --steps 3 --sft-steps 40 --eval-tasks 8                              # an end-to-end check
+    python bench/hybrid_ablation.py --out runs/hybrid_ablation --report-only # table + plot again
+
+Writes ``OUT/table.md``, ``OUT/summary.json`` and ``OUT/ablation.png`` (learning curves and
+the final held-out pass@1 per seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = "configs/hybrid_ablation.py"
+# every arm with hints also logs the placebo diagnostic at steps 1, 11, 21 (a measurement, no effect on training)
+_HYBRID = ["hybrid.mode=hybrid", "hybrid.judge=oracle", "hybrid.placebo_diagnostic_every=10"]
+#: arm -> its overrides of configs/hybrid_ablation.py (which is the GRPO arm as it stands).
+ARMS: dict[str, list[str]] = {
+    "grpo": [],
+    "hybrid_lam0.1": [*_HYBRID, "hybrid.lam=0.1"],
+    "hybrid_lam0.3": [*_HYBRID, "hybrid.lam=0.3"],
+    "hybrid_lam1": [*_HYBRID, "hybrid.lam=1.0"],
+    "opd_only": ["hybrid.mode=opd", "hybrid.judge=oracle", "hybrid.placebo_diagnostic_every=10"],
+    "placebo": [*_HYBRID, "hybrid.lam=0.3", "hybrid.placebo=true"],
+    "self_distill": [*_HYBRID, "hybrid.lam=0.3", "hybrid.teacher=policy"],
+}
+SEEDS = (0, 1, 2, 3, 4)
+THRESHOLD = 0.5  # training accuracy, trailing mean over WINDOW steps
+WINDOW = 3
+BASELINE = "grpo"
+DIAGNOSTICS = ("rollout/all_equal_groups", "judge/hint_fraction", "judge/leaked", "opd/kl_student_teacher",
+               "opd/min_token", "opd/near_zero_fraction", "opd/placebo_min_token",
+               "opd/placebo_near_zero_fraction")
+
+
+def _launch(run_dir: Path, overrides: list[str]) -> None:
+    """One launch/tpu_pod.py process; its output goes to run_dir.log; a failure raises with the log's tail."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "launch/tpu_pod.py", "--config", CONFIG, "--set", f"output_dir={run_dir}",
+           "--set", "checkpoint.resume=false"]
+    for item in overrides:
+        cmd += ["--set", item]
+    log = run_dir.with_suffix(".log")
+    print(f"[{time.strftime('%H:%M:%S')}] {run_dir}", flush=True)
+    with log.open("w") as handle:
+        code = subprocess.call(cmd, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
+    if code:
+        tail = "\n".join(log.read_text().splitlines()[-20:])
+        raise RuntimeError(f"{' '.join(cmd)} exited with {code}; the end of {log}:\n{tail}")
+
+
+def check_arms(arms: list[str], budget: list[str]) -> None:
+    """Load every arm's config before anything runs: an arm this checkout cannot run fails now,
+    naming the field, not after an hour of other arms."""
+    sys.path.insert(0, str(ROOT))
+    from agentrl_jax.config import ConfigError, apply_overrides, load_config
+
+    base = load_config(str(ROOT / CONFIG))
+    for arm in arms:
+        try:
+            apply_overrides(base, [*budget, *ARMS[arm]])
+        except ConfigError as e:
+            raise SystemExit(f"arm {arm!r} ({' '.join(ARMS[arm])}) cannot run with this checkout: {e}") from None
+
+
+def _finished(run_dir: Path, stage: str) -> bool:
+    path = run_dir / "results.json"
+    return path.exists() and stage in json.loads(path.read_text())
+
+
+def run_seed(out: Path, seed: int, arms: list[str], budget: list[str], sft_steps: int | None, jobs: int) -> None:
+    """The SFT of one seed (exported), then its arms, ``jobs`` at a time."""
+    sft = out / f"seed{seed}" / "sft"
+    common = [f"seed={seed}", *budget]
+    if not _finished(sft, "start"):
+        _launch(sft, [*common, "total_steps=0", "checkpoint.export_hf=true",
+                      *([f"sft.steps={sft_steps}"] if sft_steps is not None else [])])
+    todo = [a for a in arms if not _finished(out / f"seed{seed}" / a, "end")]
+    start = [*common, f"model.path={sft / 'export'}", "sft.steps=0"]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        for future in [pool.submit(_launch, out / f"seed{seed}" / a, [*start, *ARMS[a]]) for a in todo]:
+            future.result()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics" / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def learning_curve(rows: list[dict], key: str = "reward/correct") -> list[float]:
+    """The training accuracy of RL steps 1, 2, ... (one value per step, the last row wins)."""
+    by_step = {r["step"]: r[key] for r in rows if key in r and r["step"] >= 1}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def steps_to_threshold(curve: list[float], threshold: float = THRESHOLD, window: int = WINDOW) -> int | None:
+    """The first step whose trailing ``window``-step mean reaches ``threshold``; None if none does."""
+    for end in range(window, len(curve) + 1):
+        if statistics.fmean(curve[end - window:end]) >= threshold:
+            return end
+    return None
+
+
+def sign_flip_p(differences: list[float]) -> float:
+    """Exact two-sided paired permutation test: the share of the 2^n sign flips whose mean is
+    at least as far from 0 as the observed one."""
+    observed = abs(statistics.fmean(differences))
+    flips = [abs(statistics.fmean(s * d for s, d in zip(signs, differences)))
+             for signs in itertools.product((1, -1), repeat=len(differences))]
+    return sum(f >= observed - 1e-12 for f in flips) / len(flips)
+
+
+def _run_summary(run_dir: Path) -> dict | None:
+    path = run_dir / "results.json"
+    if not path.exists():
+        return None
+    results, rows = json.loads(path.read_text()), read_metrics(run_dir)
+    curve = learning_curve(rows)
+    first = next((r for r in rows if r["step"] == 1 and "reward/mean" in r), {})
+    hints = [r["judge/hint_fraction"] for r in rows if "judge/hint_fraction" in r]
+    diagnostics = {k: first[k] for k in DIAGNOSTICS if k in first}
+    if hints:
+        diagnostics["judge/hint_fraction"] = statistics.fmean(hints)
+    return {"start": results.get("start", {}).get("pass_at_1"), "end": results.get("end", {}).get("pass_at_1"),
+            "curve": curve, "steps_to_threshold": steps_to_threshold(curve),
+            "seconds": results.get("rl_seconds"), "step1": diagnostics}
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(out: Path, seeds: list[int], arms: list[str]) -> dict:
+    """Per arm: the per-seed runs, final pass@1 mean/sd, steps to threshold, and the paired
+    comparison with the GRPO arm over the seeds both finished."""
+    runs = {a: {s: r for s in seeds if (r := _run_summary(out / f"seed{s}" / a)) and r["end"] is not None}
+            for a in arms}
+    summary = {"threshold": THRESHOLD, "window": WINDOW, "arms": {}}
+    for arm in arms:
+        per_seed = runs[arm]
+        if not per_seed:
+            continue
+        finals = [r["end"] for r in per_seed.values()]
+        reached = [r["steps_to_threshold"] for r in per_seed.values() if r["steps_to_threshold"] is not None]
+        entry = {"seeds": sorted(per_seed), "runs": per_seed, "final_mean_sd": _mean_sd(finals),
+                 "start_mean": statistics.fmean(r["start"] for r in per_seed.values()),
+                 "reached": len(reached), "steps_to_threshold_median": statistics.median(reached) if reached else None}
+        paired = [s for s in per_seed if s in runs.get(BASELINE, {})]
+        if arm != BASELINE and paired:
+            diffs = [per_seed[s]["end"] - runs[BASELINE][s]["end"] for s in paired]
+            entry["paired"] = {"seeds": paired, "diff_mean_sd": _mean_sd(diffs), "wins": sum(d > 0 for d in diffs),
+                               "losses": sum(d < 0 for d in diffs), "p": sign_flip_p(diffs)}
+        summary["arms"][arm] = entry
+    return summary
+
+
+def table_markdown(summary: dict) -> str:
+    lines = [f"| arm | seeds | start pass@1 | final pass@1 (mean ± sd) | steps to {summary['threshold']:g} "
+             f"(reached, median) | vs GRPO: diff (mean ± sd) | wins/losses | p (sign-flip) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for arm, e in summary["arms"].items():
+        m, sd = e["final_mean_sd"]
+        median = "-" if e["steps_to_threshold_median"] is None else f"{e['steps_to_threshold_median']:g}"
+        p = e.get("paired")
+        paired = (f"{p['diff_mean_sd'][0]:+.3f} ± {p['diff_mean_sd'][1]:.3f} | {p['wins']}/{p['losses']} | "
+                  f"{p['p']:.3f}") if p else "- | - | -"
+        lines.append(f"| {arm} | {len(e['seeds'])} | {e['start_mean']:.3f} | {m:.3f} ± {sd:.3f} | "
+                     f"{e['reached']}/{len(e['seeds'])}, {median} | {paired} |")
+    lines += ["", "Per seed (final held-out pass@1; step-1 diagnostics):", "",
+              "| arm | seed | start | final | steps to threshold | RL seconds | step-1 diagnostics |", "|---|---|---|---|---|---|---|"]
+    for arm, e in summary["arms"].items():
+        for seed, r in e["runs"].items():
+            diag = ", ".join(f"{k.split('/')[-1]} {v:.3g}" for k, v in r["step1"].items())
+            lines.append(f"| {arm} | {seed} | {r['start']:.3f} | {r['end']:.3f} | {r['steps_to_threshold'] or '-'} | "
+                         f"{(r['seconds'] or 0):.0f} | {diag} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: Path) -> None:
+    """Learning curves (training accuracy, mean ± sd over seeds) and the final pass@1 per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (curves, finals) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, (arm, e) in enumerate(summary["arms"].items()):
+        length = min(len(r["curve"]) for r in e["runs"].values())
+        if length:
+            values = np.array([r["curve"][:length] for r in e["runs"].values()])
+            steps = np.arange(1, length + 1)
+            mean, sd = values.mean(0), values.std(0)
+            curves.plot(steps, mean, label=arm, color=f"C{i}")
+            curves.fill_between(steps, mean - sd, mean + sd, color=f"C{i}", alpha=0.15)
+        ends = [r["end"] for r in e["runs"].values()]
+        finals.scatter([i] * len(ends), ends, color=f"C{i}", alpha=0.7)
+        finals.errorbar([i + 0.15], [np.mean(ends)], yerr=[np.std(ends, ddof=1) if len(ends) > 1 else 0],
+                        fmt="o", color="black")
+    curves.axhline(summary["threshold"], color="gray", ls=":", lw=1)
+    curves.set(xlabel="RL step", ylabel="training accuracy (reward/correct)", title="learning curves (mean ± sd)")
+    curves.legend(fontsize=8)
+    finals.set_xticks(range(len(summary["arms"])), list(summary["arms"]), rotation=30, fontsize=8)
+    finals.set(ylabel="held-out pass@1 after RL", title="final pass@1 per seed (black: mean ± sd)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--steps", type=int, help="RL steps per arm (default: the config's, the protocol's budget)")
+    parser.add_argument("--sft-steps", type=int, help="SFT steps (default: the config's)")
+    parser.add_argument("--eval-tasks", type=int, help="held-out tasks (default: the config's)")
+    parser.add_argument("--jobs", type=int, default=1, help="arms of one seed run at once (processes)")
+    parser.add_argument("--report-only", action="store_true", help="only write the table and plot")
+    args = parser.parse_args(argv)
+    out = args.out.absolute()
+    budget = ([f"total_steps={args.steps}"] if args.steps is not None else []) + (
+        [f"eval.num_tasks={args.eval_tasks}"] if args.eval_tasks is not None else [])
+    if not args.report_only:
+        check_arms(args.arms, budget)
+        for seed in args.seeds:
+            run_seed(out, seed, args.arms, budget, args.sft_steps, args.jobs)
+    summary = summarize(out, args.seeds, args.arms)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    table = table_markdown(summary)
+    (out / "table.md").write_text(table)
+    plot(summary, out / "ablation.png")
+    print(table)
+    print(f"table: {out / 'table.md'}  plot: {out / 'ablation.png'}")
+
+
+if __name__ == "__main__":
+    main()
