@@ -280,13 +280,18 @@ class ArithmeticEnvConfig(EnvironmentConfig):
     def make_env_factory(self, config, *, pool, verifier, count_tokens):
         from agentrl_jax.envs.arithmetic import ArithmeticEnv
 
-        settings = ArithmeticEnv.config_from(config)
-        if self.layout == "native":
-            from agentrl_jax.envs.tools import NativeReToolEnv
+        return _code_env_factory(self, ArithmeticEnv, ArithmeticEnv.config_from(config), pool, verifier, count_tokens)
 
-            return lambda: NativeReToolEnv(pool, verifier, settings, tool_format=self.tool_format,
-                                           count_tokens=count_tokens)
-        return lambda: ArithmeticEnv(pool, verifier, settings, count_tokens=count_tokens)
+
+def _code_env_factory(section: EnvironmentConfig, inline_env, settings, pool, verifier, count_tokens):
+    """The constructor of a code-interpreter episode: ``inline_env`` (tags in one assistant turn)
+    or, with ``layout='native'``, ``envs.tools.NativeReToolEnv`` in ``section.tool_format``."""
+    if section.layout == "native":
+        from agentrl_jax.envs.tools import NativeReToolEnv
+
+        return lambda: NativeReToolEnv(pool, verifier, settings, tool_format=section.tool_format,
+                                       count_tokens=count_tokens)
+    return lambda: inline_env(pool, verifier, settings, count_tokens=count_tokens)
 
 
 @register_environment("retool")
@@ -306,13 +311,7 @@ class ReToolEnvConfig(EnvironmentConfig):
     def make_env_factory(self, config, *, pool, verifier, count_tokens):
         from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv
 
-        settings = ReToolConfig.from_config(config)
-        if self.layout == "native":
-            from agentrl_jax.envs.tools import NativeReToolEnv
-
-            return lambda: NativeReToolEnv(pool, verifier, settings, tool_format=self.tool_format,
-                                           count_tokens=count_tokens)
-        return lambda: ReToolEnv(pool, verifier, settings, count_tokens=count_tokens)
+        return _code_env_factory(self, ReToolEnv, ReToolConfig.from_config(config), pool, verifier, count_tokens)
 
 
 @register_environment("retool_small")
@@ -370,8 +369,7 @@ class ReToolSmallEnvConfig(EnvironmentConfig):
     def make_env_factory(self, config, *, pool, verifier, count_tokens):
         from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv
 
-        settings = ReToolConfig.from_config(config)
-        return lambda: ReToolEnv(pool, verifier, settings, count_tokens=count_tokens)
+        return _code_env_factory(self, ReToolEnv, ReToolConfig.from_config(config), pool, verifier, count_tokens)
 
 
 @register_environment("search")
