@@ -64,6 +64,8 @@ def test_hint_fraction_is_validated_against_the_teachers_placement():
         (["environment.demo_hint_fraction=1.5"], "environment.demo_hint_fraction"),
         (["environment.demo_hint_fraction=0.3", "hybrid.hint_placement=assistant_prefix"],
          "environment.demo_hint_fraction"),
+        # hinted demonstrations are written in the inline layout only
+        (["environment.demo_hint_fraction=0.3", "environment.layout=native"], "environment.demo_hint_fraction"),
     ]:
         with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
             demo_config(*overrides)
