@@ -32,6 +32,7 @@ from agentrl_jax.config.environments import (
     ReToolEnvConfig,
     SandboxConfig,
     SearchEnvConfig,
+    VerifierConfig,
     environment_names,
     overlong_max_tokens,
     register_environment,
@@ -59,7 +60,7 @@ __all__ = [
     "AlgorithmConfig", "ArithmeticEnvConfig", "AsyncConfig", "CheckpointConfig", "Config", "ConfigError",
     "DType", "DataConfig", "EnvironmentConfig", "EvalConfig", "HybridConfig", "LoggingConfig", "MeshConfig",
     "ModelConfig", "OptimizerConfig", "ReToolEnvConfig", "RolloutConfig", "SFTConfig", "SandboxConfig",
-    "ScratchModelConfig", "SearchEnvConfig", "apply_overrides", "check_registered_names",
+    "ScratchModelConfig", "SearchEnvConfig", "VerifierConfig", "apply_overrides", "check_registered_names",
     "check_required_paths", "config_field", "describe", "environment_names", "from_dict", "load_config",
     "overlong_max_tokens", "register_environment", "require", "resolve_config_path", "to_dict",
 ]

@@ -103,6 +103,26 @@ class SandboxConfig(_Section):
 
 
 @dataclass(frozen=True)
+class VerifierConfig(_Section):
+    """The math-answer verifier's worker pool (rewards/verifier.py, docs/verifier.md).
+
+    Integer, fraction and decimal answers are decided in-process; LaTeX-heavy ones go to a
+    worker process with a hard timeout, about 35 calls/s per two workers.
+    """
+
+    workers: int = _f(2, "Worker processes for answers the in-process exact path cannot decide (LaTeX parsing); "
+                         "raise it when many episodes end at once with symbolic answers.")
+    timeout_s: float = _f(5.0, "Wall-clock limit per verification in a worker; a timed-out answer is wrong, "
+                               "counted, and its worker replaced.")
+    memory_mb: int = _f(2048, "Address-space limit of each worker.")
+
+    def validate(self) -> None:
+        _require(self.workers >= 1, self._path("workers"), "must be >= 1")
+        _require(self.timeout_s > 0, self._path("timeout_s"), "must be > 0")
+        _require(self.memory_mb >= 64, self._path("memory_mb"), "must be >= 64 (the worker imports sympy)")
+
+
+@dataclass(frozen=True)
 class EnvironmentConfig(_Section):
     """The fields every environment shares; a registered subclass adds its own (module docstring).
 
@@ -121,6 +141,7 @@ class EnvironmentConfig(_Section):
     tool_weight: float = _f(0.0, "Weight of the (capped) tool-call shaping.")
     overlong_buffer: int = _f(0, "DAPO overlong shaping buffer in tokens (0: off).")
     sandbox: SandboxConfig = _section(SandboxConfig, "The code-execution sandbox.")
+    verifier: VerifierConfig = _section(VerifierConfig, "The math-answer verifier's worker pool.")
     layout: Literal["inline", "native"] = _f(
         "inline", "How tools are called: 'inline' tags inside one assistant turn (<code>/<interpreter>, "
                   "<search>/<information>), or 'native' chat turns (assistant -> tool messages -> assistant) in "
@@ -428,4 +449,5 @@ class SearchEnvConfig(EnvironmentConfig):
         return lambda: SearchEnv(retriever, settings, count_tokens=count_tokens)
 
 
-SECTION_PATHS.update({"SandboxConfig": "environment.sandbox", "EnvironmentConfig": "environment"})
+SECTION_PATHS.update({"SandboxConfig": "environment.sandbox", "VerifierConfig": "environment.verifier",
+                      "EnvironmentConfig": "environment"})

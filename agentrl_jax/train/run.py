@@ -134,16 +134,17 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
         checkpointer.install_sigterm_handler()
     else:
         logger.info("not on the main thread: no SIGTERM handler (preemption saves are off)")
-    verifier = MathVerifier(num_workers=2)
+    v = config.environment.verifier
     job = _Job(config, out, policy, mesh, engine_mesh, tokenizer, writer, checkpointer, sft_conversations)
-    async with setup.make_sandbox(config) as pool:
-        env_factory = (make_env(config, pool, verifier, tokenizer) if make_env is not None else
-                       setup.env_factory(config, pool, verifier, count_tokens=lambda s: len(tokenizer.encode(s))))
-        results, final = await job.run(env_factory, train_tasks, eval_tasks)
+    with MathVerifier(num_workers=v.workers, timeout_s=v.timeout_s, memory_mb=v.memory_mb) as verifier:
+        async with setup.make_sandbox(config) as pool:
+            env_factory = (make_env(config, pool, verifier, tokenizer) if make_env is not None else
+                           setup.env_factory(config, pool, verifier,
+                                             count_tokens=lambda s: len(tokenizer.encode(s))))
+            results, final = await job.run(env_factory, train_tasks, eval_tasks)
     checkpointer.wait_until_finished()
     checkpointer.close()
     writer.close()
-    verifier.close()
     results["total_seconds"] = time.perf_counter() - t_start
     if not final.preempted:
         _write_outputs(config, out, results, final.state.params, policy.config, tokenizer)

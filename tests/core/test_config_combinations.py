@@ -42,6 +42,8 @@ INVALID = [
     (["async_rl.placement=disaggregated"], "async_rl.placement"),
     (["async_rl.enabled=true", "async_rl.offload_optimizer=true", "async_rl.old_logprobs=snapshot"],
      "async_rl.offload_optimizer"),
+    (["environment.verifier.workers=0"], "environment.verifier.workers"),
+    (["environment.verifier.timeout_s=0"], "environment.verifier.timeout_s"),
     (["algorithm.group_size=1"], "algorithm.group_size"),
     (["algorithm.minibatches=3"], "algorithm.minibatches"),
     (["algorithm.micro_batch_size=3"], "algorithm.micro_batch_size"),
