@@ -50,6 +50,7 @@ SEEDS = (0, 1, 2, 3, 4)
 THRESHOLD = 0.5  # training accuracy, trailing mean over WINDOW steps
 WINDOW = 3
 BASELINE = "grpo"
+CONTENT = ("hybrid_lam0.3", "placebo")  # does the hint's content matter: the same arm with real vs shuffled hints
 DIAGNOSTICS = ("rollout/all_equal_groups", "judge/hint_fraction", "judge/leaked", "opd/kl_student_teacher",
                "opd/min_token", "opd/near_zero_fraction", "opd/placebo_min_token",
                "opd/placebo_near_zero_fraction")
@@ -219,13 +220,30 @@ def summarize(out: Path, seeds: list[int], arms: list[str]) -> dict:
         entry = {"seeds": sorted(per_seed), "runs": per_seed, "final_mean_sd": _mean_sd(finals),
                  "start_mean": statistics.fmean(r["start"] for r in per_seed.values()),
                  "reached": len(reached), "steps_to_threshold_median": statistics.median(reached) if reached else None}
-        paired = [s for s in per_seed if s in runs.get(BASELINE, {})]
-        if arm != BASELINE and paired:
-            diffs = [per_seed[s]["end"] - runs[BASELINE][s]["end"] for s in paired]
-            entry["paired"] = {"seeds": paired, "diff_mean_sd": _mean_sd(diffs), "wins": sum(d > 0 for d in diffs),
-                               "losses": sum(d < 0 for d in diffs), "p": sign_flip_p(diffs)}
+        if arm != BASELINE and (paired := _paired(per_seed, runs.get(BASELINE, {}))):
+            entry["paired"] = paired
         summary["arms"][arm] = entry
+    real, placebo = CONTENT
+    if real in arms and placebo in arms and (content := _paired(runs[real], runs[placebo])):
+        summary["content"] = {"arm": real, "versus": placebo, **content}
     return summary
+
+
+def _paired(runs: dict, baseline: dict) -> dict | None:
+    """Final pass@1 of ``runs`` minus ``baseline``'s over the seeds both finished: mean ± sd,
+    wins / losses and the sign-flip p; None without a common seed."""
+    seeds = [s for s in runs if s in baseline]
+    if not seeds:
+        return None
+    diffs = [runs[s]["end"] - baseline[s]["end"] for s in seeds]
+    return {"seeds": seeds, "diff_mean_sd": _mean_sd(diffs), "wins": sum(d > 0 for d in diffs),
+            "losses": sum(d < 0 for d in diffs), "p": sign_flip_p(diffs)}
+
+
+def decision(entry: dict | None, seeds: int) -> bool:
+    """The pre-registered rule: a positive paired mean and at least 4 wins in 5 seeds
+    (the same share of the seeds otherwise)."""
+    return bool(entry) and entry["diff_mean_sd"][0] > 0 and entry["wins"] >= -(-4 * seeds // 5)
 
 
 def table_markdown(summary: dict) -> str:
@@ -240,6 +258,15 @@ def table_markdown(summary: dict) -> str:
                   f"{p['p']:.3f}") if p else "- | - | -"
         lines.append(f"| {arm} | {len(e['seeds'])} | {e['start_mean']:.3f} | {m:.3f} ± {sd:.3f} | "
                      f"{e['reached']}/{len(e['seeds'])}, {median} | {paired} |")
+    c = summary.get("content")
+    if c:
+        lines += ["", f"Hint content: {c['arm']} - {c['versus']} (final pass@1, paired over {len(c['seeds'])} seeds): "
+                      f"{c['diff_mean_sd'][0]:+.3f} ± {c['diff_mean_sd'][1]:.3f}, wins/losses {c['wins']}/{c['losses']}, "
+                      f"p {c['p']:.3f}."]
+    helps = [a for a, e in summary["arms"].items() if decision(e.get("paired"), len(e["seeds"]))]
+    lines += ["", "Decision (docs/hybrid.md): " + (f"helps: {', '.join(helps)}" if helps else
+                                                     "no arm helps (positive paired mean and >= 4/5 wins vs GRPO)")
+              + ("; the hint content helps" if c and c["arm"] in helps and decision(c, len(c["seeds"])) else "") + "."]
     lines += ["", "Per seed (final held-out pass@1; step-1 diagnostics):", "",
               "| arm | seed | start | final | steps to threshold | RL seconds | step-1 diagnostics |", "|---|---|---|---|---|---|---|"]
     for arm, e in summary["arms"].items():

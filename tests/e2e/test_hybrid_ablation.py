@@ -74,6 +74,24 @@ def test_summary_table_and_plot_from_run_directories(tmp_path):
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
 
 
+def test_decision_rule_and_the_hint_content_comparison(tmp_path):
+    assert ablation.decision({"diff_mean_sd": (0.01, 0.1), "wins": 4}, 5)
+    assert not ablation.decision({"diff_mean_sd": (0.01, 0.1), "wins": 3}, 5)  # 4 of 5 wins needed
+    assert not ablation.decision({"diff_mean_sd": (-0.01, 0.1), "wins": 4}, 5)
+    assert not ablation.decision(None, 5)
+    finals = {"grpo": [0.2, 0.2, 0.2, 0.2, 0.2], "hybrid_lam0.3": [0.3, 0.3, 0.3, 0.3, 0.1],
+              "placebo": [0.1, 0.2, 0.2, 0.2, 0.2]}
+    for arm, values in finals.items():
+        for seed, end in enumerate(values):
+            _fake_run(tmp_path / f"seed{seed}" / arm, 0.1, end, [0.1, 0.2, 0.3])
+    summary = ablation.summarize(tmp_path, list(range(5)), list(finals))
+    content = summary["content"]
+    assert (content["wins"], content["losses"]) == (4, 1)
+    assert content["diff_mean_sd"][0] == pytest.approx(np.mean(np.subtract(finals["hybrid_lam0.3"], finals["placebo"])))
+    table = ablation.table_markdown(summary)
+    assert "Decision (docs/hybrid.md): helps: hybrid_lam0.3; the hint content helps." in table
+
+
 def test_preflight_names_what_an_arm_lacks(monkeypatch):
     ablation.check_arms(["grpo", "hybrid_lam1", "opd_only"], ["total_steps=3"])
     monkeypatch.setitem(ablation.ARMS, "bogus", ["hybrid.mode=hybrid", "hybrid.no_such_field=1"])
