@@ -260,9 +260,9 @@ def table_markdown(summary: dict) -> str:
                      f"{e['reached']}/{len(e['seeds'])}, {median} | {paired} |")
     c = summary.get("content")
     if c:
-        lines += ["", f"Hint content: {c['arm']} - {c['versus']} (final pass@1, paired over {len(c['seeds'])} seeds): "
-                      f"{c['diff_mean_sd'][0]:+.3f} ± {c['diff_mean_sd'][1]:.3f}, wins/losses {c['wins']}/{c['losses']}, "
-                      f"p {c['p']:.3f}."]
+        lines += ["", (f"Hint content: {c['arm']} - {c['versus']} (final pass@1, paired over {len(c['seeds'])} "
+                       f"seeds): {c['diff_mean_sd'][0]:+.3f} ± {c['diff_mean_sd'][1]:.3f}, wins/losses "
+                       f"{c['wins']}/{c['losses']}, p {c['p']:.3f}.")]
     helps = [a for a, e in summary["arms"].items() if decision(e.get("paired"), len(e["seeds"]))]
     lines += ["", "Decision (docs/hybrid.md): " + (f"helps: {', '.join(helps)}" if helps else
                                                      "no arm helps (positive paired mean and >= 4/5 wins vs GRPO)")

@@ -73,7 +73,8 @@ def _evaluations(pieces, tasks, times: int) -> list[dict[str, list[str]]]:
             loop = AgentLoop(driver, tokenizer, max_new_tokens_per_turn=12, max_total_tokens=96)
             for _ in range(times):
                 record = defaultdict(list)
-                rl = types.SimpleNamespace(config=config, agent_loop=loop, env_factory=lambda: Recording(record))
+                rl = types.SimpleNamespace(config=config, agent_loop=loop,
+                                           env_factory=lambda record=record: Recording(record))
                 await evaluate(rl, tasks, label="test")
                 out.append({k: sorted(v) for k, v in record.items()})
         return out
