@@ -4,8 +4,11 @@ The protocol (regime, arms, seeds, budget, threshold, metrics) is written in doc
 ("Ablation protocol") and was fixed before any arm was run; this script is its only
 implementation. Per seed it runs the SFT cold start of ``configs/hybrid_ablation.py`` once
 (exported), then every arm from that export with the arm's ``hybrid`` overrides, each as
-its own ``launch/tpu_pod.py`` process. Finished runs (a ``results.json`` with an end
-evaluation) are skipped, so a killed ablation continues where it stopped.
+its own ``launch/tpu_pod.py`` process, ``--jobs`` at a time across seeds (every seed's SFT
+first, each seed's arms once its SFT is exported). Finished runs (a ``results.json`` with
+an end evaluation; for an SFT also its export) are skipped, so a killed ablation continues
+where it stopped, from the same ``--out``; ``--deadline`` stops starting new runs (for a
+time-limited machine). Each run's wall time is appended to ``OUT/launches.jsonl``.
 
     python bench/hybrid_ablation.py --out runs/hybrid_ablation               # the whole ablation
     python bench/hybrid_ablation.py --out /tmp/smoke --seeds 0 --arms grpo hybrid_lam0.3 \\
@@ -21,11 +24,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,22 +50,34 @@ SEEDS = (0, 1, 2, 3, 4)
 THRESHOLD = 0.5  # training accuracy, trailing mean over WINDOW steps
 WINDOW = 3
 BASELINE = "grpo"
+CONTENT = ("hybrid_lam0.3", "placebo")  # does the hint's content matter: the same arm with real vs shuffled hints
 DIAGNOSTICS = ("rollout/all_equal_groups", "judge/hint_fraction", "judge/leaked", "opd/kl_student_teacher",
                "opd/min_token", "opd/near_zero_fraction", "opd/placebo_min_token",
                "opd/placebo_near_zero_fraction")
 
 
-def _launch(run_dir: Path, overrides: list[str]) -> None:
-    """One launch/tpu_pod.py process; its output goes to run_dir.log; a failure raises with the log's tail."""
+def _launch(run_dir: Path, overrides: list[str], log_times: Path | None = None) -> None:
+    """One launch/tpu_pod.py process; its output goes to run_dir.log, its wall time to ``log_times``
+    (a JSONL line); a failure raises with the log's tail."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "launch/tpu_pod.py", "--config", CONFIG, "--set", f"output_dir={run_dir}",
            "--set", "checkpoint.resume=false"]
     for item in overrides:
         cmd += ["--set", item]
-    log = run_dir.with_suffix(".log")
-    print(f"[{time.strftime('%H:%M:%S')}] {run_dir}", flush=True)
+    log = run_dir.parent / f"{run_dir.name}.log"  # not with_suffix: "hybrid_lam0.3" has a dot
+    # many small runs share one accelerator: each process takes the memory it uses, not 75% of it
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false")}
+    print(f"[{time.strftime('%H:%M:%S')}] start {run_dir}", flush=True)
+    t0 = time.perf_counter()
     with log.open("w") as handle:
-        code = subprocess.call(cmd, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)
+        code = subprocess.call(cmd, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, env=env)
+    seconds = time.perf_counter() - t0
+    print(f"[{time.strftime('%H:%M:%S')}] {'done' if not code else f'FAILED ({code})'} {run_dir} {seconds:.0f} s",
+          flush=True)
+    if log_times is not None:
+        with log_times.open("a") as handle:
+            handle.write(json.dumps({"run": str(run_dir.relative_to(log_times.parent)), "seconds": round(seconds, 1),
+                                     "exit": code}) + "\n")
     if code:
         tail = "\n".join(log.read_text().splitlines()[-20:])
         raise RuntimeError(f"{' '.join(cmd)} exited with {code}; the end of {log}:\n{tail}")
@@ -86,18 +102,59 @@ def _finished(run_dir: Path, stage: str) -> bool:
     return path.exists() and stage in json.loads(path.read_text())
 
 
-def run_seed(out: Path, seed: int, arms: list[str], budget: list[str], sft_steps: int | None, jobs: int) -> None:
-    """The SFT of one seed (exported), then its arms, ``jobs`` at a time."""
-    sft = out / f"seed{seed}" / "sft"
-    common = [f"seed={seed}", *budget]
-    if not _finished(sft, "start"):
-        _launch(sft, [*common, "total_steps=0", "checkpoint.export_hf=true",
-                      *([f"sft.steps={sft_steps}"] if sft_steps is not None else [])])
-    todo = [a for a in arms if not _finished(out / f"seed{seed}" / a, "end")]
-    start = [*common, f"model.path={sft / 'export'}", "sft.steps=0"]
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        for future in [pool.submit(_launch, out / f"seed{seed}" / a, [*start, *ARMS[a]]) for a in todo]:
-            future.result()
+def sft_done(sft: Path) -> bool:
+    """A seed's SFT is reusable: it finished (its start evaluation) and its export is there."""
+    return _finished(sft, "start") and (sft / "export" / "config.json").exists()
+
+
+class Scheduler:
+    """The runs of the ablation on a pool of ``jobs`` processes, across seeds: every seed's SFT
+    first (concurrently), each seed's arms as soon as its SFT is there. Finished runs are
+    skipped (a killed ablation continues where it stopped, reusing the exported SFTs); no run
+    starts after ``deadline`` (time.monotonic()); a failed run is reported at the end and the
+    others go on."""
+
+    def __init__(self, out: Path, budget: list[str], sft_steps: int | None, jobs: int, deadline: float | None):
+        self.out, self.budget, self.sft_steps, self.deadline = out, budget, sft_steps, deadline
+        self.pool = ThreadPoolExecutor(max_workers=jobs)
+        self.failed: list[str] = []
+        self.skipped: list[str] = []
+        self.times = out / "launches.jsonl"
+
+    def _run(self, run_dir: Path, overrides: list[str]) -> bool:
+        name = str(run_dir.relative_to(self.out))
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            self.skipped.append(name)
+            return False
+        try:
+            _launch(run_dir, overrides, self.times)
+            return True
+        except RuntimeError as e:
+            print(e, file=sys.stderr, flush=True)
+            self.failed.append(name)
+            return False
+
+    def _seed(self, seed: int, arms: list[str]) -> list[Future]:
+        """The SFT of ``seed`` (unless reusable), then its unfinished arms submitted to the pool."""
+        sft, common = self.out / f"seed{seed}" / "sft", [f"seed={seed}", *self.budget]
+        if not sft_done(sft) and not self._run(sft, [*common, "total_steps=0", "checkpoint.export_hf=true",
+                                                     *([f"sft.steps={self.sft_steps}"] if self.sft_steps is not None else [])]):
+            self.skipped += [f"seed{seed}/{a}" for a in arms if not _finished(self.out / f"seed{seed}" / a, "end")]
+            return []
+        start = [*common, f"model.path={sft / 'export'}", "sft.steps=0"]
+        return [self.pool.submit(self._run, self.out / f"seed{seed}" / a, [*start, *ARMS[a]])
+                for a in arms if not _finished(self.out / f"seed{seed}" / a, "end")]
+
+    def run(self, seeds: list[int], arms: list[str]) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        with self.pool:
+            seed_futures = [self.pool.submit(self._seed, seed, arms) for seed in seeds]
+            for future in as_completed(seed_futures):
+                wait(future.result())
+        if self.skipped:
+            print(f"not started (deadline or a failed SFT): {' '.join(self.skipped)}", flush=True)
+        if self.failed:
+            print(f"FAILED: {' '.join(self.failed)} (logs: OUT/<run>.log)", flush=True)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -163,13 +220,30 @@ def summarize(out: Path, seeds: list[int], arms: list[str]) -> dict:
         entry = {"seeds": sorted(per_seed), "runs": per_seed, "final_mean_sd": _mean_sd(finals),
                  "start_mean": statistics.fmean(r["start"] for r in per_seed.values()),
                  "reached": len(reached), "steps_to_threshold_median": statistics.median(reached) if reached else None}
-        paired = [s for s in per_seed if s in runs.get(BASELINE, {})]
-        if arm != BASELINE and paired:
-            diffs = [per_seed[s]["end"] - runs[BASELINE][s]["end"] for s in paired]
-            entry["paired"] = {"seeds": paired, "diff_mean_sd": _mean_sd(diffs), "wins": sum(d > 0 for d in diffs),
-                               "losses": sum(d < 0 for d in diffs), "p": sign_flip_p(diffs)}
+        if arm != BASELINE and (paired := _paired(per_seed, runs.get(BASELINE, {}))):
+            entry["paired"] = paired
         summary["arms"][arm] = entry
+    real, placebo = CONTENT
+    if real in arms and placebo in arms and (content := _paired(runs[real], runs[placebo])):
+        summary["content"] = {"arm": real, "versus": placebo, **content}
     return summary
+
+
+def _paired(runs: dict, baseline: dict) -> dict | None:
+    """Final pass@1 of ``runs`` minus ``baseline``'s over the seeds both finished: mean ± sd,
+    wins / losses and the sign-flip p; None without a common seed."""
+    seeds = [s for s in runs if s in baseline]
+    if not seeds:
+        return None
+    diffs = [runs[s]["end"] - baseline[s]["end"] for s in seeds]
+    return {"seeds": seeds, "diff_mean_sd": _mean_sd(diffs), "wins": sum(d > 0 for d in diffs),
+            "losses": sum(d < 0 for d in diffs), "p": sign_flip_p(diffs)}
+
+
+def decision(entry: dict | None, seeds: int) -> bool:
+    """The pre-registered rule: a positive paired mean and at least 4 wins in 5 seeds
+    (the same share of the seeds otherwise)."""
+    return bool(entry) and entry["diff_mean_sd"][0] > 0 and entry["wins"] >= -(-4 * seeds // 5)
 
 
 def table_markdown(summary: dict) -> str:
@@ -184,6 +258,15 @@ def table_markdown(summary: dict) -> str:
                   f"{p['p']:.3f}") if p else "- | - | -"
         lines.append(f"| {arm} | {len(e['seeds'])} | {e['start_mean']:.3f} | {m:.3f} ± {sd:.3f} | "
                      f"{e['reached']}/{len(e['seeds'])}, {median} | {paired} |")
+    c = summary.get("content")
+    if c:
+        lines += ["", (f"Hint content: {c['arm']} - {c['versus']} (final pass@1, paired over {len(c['seeds'])} "
+                       f"seeds): {c['diff_mean_sd'][0]:+.3f} ± {c['diff_mean_sd'][1]:.3f}, wins/losses "
+                       f"{c['wins']}/{c['losses']}, p {c['p']:.3f}.")]
+    helps = [a for a, e in summary["arms"].items() if decision(e.get("paired"), len(e["seeds"]))]
+    lines += ["", "Decision (docs/hybrid.md): " + (f"helps: {', '.join(helps)}" if helps else
+                                                     "no arm helps (positive paired mean and >= 4/5 wins vs GRPO)")
+              + ("; the hint content helps" if c and c["arm"] in helps and decision(c, len(c["seeds"])) else "") + "."]
     lines += ["", "Per seed (final held-out pass@1; step-1 diagnostics):", "",
               "| arm | seed | start | final | steps to threshold | RL seconds | step-1 diagnostics |", "|---|---|---|---|---|---|---|"]
     for arm, e in summary["arms"].items():
@@ -232,7 +315,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, help="RL steps per arm (default: the config's, the protocol's budget)")
     parser.add_argument("--sft-steps", type=int, help="SFT steps (default: the config's)")
     parser.add_argument("--eval-tasks", type=int, help="held-out tasks (default: the config's)")
-    parser.add_argument("--jobs", type=int, default=1, help="arms of one seed run at once (processes)")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs at once (processes), across seeds: the SFTs first, then every seed's arms")
+    parser.add_argument("--deadline", type=float,
+                        help="seconds from now after which no run starts (a run in flight finishes; rerun to continue)")
     parser.add_argument("--report-only", action="store_true", help="only write the table and plot")
     args = parser.parse_args(argv)
     out = args.out.absolute()
@@ -240,8 +326,8 @@ def main(argv: list[str] | None = None) -> None:
         [f"eval.num_tasks={args.eval_tasks}"] if args.eval_tasks is not None else [])
     if not args.report_only:
         check_arms(args.arms, budget)
-        for seed in args.seeds:
-            run_seed(out, seed, args.arms, budget, args.sft_steps, args.jobs)
+        deadline = None if args.deadline is None else time.monotonic() + args.deadline
+        Scheduler(out, budget, args.sft_steps, args.jobs, deadline).run(args.seeds, args.arms)
     summary = summarize(out, args.seeds, args.arms)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     table = table_markdown(summary)

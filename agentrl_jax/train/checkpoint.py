@@ -6,6 +6,8 @@ One checkpoint per step directory holds four items:
   data_state   the data iterator's `get_state()` dict (JSON).
   config       the experiment config as a plain dict (JSON).
   meta         the rng key data, and `extra`: any small JSON dict (params version, best score, ...).
+and optionally named pytrees beside the train state (`save(trees=...)`, read back one by one
+with `restore_tree`): state a run keeps outside the train state, e.g. a lagged teacher's params.
 
 Saving is asynchronous: `save` returns once the arrays are copied off the devices, so the
 caller may donate the state to the next step; the files are written in the background.
@@ -53,6 +55,9 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 
 logger = logging.getLogger(__name__)
+
+
+_ITEMS = ("state", "data_state", "config", "meta")
 
 
 class RestoredCheckpoint(NamedTuple):
@@ -170,7 +175,8 @@ class Checkpointer:
         self._sigterm_installed = False
 
     def save(self, step: int, train_state: Any, *, data_state: dict | None = None, rng: jax.Array | None = None,
-             config_dict: dict | None = None, extra: dict | None = None, force: bool = False) -> bool:
+             config_dict: dict | None = None, extra: dict | None = None, trees: dict[str, Any] | None = None,
+             force: bool = False) -> bool:
         """Starts saving a checkpoint for `step`; returns False when the interval skips it.
 
         Every host must call this with the same step (the arrays are written collectively).
@@ -182,14 +188,20 @@ class Checkpointer:
           rng: a PRNG key (typed or raw uint32) saved exactly.
           config_dict: the experiment config as plain JSON types.
           extra: any other small JSON dict.
+          trees: more pytrees of (sharded) arrays by name, each its own item (`restore_tree`).
           force: save even if `step` is not on the save interval.
         """
+        trees = dict(trees or {})
+        reserved = sorted(set(trees) & set(_ITEMS))
+        if reserved:
+            raise ValueError(f"Checkpointer.save: trees may not be named {reserved} (the checkpoint's own items)")
         meta = {"rng": rng_to_json(rng), "extra": _json_dict(extra, "extra")}
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(train_state),
             data_state=ocp.args.JsonSave(_json_dict(data_state, "data_state")),
             config=ocp.args.JsonSave(_json_dict(config_dict, "config_dict")),
             meta=ocp.args.JsonSave(meta),
+            **{name: ocp.args.StandardSave(tree) for name, tree in trees.items()},
         )
         saved = self._manager.save(int(step), args=args, force=force)
         if saved:
@@ -209,6 +221,17 @@ class Checkpointer:
         return RestoredCheckpoint(
             step=int(step), state=restored.state, data_state=restored.data_state or {},
             rng=rng_from_json(meta.get("rng")), config_dict=restored.config or {}, extra=meta.get("extra") or {})
+
+    def restore_tree(self, step: int, name: str, target: Any) -> Any | None:
+        """The pytree saved as ``trees[name]`` at `step`, in `target`'s shardings; None when that
+        checkpoint has no such tree (one written before the tree was saved)."""
+        args = ocp.args.Composite(**{name: ocp.args.StandardRestore(abstract_target(target))})
+        try:
+            return self._manager.restore(int(step), args=args)[name]
+        except KeyError as e:
+            if f'"{name}" was not found' in str(e):
+                return None
+            raise
 
     def restore_latest(self, target: Any) -> RestoredCheckpoint | None:
         """The newest complete checkpoint restored into `target`'s shardings, or None if there is none."""

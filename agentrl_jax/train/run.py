@@ -193,6 +193,8 @@ class _Job:
             roles = Roles(self.graphdef) if finished else build_roles(
                 c, self.graphdef, start.initial_params, self.mesh, tokenizer=self.tokenizer, driver=driver,
                 start_step=start.step, policy_params=start.state.params)
+            if start.restored is not None and roles.teacher is not None:
+                roles.teacher.restore(self.checkpointer, start.step)  # a lagged teacher's snapshot / EMA
             del self.params, start.initial_params  # the frozen copies are made; the trained policy is the state
             rl = build_rl(c, roles=roles, tokenizer=self.tokenizer, driver=driver, env_factory=env_factory,
                           train_tasks=train_tasks, eval_tasks=eval_tasks, writer=self.writer,

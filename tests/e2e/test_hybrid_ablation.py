@@ -74,11 +74,82 @@ def test_summary_table_and_plot_from_run_directories(tmp_path):
     assert (tmp_path / "ablation.png").stat().st_size > 10_000
 
 
+def test_decision_rule_and_the_hint_content_comparison(tmp_path):
+    assert ablation.decision({"diff_mean_sd": (0.01, 0.1), "wins": 4}, 5)
+    assert not ablation.decision({"diff_mean_sd": (0.01, 0.1), "wins": 3}, 5)  # 4 of 5 wins needed
+    assert not ablation.decision({"diff_mean_sd": (-0.01, 0.1), "wins": 4}, 5)
+    assert not ablation.decision(None, 5)
+    finals = {"grpo": [0.2, 0.2, 0.2, 0.2, 0.2], "hybrid_lam0.3": [0.3, 0.3, 0.3, 0.3, 0.1],
+              "placebo": [0.1, 0.2, 0.2, 0.2, 0.2]}
+    for arm, values in finals.items():
+        for seed, end in enumerate(values):
+            _fake_run(tmp_path / f"seed{seed}" / arm, 0.1, end, [0.1, 0.2, 0.3])
+    summary = ablation.summarize(tmp_path, list(range(5)), list(finals))
+    content = summary["content"]
+    assert (content["wins"], content["losses"]) == (4, 1)
+    assert content["diff_mean_sd"][0] == pytest.approx(np.mean(np.subtract(finals["hybrid_lam0.3"], finals["placebo"])))
+    table = ablation.table_markdown(summary)
+    assert "Decision (docs/hybrid.md): helps: hybrid_lam0.3; the hint content helps." in table
+
+
 def test_preflight_names_what_an_arm_lacks(monkeypatch):
     ablation.check_arms(["grpo", "hybrid_lam1", "opd_only"], ["total_steps=3"])
     monkeypatch.setitem(ablation.ARMS, "bogus", ["hybrid.mode=hybrid", "hybrid.no_such_field=1"])
     with pytest.raises(SystemExit, match="arm 'bogus'.*no_such_field"):
         ablation.check_arms(["grpo", "bogus"], [])
+
+
+class _Launches:
+    """Stands in for the launch/tpu_pod.py processes (the slow test below runs real ones): it
+    records each run and writes what a finished run leaves, an SFT its export."""
+
+    def __init__(self, fail=()):
+        self.calls, self.fail = [], set(fail)
+
+    def __call__(self, run_dir, overrides, log_times=None):
+        self.calls.append((run_dir.parent.name + "/" + run_dir.name, overrides))
+        if run_dir.name in self.fail:
+            raise RuntimeError(f"{run_dir} failed")
+        sft = run_dir.name == "sft"
+        if sft:
+            (run_dir / "export").mkdir(parents=True)
+            (run_dir / "export" / "config.json").write_text("{}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "results.json").write_text(json.dumps({"start": {}} if sft else {"start": {}, "end": {}}))
+
+
+def test_scheduler_runs_sfts_first_across_seeds_and_continues_a_partial_out(tmp_path, monkeypatch):
+    launches = _Launches()
+    monkeypatch.setattr(ablation, "_launch", launches)
+    ablation.Scheduler(tmp_path, ["total_steps=2"], 5, jobs=3, deadline=None).run([0, 1], ["grpo", "placebo"])
+    names = [name for name, _ in launches.calls]
+    assert sorted(names) == sorted(f"seed{s}/{r}" for s in (0, 1) for r in ("sft", "grpo", "placebo"))
+    for seed in (0, 1):  # each seed's arms after its SFT, from its export
+        assert names.index(f"seed{seed}/sft") < names.index(f"seed{seed}/grpo")
+        grpo = dict(launches.calls)[f"seed{seed}/grpo"]
+        assert f"model.path={tmp_path / f'seed{seed}' / 'sft' / 'export'}" in grpo and f"seed={seed}" in grpo
+    assert "sft.steps=5" in dict(launches.calls)["seed0/sft"]
+    # a second pass over the same OUT: everything is reused; a lost export reruns that SFT only
+    launches.calls.clear()
+    ablation.Scheduler(tmp_path, ["total_steps=2"], 5, jobs=3, deadline=None).run([0, 1], ["grpo", "placebo"])
+    assert launches.calls == []
+    (tmp_path / "seed1" / "sft" / "export" / "config.json").unlink()
+    (tmp_path / "seed1" / "sft" / "export").rmdir()
+    (tmp_path / "seed1" / "placebo" / "results.json").unlink()
+    ablation.Scheduler(tmp_path, ["total_steps=2"], 5, jobs=3, deadline=None).run([0, 1], ["grpo", "placebo"])
+    assert [name for name, _ in launches.calls] == ["seed1/sft", "seed1/placebo"]
+
+
+def test_scheduler_reports_failures_and_the_deadline(tmp_path, monkeypatch, capsys):
+    launches = _Launches(fail={"grpo"})
+    monkeypatch.setattr(ablation, "_launch", launches)
+    scheduler = ablation.Scheduler(tmp_path, [], None, jobs=2, deadline=None)
+    scheduler.run([0], ["grpo", "placebo"])
+    assert scheduler.failed == ["seed0/grpo"] and (tmp_path / "seed0" / "placebo" / "results.json").exists()
+    assert "FAILED: seed0/grpo" in capsys.readouterr().out
+    late = ablation.Scheduler(tmp_path / "late", [], None, jobs=2, deadline=0.0)
+    late.run([0, 1], ["grpo"])
+    assert sorted(late.skipped) == ["seed0/grpo", "seed0/sft", "seed1/grpo", "seed1/sft"]
 
 
 @pytest.mark.slow

@@ -123,6 +123,24 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(two_step_run, tmp_pa
             assert resumed[step][key] == pytest.approx(straight[step][key], rel=1e-4, abs=1e-6), (step, key)
 
 
+@pytest.mark.slow
+def test_resume_keeps_the_lagged_teachers_ema(tmp_path):
+    """hybrid.teacher=lagged with an EMA: the teacher after 2 steps is a mix of three policies,
+    not the step-2 policy the resumed run starts at; resumed from the checkpoint it must teach
+    exactly as in an uninterrupted run (on old main it restarted at the resumed policy)."""
+    lagged = [*FROZEN_MODELS, "hybrid.teacher=lagged", "hybrid.teacher_ema_decay=0.5", "hybrid.lam=0.3"]
+    out = tmp_path / "run"
+    _launch(out, "total_steps=2", "checkpoint.resume=false", *lagged)
+    _launch(out, "total_steps=4", "checkpoint.resume=true", "checkpoint.every_steps=2", *lagged)
+    straight_dir = tmp_path / "straight"
+    _launch(straight_dir, "total_steps=4", "checkpoint.resume=false", "checkpoint.every_steps=2", *lagged)
+    resumed, straight = _metrics(out), _metrics(straight_dir)
+    for step in (3, 4):
+        assert resumed[step]["opd/teacher_fraction"] > 0
+        for key in ("opd/kl_student_teacher", "opd/advantage_mean", "opd/min_token", "loss", "param_norm"):
+            assert resumed[step][key] == pytest.approx(straight[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
 # ------------------------------------------------------------------ kill -9, then the same command
 #
 # A run killed with SIGKILL at any point, then started again with the same command, ends with

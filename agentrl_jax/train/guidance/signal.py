@@ -13,6 +13,7 @@ an optional placebo pass (``hybrid.placebo_diagnostic_every``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,6 +27,9 @@ from agentrl_jax.train.guidance.hindsight import Verdict, placebo_for, teacher_h
 from agentrl_jax.train.guidance.teacher import hindsight_contexts, teacher_advantages, teacher_logprobs
 
 TEACHERS = ("reference", "checkpoint", "policy", "lagged")
+#: the checkpoint item that holds a lagged teacher's params
+CHECKPOINT_TREE = "teacher"
+logger = logging.getLogger(__name__)
 
 
 def _owned_copy(params: Any) -> Any:
@@ -44,8 +48,10 @@ class Teacher:
       * theta_T + (1 - decay) * theta after every update), starting at the starting policy.
 
     ``params_for(policy_params)`` in the score stage, ``observe(new_params, updates)`` after
-    each update. The lagged params are not checkpointed: a resumed run restarts them from
-    the params it resumes with (``build_roles(policy_params=...)``, docs/hybrid.md).
+    each update. The lagged params are the one teacher state that is not in the config or the
+    train state: ``checkpoint_trees()`` goes into every checkpoint, ``restore`` reads it back
+    on resume, so a resumed run's teacher is the snapshot / EMA the run had, not the resumed
+    policy.
     """
 
     def __init__(self, graphdef: Any, kind: str, *, frozen: Any = None, initial: Any = None, lag_steps: int = 0,
@@ -71,6 +77,25 @@ class Teacher:
     def params_for(self, policy_params: Any) -> Any:
         """The teacher's params this step, given the policy's (before the update)."""
         return policy_params if self.kind == "policy" else self.params
+
+    def checkpoint_trees(self) -> dict[str, Any]:
+        """What a checkpoint must hold to restore this teacher (``Checkpointer.save(trees=...)``):
+        a lagged teacher's params; nothing for the others (frozen or the policy itself)."""
+        return {CHECKPOINT_TREE: self._lagged} if self.kind == "lagged" else {}
+
+    def restore(self, checkpointer: Any, step: int) -> bool:
+        """A lagged teacher's params from the checkpoint of ``step`` (into its current params'
+        shardings); False when there is nothing to restore, or a checkpoint written before the
+        teacher was saved (the teacher then stays at the resumed policy, logged)."""
+        if self.kind != "lagged":
+            return False
+        restored = checkpointer.restore_tree(step, CHECKPOINT_TREE, self._lagged)
+        if restored is None:
+            logger.warning("the checkpoint of step %d holds no lagged teacher (written by an older version): "
+                           "the teacher restarts at the resumed policy", step)
+            return False
+        self._lagged = restored
+        return True
 
     def observe(self, policy_params: Any, updates: int) -> None:
         """After the ``updates``-th update (1-based): move a lagged teacher toward ``policy_params``."""

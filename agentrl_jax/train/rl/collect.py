@@ -124,15 +124,34 @@ async def judge(rl: RL, trajectories: list[Trajectory], step: int,
     return verdicts, judge_metrics(verdicts)
 
 
+#: The evaluation's sampling seeds derive from this and the task's index, never from the
+#: run's seed or step: see ``eval_seed``.
+EVAL_SEED = 1234
+
+
+def eval_seed(task_index: int) -> int:
+    """The sampling seed of held-out task ``task_index`` (its k samples: ``run_group``'s streams).
+
+    Each task has its own seed, so two tasks (even with the same prompt) draw independent
+    samples: one shared seed made sample j of every task use one random stream, which
+    correlates the tasks' results and leaves fewer effective samples. The seed is the same at
+    every evaluation of a run and in every run: the start and end evaluations (and two arms
+    of an ablation) are paired on common random numbers, so their difference is the policy's,
+    not the sampler's.
+    """
+    return hash((EVAL_SEED, task_index)) & 0x7FFFFFFF
+
+
 async def evaluate(rl: RL, tasks: list[dict], *, label: str) -> dict[str, float]:
     """pass@k / avg@k and tool use of the policy the driver holds, on held-out ``tasks``."""
     e = rl.config.eval
     tasks = tasks[: e.num_tasks] if e.num_tasks else tasks
     k = e.samples_per_task
-    sampling = SamplingParams(temperature=e.temperature, seed=1234)
-    groups = await asyncio.gather(
-        *[rl.agent_loop.run_group(rl.env_factory, task, k, sampling, group_id=i) for i, task in enumerate(tasks)]
-    )
+    groups = await asyncio.gather(*[
+        rl.agent_loop.run_group(rl.env_factory, task, k,
+                                SamplingParams(temperature=e.temperature, seed=eval_seed(i)), group_id=i)
+        for i, task in enumerate(tasks)
+    ])
     results = {
         str(i): [
             {

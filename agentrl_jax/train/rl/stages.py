@@ -233,12 +233,14 @@ async def finish_step(rl: RL, state: TrainState, version: int, step: int, trajec
 
 def save(rl: RL, state: TrainState, version: int, step: int, *, data_state: Any = None,
          extra: dict[str, Any] | None = None) -> None:
-    """Checkpoint the train state, the data position and the params version at ``step``."""
+    """Checkpoint the train state, the data position, the params version and a lagged
+    teacher's params at ``step``."""
     if rl.checkpointer is None:
         return
     data_state = rl.data.get_state() if data_state is None else data_state
+    trees = rl.roles.teacher.checkpoint_trees() if rl.roles.teacher is not None else {}
     rl.checkpointer.save(step, state, data_state=data_state, config_dict=to_dict(rl.config),
-                         extra={"version": version, **(extra or {})}, force=True)
+                         extra={"version": version, **(extra or {})}, trees=trees, force=True)
 
 
 def place_optimizer_state(state: TrainState, memory_kind: str | None) -> TrainState:

@@ -126,3 +126,49 @@ def test_teacher_logprobs_come_from_the_chosen_params(tokenizer, models, choice)
         for j in range(P, len(t.token_ids)):  # response token j sits at student index j - 1
             np.testing.assert_allclose(teacher_logp[i, j - 1], direct[j - P + Pt - 1], atol=3e-5)
             np.testing.assert_allclose(np.asarray(arrays["old_logprobs"])[i, j - 1], old[j - 1], atol=3e-5)
+
+
+@pytest.mark.parametrize("kind", ["snapshot", "ema"])
+def test_a_resumed_run_restores_the_lagged_teacher_from_the_checkpoint(tmp_path, models, kind):
+    """The lagged params go into the checkpoint the RL loop writes (``stages.save``, real orbax)
+    and come back on resume, not the resumed policy that ``build_roles`` starts a teacher at."""
+    import types
+
+    from agentrl_jax.train.checkpoint import Checkpointer
+
+    graphdef, policy, reference, later = models
+    lag = {"lag_steps": 2} if kind == "snapshot" else {"ema_decay": 0.5}
+    teacher = Teacher(graphdef, "lagged", initial=policy, **lag)
+    for update, params in enumerate([later, later, reference], start=1):  # snapshot: `later`; EMA: a mix of all
+        teacher.observe(params, update)
+    overrides = ["hybrid.mode=hybrid", "hybrid.teacher=lagged",
+                 "hybrid.teacher_lag_steps=2" if kind == "snapshot" else "hybrid.teacher_ema_decay=0.5"]
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+        rl = types.SimpleNamespace(config=apply_overrides(Config(), overrides), checkpointer=checkpointer,
+                                   roles=Roles(policy=graphdef, teacher=teacher))
+        stages.save(rl, {"params": reference}, 3, 3, data_state={})
+    saved = jax.tree.map(np.asarray, teacher.params)
+
+    resumed = Teacher(graphdef, "lagged", initial=reference, **lag)  # as build_roles(policy_params=resumed)
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(resumed.params)))
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+        assert resumed.restore(checkpointer, 3)
+    for want, got in zip(jax.tree.leaves(saved), jax.tree.leaves(resumed.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert jax.tree.structure(resumed.params) == jax.tree.structure(teacher.params)
+
+
+def test_a_checkpoint_without_the_lagged_teacher_keeps_the_resumed_policy(tmp_path, models, caplog):
+    from agentrl_jax.train.checkpoint import Checkpointer
+
+    graphdef, policy, reference, _ = models
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+        checkpointer.save(1, {"params": policy}, force=True)  # what a run wrote before the teacher was saved
+    teacher = Teacher(graphdef, "lagged", initial=reference, lag_steps=1)
+    with Checkpointer(tmp_path / "checkpoints") as checkpointer:
+        assert not teacher.restore(checkpointer, 1)
+    assert "holds no lagged teacher" in caplog.text
+    for want, got in zip(jax.tree.leaves(reference), jax.tree.leaves(teacher.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="may not be named"), Checkpointer(tmp_path / "other") as checkpointer:
+        checkpointer.save(1, {"params": policy}, trees={"meta": policy}, force=True)

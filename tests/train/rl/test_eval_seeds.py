@@ -1,0 +1,92 @@
+"""The held-out evaluation's sampling seeds: one random stream per task, the same at every evaluation.
+
+Real pieces: a trained tiny tokenizer, a random tiny decoder, the real Engine, Driver and
+agent loop on one CPU device, and ``evaluate`` itself; the environment only records the
+policy's first turn and ends the episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from collections import defaultdict
+
+import jax
+import pytest
+from flax import nnx
+
+from agentrl_jax.config import Config, apply_overrides
+from agentrl_jax.envs.agent_loop import AgentLoop
+from agentrl_jax.envs.base import Environment, StepResult
+from agentrl_jax.models import Decoder, DecoderConfig, split_params
+from agentrl_jax.models.tiny import train_tiny_tokenizer
+from agentrl_jax.models.tokenizer import Tokenizer
+from agentrl_jax.rollout.driver import Driver
+from agentrl_jax.rollout.engine import Engine
+from agentrl_jax.sharding import make_mesh
+from agentrl_jax.train.rl.collect import evaluate
+
+CORPUS = ["What is 12*34? <code>print(12*34)</code> <interpreter>408</interpreter> \\boxed{408}"] * 30
+SAMPLES = 3
+
+
+class Recording(Environment):
+    """Ends every episode after the first turn, recording the policy's text per task id."""
+
+    def __init__(self, record: dict[str, list[str]]):
+        self.record, self.task_id = record, None
+
+    async def reset(self, task):
+        self.task_id = task["id"]
+        return [{"role": "user", "content": task["question"]}]
+
+    async def step(self, action_text: str) -> StepResult:
+        self.record[self.task_id].append(action_text)
+        return StepResult("", 0.0, True, finish_reason="answer", correct=False)
+
+
+@pytest.fixture(scope="module")
+def pieces(tmp_path_factory):
+    tokenizer = Tokenizer(train_tiny_tokenizer(tmp_path_factory.mktemp("tok") / "tok", CORPUS, vocab_size=320,
+                                               individual_digits=True))
+    cfg = DecoderConfig(
+        architecture="qwen3", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_layers=1,
+        num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+        tie_word_embeddings=True, attention_bias=False, qk_norm=True, max_position_embeddings=256,
+    )
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=8,
+                    max_target_length=128, max_prefill_length=64, min_prefill_bucket=16)
+    return tokenizer, engine, split_params(model)[1]
+
+
+def _evaluations(pieces, tasks, times: int) -> list[dict[str, list[str]]]:
+    """``times`` evaluations of ``tasks`` with one driver; per evaluation the sorted texts per task id."""
+    tokenizer, engine, params = pieces
+    config = apply_overrides(Config(), [f"eval.samples_per_task={SAMPLES}", "eval.temperature=1.0",
+                                        "eval.num_tasks=0"])
+
+    async def main():
+        out = []
+        async with Driver(engine, params, eos_token_ids=tokenizer.eos_token_ids,
+                          detokenize=lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) as driver:
+            loop = AgentLoop(driver, tokenizer, max_new_tokens_per_turn=12, max_total_tokens=96)
+            for _ in range(times):
+                record = defaultdict(list)
+                rl = types.SimpleNamespace(config=config, agent_loop=loop,
+                                           env_factory=lambda record=record: Recording(record))
+                await evaluate(rl, tasks, label="test")
+                out.append({k: sorted(v) for k, v in record.items()})
+        return out
+
+    return asyncio.run(main())
+
+
+def test_tasks_sample_independently_and_evaluations_repeat(pieces):
+    # two held-out tasks with the same prompt: the old shared seed gave them identical samples
+    tasks = [{"question": "What is 12*34?", "answer": "408", "id": "a"},
+             {"question": "What is 12*34?", "answer": "408", "id": "b"}]
+    first, second = _evaluations(pieces, tasks, times=2)
+    assert len(first["a"]) == len(first["b"]) == SAMPLES
+    assert first["a"] != first["b"]  # each task its own random stream
+    assert first == second  # the start and end evaluations draw the same streams (paired)
