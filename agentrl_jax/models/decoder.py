@@ -40,7 +40,10 @@ from agentrl_jax.models.layers import (
 )
 from agentrl_jax.sharding import DEFAULT_RULES, MESH_AXES, Rules, logical_sharding, logical_to_spec
 
-REMAT_POLICIES = ("none", "full", "dots_saveable")
+REMAT_POLICIES = ("none", "full", "dots_saveable", "attention_saveable", "dots_attention_saveable")
+# The primitive of cuDNN's fused attention forward (jax._src.cudnn.fused_attention_stablehlo);
+# its outputs are the attention output and the softmax statistics its backward kernel reads.
+_CUDNN_ATTENTION_FORWARD = "dot_product_attention_fwd_wrapper"
 ATTENTION_IMPLS = ("xla", "cudnn", None)
 
 
@@ -132,8 +135,10 @@ class Decoder(nnx.Module):
       param_dtype: storage dtype of the weights.
       attention_impl: "xla", "cudnn" or None (JAX picks), passed to
         ``jax.nn.dot_product_attention``.
-      remat: "none", "full" (recompute each layer in the backward pass) or "dots_saveable"
-        (keep matmul outputs).
+      remat: "none", "full" (recompute each layer in the backward pass), "dots_saveable"
+        (keep matmul outputs), "attention_saveable" (keep only cuDNN's fused attention
+        output and softmax statistics, so the backward pass never reruns the flash forward)
+        or "dots_attention_saveable" (both: only elementwise work is recomputed).
       activation_rules: logical-axis rules for activation sharding constraints (batch over
         the data axes, heads over tensor), applied only while a mesh with axes
         (data, fsdp, tensor) is set with ``jax.set_mesh``; None disables them.
@@ -207,7 +212,8 @@ class Decoder(nnx.Module):
             mask-free causal attention (cuDNN flash attention on GPU).
           max_segments: static bound on segments per row of packed ``segment_ids``. With
             ``attention_impl="cudnn"`` it selects cuDNN's packed flash-attention kernel
-            (no ``[B, T, T]`` mask; ``layers.packed_attention``); ignored otherwise.
+            (no ``[B, T, T]`` mask; ``layers.packed_attention``). 1 (every row one segment
+            followed by padding) runs the mask-free ``lengths`` path on any backend.
           cache: a ``KVCache`` with k, v ``[L, B, S, KV, K]``, or None.
           cache_index: ``[B]`` int32 write offsets; required with ``cache``.
 
@@ -218,6 +224,10 @@ class Decoder(nnx.Module):
         chex.assert_rank(input_ids, 2)
         chex.assert_equal_shape([input_ids, positions])
         B, T = input_ids.shape
+        if cache is None and max_segments == 1 and segment_ids is not None and attention_mask is None:
+            # A row of one segment is a right-padded row: no segment table, no cuDNN packed
+            # kernel (whose backward scratch grows with the bound; train.packing.PackPlan).
+            lengths, segment_ids = jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32), None
         hidden = jnp.take(self.embed[...], input_ids, axis=0).astype(self.dtype)
         constrain = functools.partial(_constrain, rules=self.activation_rules)
         hidden = constrain(hidden, ("batch", "sequence", "embed"))
@@ -293,10 +303,27 @@ class Decoder(nnx.Module):
         return jnp.einsum(equation, hidden.astype(jnp.float32), table.astype(jnp.float32))
 
 
+def _saves_attention(prim, *_, **__) -> bool:
+    """Remat policy: keep what cuDNN's fused attention forward returns (output, softmax stats)."""
+    return prim.name == _CUDNN_ATTENTION_FORWARD
+
+
 def _remat(fn, policy: str):
+    """``fn`` under ``jax.checkpoint`` with the named policy (see ``Decoder``'s ``remat``).
+
+    The attention policies match cuDNN's fused forward only; on the XLA attention path the
+    softmax is elementwise work, so there "attention_saveable" equals "full" and
+    "dots_attention_saveable" equals "dots_saveable".
+    """
     if policy == "none":
         return fn
-    saveable = None if policy == "full" else jax.checkpoint_policies.dots_saveable
+    dots = jax.checkpoint_policies.dots_saveable
+    saveable = {
+        "full": None,
+        "dots_saveable": dots,
+        "attention_saveable": _saves_attention,
+        "dots_attention_saveable": jax.checkpoint_policies.save_from_both_policies(dots, _saves_attention),
+    }[policy]
     return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
 
 

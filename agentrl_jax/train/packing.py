@@ -67,6 +67,20 @@ class PackPlan:
         return self.num_rows // self.rows_per_micro
 
     @property
+    def segment_bound(self) -> int:
+        """The static segments-per-row bound the attention is compiled for: the most
+        trajectories any row holds, rounded up to a power of two (few compiled shapes), at
+        most ``max_segments``.
+
+        cuDNN's packed kernel sizes its backward scratch by rows x bound x row length, so a
+        bound far above what the rows hold costs memory that grows with the row length
+        (docs/benchmarks.md, "RL update on packed rows"); a bound of 1 (one trajectory per
+        row) runs the mask-free padded-row attention instead.
+        """
+        most = max((len(members) for members in self.rows), default=1)
+        return min(1 << (most - 1).bit_length(), self.max_segments)
+
+    @property
     def trajectories(self) -> np.ndarray:
         """Padded-batch rows held by the plan, in packed order."""
         return np.asarray([i for members in self.rows for i in members], np.int64)
@@ -253,7 +267,8 @@ def packed_logprobs(
     packing is on, so they share one layout; the result is in the padded layout again.
 
     Args:
-      forward: ``(params, packed micro-batch arrays) -> [rows, S]`` (a jitted packed forward).
+      forward: ``(params, packed micro-batch arrays, segment bound) -> [rows, S]`` (a jitted
+        packed forward; the bound is the plan's static :attr:`PackPlan.segment_bound`).
       inputs: ``input_ids``, ``positions``, ``segment_ids``, ``targets`` ``[N, T]`` (padded).
       row_tokens, micro_batch_tokens, max_segments: see :func:`plan_packing`.
 
@@ -265,7 +280,7 @@ def packed_logprobs(
                         micro_batch_tokens=micro_batch_tokens, max_segments=max_segments)
     packed = pack_arrays(plan, inputs, pad_token_id=pad_token_id)
     step = plan.rows_per_micro
-    parts = [np.asarray(forward(params, {k: v[s : s + step] for k, v in packed.items()}))
+    parts = [np.asarray(forward(params, {k: v[s : s + step] for k, v in packed.items()}, plan.segment_bound))
              for s in range(0, plan.num_rows, step)]
     return unpack(plan, np.concatenate(parts, axis=0).astype(np.float32))
 

@@ -55,8 +55,9 @@ class LossSettings:
       correction_hparams: its (key, value) pairs.
       chunk_size: tokens per logprob chunk (bounds the [chunk, V] float32 buffer).
       packed: rows hold several trajectories (pass sequence ids to the losses).
-      max_segments: with ``packed``, the bound on trajectories per row (``train.packing``);
-        > 0 lets cuDNN run its packed flash-attention kernel (0: a segment mask).
+      max_segments: with ``packed``, the bound on trajectories per row (the trainer sets
+        each plan's ``train.packing.PackPlan.segment_bound``); > 1 lets cuDNN run its packed
+        flash-attention kernel, 1 runs mask-free padded-row attention, 0 a segment mask.
       old_from_current: the old logprobs are the current policy's, ``sg(logp)``, taken from
         the update's own forward (on-policy batch, one minibatch, one epoch: the params
         have not moved since the batch was sampled, so a separate old-logprob forward
@@ -123,8 +124,9 @@ def forward_logprobs(
       packed: rows hold several segments (segment-id mask). Otherwise each row is one
         right-padded trajectory and attention runs mask-free with row lengths (the fused
         flash path on GPU).
-      max_segments: with ``packed``, the static bound on segments per row (> 0: cuDNN's
-        packed kernel when the model's attention is "cudnn").
+      max_segments: with ``packed``, the static bound on segments per row (> 1: cuDNN's
+        packed kernel when the model's attention is "cudnn"; 1: one segment per row, the
+        mask-free padded-row path).
     Returns:
       logp [B, T] float32 (and entropy [B, T] when ``with_entropy``).
     """
