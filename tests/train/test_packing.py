@@ -141,10 +141,16 @@ def test_packed_logprobs_equal_padded(chunk_size):
         np.testing.assert_allclose(np.asarray(unpack(plan, b))[real], np.asarray(a)[real], atol=1e-5, rtol=0)
     if chunk_size == 7:  # the trainer's route: plan, pack, micro-batches of 96 tokens, unpack
         bounds = []
-        forward = lambda p, arrays, bound: bounds.append(bound) or fwd(  # noqa: E731
-            graphdef, p, {k: jnp.asarray(v) for k, v in arrays.items()}, packed=True, **kw)[0]
+
+        def forward(p, arrays, bound):
+            assert all(isinstance(v, jax.Array) for v in arrays.values())
+            bounds.append(bound)
+            return fwd(graphdef, p, arrays, packed=True, **kw)[0]
+
         inputs = {k: padded[k] for k in ("input_ids", "positions", "segment_ids", "targets")}
         got = packed_logprobs(forward, params, inputs, row_tokens=48, micro_batch_tokens=96)
+        assert isinstance(got, jax.Array) and got.shape == padded["input_ids"].shape  # stays on the device
+        got = np.asarray(got)
         np.testing.assert_allclose(got[real], np.asarray(lp_pad)[real], atol=1e-5, rtol=0)
         assert (got[~real] == 0).all()
         assert bounds and set(bounds) == {plan_packing(_lengths(padded), 48, padded_length=32).segment_bound}

@@ -27,7 +27,7 @@ from agentrl_jax.losses.registry import loss_hparams
 from agentrl_jax.train.guidance.hindsight import Judge
 from agentrl_jax.train.guidance.old_policy import OldPolicy
 from agentrl_jax.train.guidance.signal import Teacher
-from agentrl_jax.train.multihost import put_global, to_host
+from agentrl_jax.train.multihost import put_global
 from agentrl_jax.train.packing import MAX_SEGMENTS, gather_rows, packed_logprobs
 from agentrl_jax.train.step import (
     LossSettings,
@@ -174,11 +174,10 @@ class RL:
         fn = self._compiled["logprobs"]
         a = self.config.algorithm
         if a.pack_rows:
-            forward = lambda params, part, segments: to_host(fn(  # noqa: E731
-                model.graphdef, params, {k: self.put(v) for k, v in part.items()}, max_segments=segments))
-            return self.put(packed_logprobs(forward, model.params, inputs, row_tokens=a.pack_row_tokens,
-                                            micro_batch_tokens=a.micro_batch_tokens,
-                                            pad_token_id=self.tokenizer.pad_token_id))
+            forward = lambda params, part, segments: fn(model.graphdef, params, part, max_segments=segments)  # noqa: E731
+            return packed_logprobs(forward, model.params, inputs, row_tokens=a.pack_row_tokens,
+                                   micro_batch_tokens=a.micro_batch_tokens, pad_token_id=self.tokenizer.pad_token_id,
+                                   put=self.put)
         rows = inputs["input_ids"].shape[0]
         parts = [fn(model.graphdef, model.params, {k: self.put(v[start: start + micro_rows])
                                                    for k, v in inputs.items()})
