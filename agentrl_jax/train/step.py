@@ -269,19 +269,23 @@ def update_step(
     rows = minibatch["input_ids"].shape[0]
     if rows % num_micro_batches:
         raise ValueError(f"{rows} rows do not split into {num_micro_batches} micro-batches")
-    micro = jax.tree.map(
-        lambda x: x.reshape(num_micro_batches, rows // num_micro_batches, *x.shape[1:]), minibatch
-    )
     grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
+    if num_micro_batches == 1:
+        # No accumulator: zeros + one gradient would be two more passes over the float32 grads.
+        (_, metrics), grads = grad_fn(state.params, graphdef, minibatch, normalizer, settings, num_sequences)
+    else:
+        micro = jax.tree.map(
+            lambda x: x.reshape(num_micro_batches, rows // num_micro_batches, *x.shape[1:]), minibatch
+        )
 
-    def accumulate(grads, mb):
-        (_, metrics), g = grad_fn(state.params, graphdef, mb, normalizer, settings, num_sequences)
-        return jax.tree.map(jnp.add, grads, g), metrics
+        def accumulate(grads, mb):
+            (_, metrics), g = grad_fn(state.params, graphdef, mb, normalizer, settings, num_sequences)
+            return jax.tree.map(jnp.add, grads, g), metrics
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, metrics = jax.lax.scan(accumulate, zeros, micro)
-    # The loss sums over micro-batches (shared normalizer); other metrics are averaged.
-    metrics = {k: (jnp.sum(v) if k in ("loss", "policy_loss") else jnp.mean(v)) for k, v in metrics.items()}
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grads, metrics = jax.lax.scan(accumulate, zeros, micro)
+        # The loss sums over micro-batches (shared normalizer); other metrics are averaged.
+        metrics = {k: (jnp.sum(v) if k in ("loss", "policy_loss") else jnp.mean(v)) for k, v in metrics.items()}
 
     grad_norm = _global_norm(grads)
     updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
