@@ -78,8 +78,7 @@ class PackPlan:
         (docs/benchmarks.md, "RL update on packed rows"); a bound of 1 (one trajectory per
         row) runs the mask-free padded-row attention instead.
         """
-        most = max((len(members) for members in self.rows), default=1)
-        return min(1 << (most - 1).bit_length(), self.max_segments)
+        return segment_bound(max((len(members) for members in self.rows), default=1), self.max_segments)
 
     @property
     def trajectories(self) -> np.ndarray:
@@ -114,6 +113,15 @@ class PackPlan:
                 out[r, cursor : cursor + int(self.lengths[i])] = seg
                 cursor += int(self.lengths[i])
         return out
+
+
+def segment_bound(most: int, cap: int = MAX_SEGMENTS) -> int:
+    """The static segments-per-row bound for rows of at most ``most`` segments: ``most``
+    rounded up to a power of two, at most ``cap``; 0 (the segment mask) when ``most`` is
+    above ``cap``, since cuDNN's packed kernel drops segments beyond its bound."""
+    if most > cap:
+        return 0
+    return min(1 << (max(most, 1) - 1).bit_length(), cap)
 
 
 def plan_packing(

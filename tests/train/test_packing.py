@@ -18,7 +18,15 @@ from agentrl_jax.losses import global_normalizer
 from agentrl_jax.models import Decoder, DecoderConfig, split_params
 from agentrl_jax.models.layers import segment_table
 from agentrl_jax.train.batch import TokenRecord, build_batch
-from agentrl_jax.train.packing import pack_arrays, packed_logprobs, packing_stats, plan_packing, unpack
+from agentrl_jax.train.packing import (
+    pack_arrays,
+    packed_logprobs,
+    packing_stats,
+    plan_packing,
+    segment_bound,
+    unpack,
+)
+from agentrl_jax.train.sft import batch_arrays, run_sft, sft_settings
 from agentrl_jax.train.step import LossSettings, forward_logprobs, init_train_state, policy_loss, update_step
 
 FIELDS = ("input_ids", "positions", "segment_ids", "targets", "loss_mask", "advantages", "sequence_ids",
@@ -79,6 +87,29 @@ def test_segment_bound_is_the_most_trajectories_of_a_row_rounded_up_to_a_power_o
     assert plan_packing([2] * 5, 10, padded_length=4).segment_bound == 8  # five in one row
     assert plan_packing([2] * 5, 10, padded_length=4, max_segments=5).segment_bound == 5  # never above the cap
     assert plan_packing([0, 0], 10, padded_length=4).segment_bound == 1  # nothing to pack
+    assert (segment_bound(3), segment_bound(64), segment_bound(65)) == (4, 64, 0)  # 0: more than the kernel's cap
+
+
+@pytest.mark.parametrize("lengths", [(30, 28, 25, 31), (5, 19, 11, 3, 24, 8, 14, 2)])
+def test_sft_on_its_segment_bound_equals_the_segment_mask(lengths):
+    """``run_sft`` compiles the attention for the batch's segment bound (one conversation per
+    row: the mask-free path; several: the packed kernel, the segment mask on CPU): one SFT
+    update equals the segment-mask update of the same batch."""
+    graphdef, params = _tiny()
+    rng = np.random.default_rng(3)
+    records = [TokenRecord(rng.integers(1, 64, n).tolist(), [0, 0] + [1] * (n - 2), [0.0] * n, [-1] * n,
+                           [0.0, 0.0] + [1.0] * (n - 2)) for n in lengths]
+    opt = optax.sgd(0.5)
+    got, _ = run_sft(init_train_state(jax.tree.map(jnp.copy, params), opt, 0), graphdef=graphdef, optimizer=opt, records=records, steps=1,
+                     batch_size=len(records), row_length=32, seed=0)
+    batch = build_batch(records, pack=True, row_length=32)
+    step = jax.jit(functools.partial(update_step, graphdef=graphdef, optimizer=opt, settings=sft_settings(),
+                                     num_micro_batches=1, num_sequences=len(records)))
+    want, _ = step(init_train_state(params, opt, 0), batch_arrays(batch),
+                   global_normalizer(jnp.asarray(batch.loss_mask), "token-mean"))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0),
+                 got.params, want.params)
+    assert not jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), got.params, params))
 
 
 def test_rows_of_one_trajectory_run_mask_free_and_equal_the_segment_mask():
