@@ -38,12 +38,15 @@ from agentrl_jax.models.layers import (
     rope_frequencies,
     swiglu,
 )
-from agentrl_jax.sharding import DEFAULT_RULES, MESH_AXES, Rules, logical_sharding, logical_to_spec
+from agentrl_jax.models.remat import REMAT_POLICIES, remat_layer
+from agentrl_jax.sharding import (
+    DEFAULT_RULES,
+    MESH_AXES,
+    Rules,
+    logical_sharding,
+    logical_to_spec,
+)
 
-REMAT_POLICIES = ("none", "full", "dots_saveable", "attention_saveable", "dots_attention_saveable")
-# The primitive of cuDNN's fused attention forward (jax._src.cudnn.fused_attention_stablehlo);
-# its outputs are the attention output and the softmax statistics its backward kernel reads.
-_CUDNN_ATTENTION_FORWARD = "dot_product_attention_fwd_wrapper"
 ATTENTION_IMPLS = ("xla", "cudnn", None)
 
 
@@ -244,7 +247,7 @@ class Decoder(nnx.Module):
             if segment_ids is not None or attention_mask is not None:
                 raise ValueError("Decoder: pass either lengths or segment_ids/attention_mask, not both")
             chex.assert_shape(lengths, (B,))
-            body = _remat(
+            body = remat_layer(
                 lambda h, w: (block(h, w, mask=None, kv_write=None, lengths=lengths)[0], None), self.remat
             )
             hidden, _ = jax.lax.scan(body, hidden, layer_weights)
@@ -253,12 +256,14 @@ class Decoder(nnx.Module):
             if attention_mask is not None:
                 raise ValueError("Decoder: the packed cuDNN path takes segment_ids (0 = padding), not attention_mask")
             packed = (segment_ids, max_segments)
-            body = _remat(lambda h, w: (block(h, w, mask=None, kv_write=None, packed=packed)[0], None), self.remat)
+            body = remat_layer(
+                lambda h, w: (block(h, w, mask=None, kv_write=None, packed=packed)[0], None), self.remat
+            )
             hidden, _ = jax.lax.scan(body, hidden, layer_weights)
             new_cache = None
         elif cache is None:
             mask = packed_causal_mask(segment_ids, attention_mask, B, T)
-            body = _remat(lambda h, w: (block(h, w, mask=mask, kv_write=None)[0], None), self.remat)
+            body = remat_layer(lambda h, w: (block(h, w, mask=mask, kv_write=None)[0], None), self.remat)
             hidden, _ = jax.lax.scan(body, hidden, layer_weights)
             new_cache = None
         else:
@@ -284,7 +289,7 @@ class Decoder(nnx.Module):
 
             layers = jnp.arange(cfg.num_layers)
             (hidden, k_all, v_all), _ = jax.lax.scan(
-                _remat(body, self.remat), (hidden, cache.k, cache.v), (layer_weights, layers)
+                remat_layer(body, self.remat), (hidden, cache.k, cache.v), (layer_weights, layers)
             )
             new_cache = KVCache(k=k_all, v=v_all)
         hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
@@ -301,30 +306,6 @@ class Decoder(nnx.Module):
         table, layout = self.output_embedding()
         equation = "btd,vd->btv" if layout == "vd" else "btd,dv->btv"
         return jnp.einsum(equation, hidden.astype(jnp.float32), table.astype(jnp.float32))
-
-
-def _saves_attention(prim, *_, **__) -> bool:
-    """Remat policy: keep what cuDNN's fused attention forward returns (output, softmax stats)."""
-    return prim.name == _CUDNN_ATTENTION_FORWARD
-
-
-def _remat(fn, policy: str):
-    """``fn`` under ``jax.checkpoint`` with the named policy (see ``Decoder``'s ``remat``).
-
-    The attention policies match cuDNN's fused forward only; on the XLA attention path the
-    softmax is elementwise work, so there "attention_saveable" equals "full" and
-    "dots_attention_saveable" equals "dots_saveable".
-    """
-    if policy == "none":
-        return fn
-    dots = jax.checkpoint_policies.dots_saveable
-    saveable = {
-        "full": None,
-        "dots_saveable": dots,
-        "attention_saveable": _saves_attention,
-        "dots_attention_saveable": jax.checkpoint_policies.save_from_both_policies(dots, _saves_attention),
-    }[policy]
-    return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
 
 
 def _decoder_block(

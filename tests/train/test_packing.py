@@ -27,7 +27,13 @@ from agentrl_jax.train.packing import (
     unpack,
 )
 from agentrl_jax.train.sft import batch_arrays, run_sft, sft_settings
-from agentrl_jax.train.step import LossSettings, forward_logprobs, init_train_state, policy_loss, update_step
+from agentrl_jax.train.step import (
+    LossSettings,
+    forward_logprobs,
+    init_train_state,
+    policy_loss,
+    update_step,
+)
 
 FIELDS = ("input_ids", "positions", "segment_ids", "targets", "loss_mask", "advantages", "sequence_ids",
           "rollout_logprobs", "params_versions")
