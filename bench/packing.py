@@ -12,10 +12,13 @@ One RL update as the trainer runs it, at a Qwen3 shape with random weights, on a
   real), the ceiling the RL update is compared with.
 
 Tokens/s counts real (non-padding) tokens over the whole update (old pass included). Then,
-per row length in ``--memory-rows``, the compiled peak memory (arguments + temporaries) of
-one packed update on a single row of that many tokens.
+per row length in ``--memory-rows`` and segment bound in ``--memory-segments``, the compiled
+peak memory (arguments + temporaries) of one packed update on a single row of that many
+tokens (bound 1: one trajectory in the row, which the trainer runs mask-free; bound M > 1:
+cuDNN's packed kernel compiled for up to M trajectories).
 
     python bench/packing.py --size 1.7b
+    python bench/packing.py --only memory --memory-rows 16384 --memory-segments 1,2,64  # the bound's cost
     python bench/packing.py --size tiny --episodes 8 --row-tokens 512 --memory-rows 256  # CPU smoke run
 """
 
@@ -119,13 +122,17 @@ def run_padded(cfg, padded, micro_rows: int, steps: int, attention, separate_old
             "step_s": step_s}
 
 
-def run_packed(cfg, padded, row_tokens: int, micro_tokens: int, steps: int, attention, segments: int = 64) -> dict:
+def run_packed(cfg, padded, row_tokens: int, micro_tokens: int, steps: int, attention,
+               segments: int | None = None) -> dict:
+    """``segments``: the kernel's segment bound; None: the plan's (what the trainer runs), 0: the
+    segment mask instead of cuDNN's packed kernel."""
     graphdef, params = _model(cfg, attention)
     optimizer = optax.adamw(1e-6)
     holder = {"state": init_train_state(params, optimizer, 0)}
     lengths = padded["segment_ids"].sum(axis=1)
     plan = plan_packing(lengths, row_tokens, padded_length=padded["input_ids"].shape[1],
                         micro_batch_tokens=micro_tokens, max_segments=64)
+    segments = plan.segment_bound if segments is None else segments
     arrays = {k: jnp.asarray(v) for k, v in pack_arrays(plan, padded).items()}
     settings = LossSettings(loss="ppo", hparams=HPARAMS, chunk_size=2048, packed=True, max_segments=segments,
                             old_from_current=True)
@@ -138,7 +145,7 @@ def run_packed(cfg, padded, row_tokens: int, micro_tokens: int, steps: int, atte
 
     first, step_s = _timed(one, steps)
     return {"layout": "packed", "rows": plan.num_rows, "row_tokens": row_tokens, "first_s": first,
-            "step_s": step_s, **packing_stats(plan)}
+            "step_s": step_s, "segment_bound": segments, **packing_stats(plan)}
 
 
 def run_dense(cfg, rows: int, row_tokens: int, steps: int, attention) -> dict:
@@ -152,11 +159,12 @@ def run_dense(cfg, rows: int, row_tokens: int, steps: int, attention) -> dict:
     return dict(out, layout="dense")
 
 
-def peak_bytes(cfg, row_tokens: int, attention, segments: int = 64, packed: bool = True) -> dict:
+def peak_bytes(cfg, row_tokens: int, attention, segments: int = 2, packed: bool = True) -> dict:
     """Compiled memory of one update on one row of ``row_tokens`` tokens (nothing runs).
 
-    ``packed``: the row as a packed row (segment ids; cuDNN's packed kernel when
-    ``segments`` > 0); otherwise as one padded trajectory (the mask-free ``lengths`` path).
+    ``packed``: the row as a packed row with segment bound ``segments`` (1: one trajectory,
+    run mask-free; > 1: cuDNN's packed kernel; 0: the segment mask); otherwise as one padded
+    trajectory (the mask-free ``lengths`` path, unpacked losses).
     """
     graphdef, params = nnx.eval_shape(lambda: _model(cfg, attention))
     optimizer = optax.adamw(1e-6)
@@ -171,8 +179,8 @@ def peak_bytes(cfg, row_tokens: int, attention, segments: int = 64, packed: bool
     update = _update(graphdef, optimizer, settings, 1, 64 if packed else None)
     mem = update.lower(state, batch, jax.ShapeDtypeStruct((), jnp.float32)).compile().memory_analysis()
     peak = mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    return {"row_tokens": row_tokens, "packed": packed, "peak_gib": peak / 2**30,
-            "temp_gib": mem.temp_size_in_bytes / 2**30}
+    return {"row_tokens": row_tokens, "packed": packed, "segment_bound": segments if packed else None,
+            "peak_gib": peak / 2**30, "temp_gib": mem.temp_size_in_bytes / 2**30}
 
 
 def main() -> None:
@@ -188,6 +196,9 @@ def main() -> None:
     p.add_argument("--memory-rows", default="8192,16384,32768", help="row lengths for the memory table ('': skip)")
     p.add_argument("--memory-sizes", default="", help="shapes for the memory table (default: --size)")
     p.add_argument("--memory-layouts", default="packed", help="'packed', 'padded' or both (comma-separated)")
+    p.add_argument("--memory-segments", default="1,2", help="segment bounds of the packed memory rows")
+    p.add_argument("--segments", type=int, default=None,
+                   help="segment bound of the packed throughput run (default: the plan's, as the trainer)")
     p.add_argument("--only", default="padded,packed,dense,memory")
     p.add_argument("--out", default=None, help="append result lines (JSON) to this file")
     p.add_argument("--masked-packed", action="store_true",
@@ -198,7 +209,7 @@ def main() -> None:
     cfg = DecoderConfig(architecture="qwen3", qk_norm=True, rope_theta=1e6, **SHAPES[args.size])
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  shape {args.size}", flush=True)
 
-    segments = 0 if args.masked_packed else 64
+    segments = 0 if args.masked_packed else args.segments
 
     def emit(row):
         print(json.dumps(row), flush=True)
@@ -230,9 +241,11 @@ def main() -> None:
         for size in (args.memory_sizes or args.size).split(","):
             mcfg = DecoderConfig(architecture="qwen3", qk_norm=True, rope_theta=1e6, **SHAPES[size])
             for n in (int(x) for x in args.memory_rows.split(",")):
-                for layout in args.memory_layouts.split(","):
-                    attempt("memory", lambda: dict(peak_bytes(mcfg, n, attention, segments, layout == "packed"),
-                                                   size=size, layout="memory"))
+                variants = [(layout == "packed", int(m)) for layout in args.memory_layouts.split(",")
+                            for m in (args.memory_segments.split(",") if layout == "packed" else "0")]
+                for packed, m in variants:
+                    attempt("memory", lambda: dict(peak_bytes(mcfg, n, attention, 0 if args.masked_packed else m,
+                                                              packed), size=size, layout="memory"))
 
 
 if __name__ == "__main__":

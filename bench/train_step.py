@@ -7,7 +7,11 @@ loss mask, backward, AdamW. The baseline does the same in PyTorch with
 full logits, the same masked PPO loss, torch.optim.AdamW), measured in the same process.
 
     python bench/train_step.py --sizes 1.7b,4b --seq 4096 --rows 4
+    python bench/train_step.py --sizes 1.7b --rows 4,8 --remat full,dots_saveable,none   # a sweep
     python bench/train_step.py --tiny          # seconds on CPU, checks the script runs
+
+``--rows`` and ``--remat`` take comma-separated lists: every (rows, remat) pair is one JAX
+measurement, and PyTorch (always full gradient checkpointing) runs once per row count.
 
 MFU counts model FLOPs (6 N per token for the matmuls incl. the lm head, plus causal
 attention 6 L T H K per token), not the rematerialized recompute, over the card's dense
@@ -29,6 +33,7 @@ from flax import nnx
 
 from agentrl_jax.losses import global_normalizer
 from agentrl_jax.models import Decoder, DecoderConfig, split_params
+from agentrl_jax.models.decoder import REMAT_POLICIES
 from agentrl_jax.train.step import LossSettings, init_train_state, update_step
 
 SHAPES = {
@@ -75,7 +80,7 @@ def make_batch(rows: int, seq: int, vocab: int, seed: int = 0):
 
 
 def bench_jax(cfg: DecoderConfig, rows: int, seq: int, steps: int, param_dtype, remat: str,
-              attention: str | None = None) -> dict:
+              attention: str | None = None, chunk_size: int = 2048) -> dict:
     model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=param_dtype, remat=remat, attention_impl=attention,
                     rngs=nnx.Rngs(0))
     graphdef, params = split_params(model)
@@ -94,7 +99,7 @@ def bench_jax(cfg: DecoderConfig, rows: int, seq: int, steps: int, param_dtype, 
     }
     optimizer = optax.adamw(1e-6)
     state = init_train_state(params, optimizer, 0)
-    settings = LossSettings(loss="ppo", hparams=(("eps_high", 0.28), ("eps_low", 0.2)), chunk_size=2048)
+    settings = LossSettings(loss="ppo", hparams=(("eps_high", 0.28), ("eps_low", 0.2)), chunk_size=chunk_size)
     step = jax.jit(
         functools.partial(update_step, graphdef=graphdef, optimizer=optimizer, settings=settings,
                           num_micro_batches=1, num_sequences=None),
@@ -111,7 +116,9 @@ def bench_jax(cfg: DecoderConfig, rows: int, seq: int, steps: int, param_dtype, 
         state, metrics = step(state, batch, z)
         jax.block_until_ready(metrics["loss"])
         times.append(time.perf_counter() - t0)
-    return {"step_s": float(np.median(times)), "compile_s": compile_s, "loss": float(metrics["loss"])}
+    peak = jax.devices()[0].memory_stats() or {}
+    return {"step_s": float(np.median(times)), "compile_s": compile_s, "loss": float(metrics["loss"]),
+            "peak_gib": peak.get("peak_bytes_in_use", 0) / 2**30}
 
 
 def bench_torch(cfg: DecoderConfig, rows: int, seq: int, steps: int, param_dtype: str) -> dict:
@@ -168,16 +175,16 @@ def bench_torch(cfg: DecoderConfig, rows: int, seq: int, steps: int, param_dtype
     return out
 
 
-def _run_worker(kind: str, size: str, args) -> dict:
+def _run_worker(kind: str, size: str, rows: int, remat: str, args) -> dict:
     """One measurement in a fresh process, so JAX's and PyTorch's allocators never share the card."""
     import os
     import subprocess
     import sys
 
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--sizes", size, "--seq", str(args.seq),
-           "--rows", str(args.rows), "--steps", str(args.steps), "--param-dtype", args.param_dtype,
-           "--remat", args.remat, "--attention", args.attention]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+           "--rows", str(rows), "--steps", str(args.steps), "--param-dtype", args.param_dtype,
+           "--remat", remat, "--attention", args.attention, "--chunk-size", str(args.chunk_size)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -188,25 +195,31 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="1.7b,4b")
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--rows", default="4", help="rows per update (comma-separated list)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--remat", default="full", choices=["none", "full", "dots_saveable"])
+    p.add_argument("--remat", default="full", help=f"comma-separated list of {REMAT_POLICIES}")
+    p.add_argument("--chunk-size", type=int, default=2048, help="tokens per logprob chunk")
+    p.add_argument("--worker-timeout", type=float, default=600, help="seconds per measurement")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"])
     p.add_argument("--tiny", action="store_true", help="tiny shape, short sequence: a CPU smoke run")
     p.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.tiny:
-        args.sizes, args.seq, args.rows, args.steps = "tiny", 128, 2, 2
+        args.sizes, args.seq, args.rows, args.steps = "tiny", 128, "2", 2
+    remats = args.remat.split(",")
+    unknown = sorted(set(remats) - set(REMAT_POLICIES))
+    if unknown:
+        p.error(f"--remat: unknown {unknown}; choose from {REMAT_POLICIES}")
     if args.worker:
         cfg = DecoderConfig(architecture="qwen3", qk_norm=True, rope_theta=1e6, **SHAPES[args.sizes])
         if args.worker == "jax":
             pdt = jnp.float32 if args.param_dtype == "float32" else jnp.bfloat16
             impl = None if args.attention == "auto" else args.attention
-            result = bench_jax(cfg, args.rows, args.seq, args.steps, pdt, args.remat, impl)
+            result = bench_jax(cfg, int(args.rows), args.seq, args.steps, pdt, args.remat, impl, args.chunk_size)
         else:
-            result = bench_torch(cfg, args.rows, args.seq, args.steps, args.param_dtype)
+            result = bench_torch(cfg, int(args.rows), args.seq, args.steps, args.param_dtype)
         print("RESULT " + json.dumps(result))
         return
     name, peak = device_peak()
@@ -214,29 +227,48 @@ def main() -> None:
     rows_out = []
     for size in args.sizes.split(","):
         cfg = DecoderConfig(architecture="qwen3", qk_norm=True, rope_theta=1e6, **SHAPES[size])
-        tokens = args.rows * args.seq
-        flops = model_flops_per_token(cfg, args.seq) * tokens
-        j = _run_worker("jax", size, args)
-        row = {"size": size, "seq": args.seq, "rows": args.rows, "param_dtype": args.param_dtype,
-               "remat": args.remat, "attention": args.attention,
-               "jax_step_s": j["step_s"], "jax_tokens_per_s": tokens / j["step_s"], "jax_compile_s": j["compile_s"]}
-        if peak:
-            row["jax_mfu"] = flops / j["step_s"] / peak
-        if not args.no_torch:
-            t = _run_worker("torch", size, args)
-            row.update(torch_step_s=t["step_s"], torch_tokens_per_s=tokens / t["step_s"],
-                       speedup=t["step_s"] / j["step_s"])
-            if peak:
-                row["torch_mfu"] = flops / t["step_s"] / peak
-        print(json.dumps(row), flush=True)
-        rows_out.append(row)
-    print("\n| shape | tokens/update | agentrl_jax tok/s | MFU | HF torch tok/s | MFU | ratio |")
-    print("|---|---|---|---|---|---|---|")
+        for rows in (int(r) for r in args.rows.split(",")):
+            rows_out += _measure(size, cfg, rows, remats, peak, args)
+    print("\n| shape | tokens/update | remat | agentrl_jax tok/s | MFU | HF torch tok/s | MFU | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows_out:
-        print(f"| {r['size']} | {r['rows']}x{r['seq']} | {r['jax_tokens_per_s']:.0f} | {r.get('jax_mfu', float('nan')):.1%} "
-              f"| {r.get('torch_tokens_per_s', float('nan')):.0f} | {r.get('torch_mfu', float('nan')):.1%} "
-              f"| {r.get('speedup', float('nan')):.2f}x |")
+        if "jax_step_s" not in r:
+            continue
+        print(f"| {r['size']} | {r['rows']}x{r['seq']} | {r['remat']} | {r['jax_tokens_per_s']:.0f} "
+              f"| {r.get('jax_mfu', float('nan')):.1%} | {r.get('torch_tokens_per_s', float('nan')):.0f} "
+              f"| {r.get('torch_mfu', float('nan')):.1%} | {r.get('speedup', float('nan')):.2f}x |")
 
+
+def _measure(size: str, cfg: DecoderConfig, rows: int, remats: list[str], peak: float | None, args) -> list[dict]:
+    """One JAX measurement per remat policy and one PyTorch baseline, at ``rows`` x ``--seq``."""
+    tokens = rows * args.seq
+    flops = model_flops_per_token(cfg, args.seq) * tokens
+    torch_row = {}
+    if not args.no_torch:
+        try:
+            t = _run_worker("torch", size, rows, "full", args)
+            torch_row = dict(torch_step_s=t["step_s"], torch_tokens_per_s=tokens / t["step_s"])
+            if peak:
+                torch_row["torch_mfu"] = flops / t["step_s"] / peak
+        except Exception as e:  # a one-shot device run reports every measurement it can
+            torch_row = {"torch_error": f"{type(e).__name__}: {str(e)[-400:]}"}
+    out = []
+    for remat in remats:
+        row = {"size": size, "seq": args.seq, "rows": rows, "param_dtype": args.param_dtype, "remat": remat,
+               "attention": args.attention, "chunk_size": args.chunk_size, **torch_row}
+        try:
+            j = _run_worker("jax", size, rows, remat, args)
+            row.update(jax_step_s=j["step_s"], jax_tokens_per_s=tokens / j["step_s"], jax_compile_s=j["compile_s"],
+                       jax_peak_gib=j["peak_gib"])
+            if peak:
+                row["jax_mfu"] = flops / j["step_s"] / peak
+            if "torch_step_s" in row:
+                row["speedup"] = row["torch_step_s"] / j["step_s"]
+        except Exception as e:
+            row["jax_error"] = f"{type(e).__name__}: {str(e)[-400:]}"
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
 
 if __name__ == "__main__":
     main()

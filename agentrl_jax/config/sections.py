@@ -46,7 +46,9 @@ class ModelConfig(_Section):
     attention_impl: Literal["auto", "xla", "cudnn"] = _f(
         "auto", "jax.nn.dot_product_attention implementation; auto lets JAX pick."
     )
-    remat: Literal["none", "full", "dots_saveable"] = _f("full", "Rematerialization policy per layer.")
+    remat: Literal["none", "full", "dots_saveable", "attention_saveable", "dots_attention_saveable"] = _f(
+        "full", "Rematerialization policy per layer (what the backward pass keeps instead of recomputing; "
+        "docs/benchmarks.md, 'Train step', compares them).")
     scratch: ScratchModelConfig = _section(ScratchModelConfig, "Tiny from-scratch model (when path is empty).")
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"doc": (
         "Variables every chat-template render gets (prompts, appended tool messages, SFT records), e.g. "

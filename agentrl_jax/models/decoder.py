@@ -38,9 +38,15 @@ from agentrl_jax.models.layers import (
     rope_frequencies,
     swiglu,
 )
-from agentrl_jax.sharding import DEFAULT_RULES, MESH_AXES, Rules, logical_sharding, logical_to_spec
+from agentrl_jax.models.remat import REMAT_POLICIES, remat_layer
+from agentrl_jax.sharding import (
+    DEFAULT_RULES,
+    MESH_AXES,
+    Rules,
+    logical_sharding,
+    logical_to_spec,
+)
 
-REMAT_POLICIES = ("none", "full", "dots_saveable")
 ATTENTION_IMPLS = ("xla", "cudnn", None)
 
 
@@ -132,8 +138,10 @@ class Decoder(nnx.Module):
       param_dtype: storage dtype of the weights.
       attention_impl: "xla", "cudnn" or None (JAX picks), passed to
         ``jax.nn.dot_product_attention``.
-      remat: "none", "full" (recompute each layer in the backward pass) or "dots_saveable"
-        (keep matmul outputs).
+      remat: "none", "full" (recompute each layer in the backward pass), "dots_saveable"
+        (keep matmul outputs), "attention_saveable" (keep only cuDNN's fused attention
+        output and softmax statistics, so the backward pass never reruns the flash forward)
+        or "dots_attention_saveable" (both: only elementwise work is recomputed).
       activation_rules: logical-axis rules for activation sharding constraints (batch over
         the data axes, heads over tensor), applied only while a mesh with axes
         (data, fsdp, tensor) is set with ``jax.set_mesh``; None disables them.
@@ -207,7 +215,8 @@ class Decoder(nnx.Module):
             mask-free causal attention (cuDNN flash attention on GPU).
           max_segments: static bound on segments per row of packed ``segment_ids``. With
             ``attention_impl="cudnn"`` it selects cuDNN's packed flash-attention kernel
-            (no ``[B, T, T]`` mask; ``layers.packed_attention``); ignored otherwise.
+            (no ``[B, T, T]`` mask; ``layers.packed_attention``). 1 (every row one segment
+            followed by padding) runs the mask-free ``lengths`` path on any backend.
           cache: a ``KVCache`` with k, v ``[L, B, S, KV, K]``, or None.
           cache_index: ``[B]`` int32 write offsets; required with ``cache``.
 
@@ -218,6 +227,10 @@ class Decoder(nnx.Module):
         chex.assert_rank(input_ids, 2)
         chex.assert_equal_shape([input_ids, positions])
         B, T = input_ids.shape
+        if cache is None and max_segments == 1 and segment_ids is not None and attention_mask is None:
+            # A row of one segment is a right-padded row: no segment table, no cuDNN packed
+            # kernel (whose backward scratch grows with the bound; train.packing.PackPlan).
+            lengths, segment_ids = jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32), None
         hidden = jnp.take(self.embed[...], input_ids, axis=0).astype(self.dtype)
         constrain = functools.partial(_constrain, rules=self.activation_rules)
         hidden = constrain(hidden, ("batch", "sequence", "embed"))
@@ -234,7 +247,7 @@ class Decoder(nnx.Module):
             if segment_ids is not None or attention_mask is not None:
                 raise ValueError("Decoder: pass either lengths or segment_ids/attention_mask, not both")
             chex.assert_shape(lengths, (B,))
-            body = _remat(
+            body = remat_layer(
                 lambda h, w: (block(h, w, mask=None, kv_write=None, lengths=lengths)[0], None), self.remat
             )
             hidden, _ = jax.lax.scan(body, hidden, layer_weights)
@@ -243,12 +256,14 @@ class Decoder(nnx.Module):
             if attention_mask is not None:
                 raise ValueError("Decoder: the packed cuDNN path takes segment_ids (0 = padding), not attention_mask")
             packed = (segment_ids, max_segments)
-            body = _remat(lambda h, w: (block(h, w, mask=None, kv_write=None, packed=packed)[0], None), self.remat)
+            body = remat_layer(
+                lambda h, w: (block(h, w, mask=None, kv_write=None, packed=packed)[0], None), self.remat
+            )
             hidden, _ = jax.lax.scan(body, hidden, layer_weights)
             new_cache = None
         elif cache is None:
             mask = packed_causal_mask(segment_ids, attention_mask, B, T)
-            body = _remat(lambda h, w: (block(h, w, mask=mask, kv_write=None)[0], None), self.remat)
+            body = remat_layer(lambda h, w: (block(h, w, mask=mask, kv_write=None)[0], None), self.remat)
             hidden, _ = jax.lax.scan(body, hidden, layer_weights)
             new_cache = None
         else:
@@ -274,7 +289,7 @@ class Decoder(nnx.Module):
 
             layers = jnp.arange(cfg.num_layers)
             (hidden, k_all, v_all), _ = jax.lax.scan(
-                _remat(body, self.remat), (hidden, cache.k, cache.v), (layer_weights, layers)
+                remat_layer(body, self.remat), (hidden, cache.k, cache.v), (layer_weights, layers)
             )
             new_cache = KVCache(k=k_all, v=v_all)
         hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
@@ -291,13 +306,6 @@ class Decoder(nnx.Module):
         table, layout = self.output_embedding()
         equation = "btd,vd->btv" if layout == "vd" else "btd,dv->btv"
         return jnp.einsum(equation, hidden.astype(jnp.float32), table.astype(jnp.float32))
-
-
-def _remat(fn, policy: str):
-    if policy == "none":
-        return fn
-    saveable = None if policy == "full" else jax.checkpoint_policies.dots_saveable
-    return jax.checkpoint(fn, policy=saveable, prevent_cse=False)
 
 
 def _decoder_block(

@@ -200,7 +200,10 @@ def packed_attention(
     has a packed ("THD", ragged offsets) flash-attention mode, reached through
     ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention`` with per-segment
     offsets and lengths (Hopper or newer). Outputs and gradients at padding positions are 0 (the
-    kernel does not define them, and a NaN there would leak into weight gradients).
+    kernel does not define them, and a NaN there would leak into weight gradients). The
+    backward kernel's workspace is B x ``max_segments`` x T x ~16 KiB at the 1.7B shape
+    (16 GiB for one 16k row at 64 segments, measured on an H200), so keep the bound tight
+    (``train.packing.PackPlan.segment_bound``).
 
     Args:
       q: ``[B, T, H, K]``; k, v: ``[B, T, KV, K]``.

@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -67,6 +68,19 @@ class PackPlan:
         return self.num_rows // self.rows_per_micro
 
     @property
+    def segment_bound(self) -> int:
+        """The static segments-per-row bound the attention is compiled for: the most
+        trajectories any row holds, rounded up to a power of two (few compiled shapes), at
+        most ``max_segments``.
+
+        cuDNN's packed kernel sizes its backward scratch by rows x bound x row length, so a
+        bound far above what the rows hold costs memory that grows with the row length
+        (docs/benchmarks.md, "RL update on packed rows"); a bound of 1 (one trajectory per
+        row) runs the mask-free padded-row attention instead.
+        """
+        return segment_bound(max((len(members) for members in self.rows), default=1), self.max_segments)
+
+    @property
     def trajectories(self) -> np.ndarray:
         """Padded-batch rows held by the plan, in packed order."""
         return np.asarray([i for members in self.rows for i in members], np.int64)
@@ -99,6 +113,15 @@ class PackPlan:
                 out[r, cursor : cursor + int(self.lengths[i])] = seg
                 cursor += int(self.lengths[i])
         return out
+
+
+def segment_bound(most: int, cap: int = MAX_SEGMENTS) -> int:
+    """The static segments-per-row bound for rows of at most ``most`` segments: ``most``
+    rounded up to a power of two, at most ``cap``; 0 (the segment mask) when ``most`` is
+    above ``cap``, since cuDNN's packed kernel drops segments beyond its bound."""
+    if most > cap:
+        return 0
+    return min(1 << (max(most, 1) - 1).bit_length(), cap)
 
 
 def plan_packing(
@@ -238,7 +261,7 @@ def row_length_for(lengths: Sequence[int], row_tokens: int) -> int:
 
 
 def packed_logprobs(
-    forward: Callable[[Any, dict[str, np.ndarray]], Any],
+    forward: Callable[[Any, dict[str, jax.Array], int], jax.Array],
     params: Any,
     inputs: dict[str, np.ndarray],
     *,
@@ -246,28 +269,40 @@ def packed_logprobs(
     micro_batch_tokens: int,
     max_segments: int = MAX_SEGMENTS,
     pad_token_id: int = 0,
-) -> np.ndarray:
+    put: Callable[[np.ndarray], jax.Array] = jnp.asarray,
+) -> jax.Array:
     """Per-token values (logprobs) of padded forward inputs, computed on packed rows.
 
     Every forward pass of the trainer (old, reference, teacher) goes through here when
     packing is on, so they share one layout; the result is in the padded layout again.
+    Only the packed inputs travel host -> device: the micro-batches' results are joined and
+    unpacked on the device, so no forward waits for the previous one's result on the host.
 
     Args:
-      forward: ``(params, packed micro-batch arrays) -> [rows, S]`` (a jitted packed forward).
+      forward: ``(params, packed micro-batch arrays, segment bound) -> [rows, S]`` (a jitted
+        packed forward; the bound is the plan's static :attr:`PackPlan.segment_bound`).
       inputs: ``input_ids``, ``positions``, ``segment_ids``, ``targets`` ``[N, T]`` (padded).
       row_tokens, micro_batch_tokens, max_segments: see :func:`plan_packing`.
+      put: host array -> device array (the trainer's: replicated on its mesh).
 
     Returns:
-      ``[N, T]`` float32 numpy; 0 off the trajectories.
+      ``[N, T]`` float32 device array; 0 off the trajectories.
     """
     lengths = (np.asarray(inputs["segment_ids"]) > 0).sum(axis=1)
     plan = plan_packing(lengths, row_length_for(lengths, row_tokens), padded_length=inputs["input_ids"].shape[1],
                         micro_batch_tokens=micro_batch_tokens, max_segments=max_segments)
     packed = pack_arrays(plan, inputs, pad_token_id=pad_token_id)
     step = plan.rows_per_micro
-    parts = [np.asarray(forward(params, {k: v[s : s + step] for k, v in packed.items()}))
+    parts = [forward(params, {k: put(v[s : s + step]) for k, v in packed.items()}, plan.segment_bound)
              for s in range(0, plan.num_rows, step)]
-    return unpack(plan, np.concatenate(parts, axis=0).astype(np.float32))
+    return _unpack_on_device(parts, put(plan.scatter_index().astype(np.int32)))
+
+
+@jax.jit
+def _unpack_on_device(parts: list[jax.Array], index: jax.Array) -> jax.Array:
+    """:func:`unpack` of the concatenated ``parts`` with the plan's scatter ``index`` (fill 0)."""
+    flat = jnp.concatenate(parts, axis=0).astype(jnp.float32).reshape(-1)
+    return jnp.where(index >= 0, jnp.take(flat, jnp.maximum(index, 0), axis=0), 0.0)
 
 
 def plan_minibatch(

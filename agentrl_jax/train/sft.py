@@ -34,6 +34,7 @@ import numpy as np
 from agentrl_jax.losses import global_normalizer
 from agentrl_jax.train.batch import TokenRecord, build_batch
 from agentrl_jax.train.multihost import put_global, to_host
+from agentrl_jax.train.packing import segment_bound
 from agentrl_jax.train.step import LossSettings, TrainState, update_step
 
 logger = logging.getLogger(__name__)
@@ -80,9 +81,14 @@ def conversation_to_record(tokenizer: Any, messages: Sequence[Mapping[str, Any]]
     return TokenRecord(ids, mask, [0.0] * n, [-1] * n, [float(x) for x in mask])
 
 
-def sft_settings(chunk_size: int = 1024) -> LossSettings:
-    """NLL on loss tokens: REINFORCE with advantage 1, token-mean, packed rows."""
-    return LossSettings(loss="reinforce", aggregation="token-mean", chunk_size=chunk_size, packed=True)
+def sft_settings(chunk_size: int = 1024, max_segments: int = 0) -> LossSettings:
+    """NLL on loss tokens: REINFORCE with advantage 1, token-mean, packed rows.
+
+    ``max_segments``: the batch's segment bound (``train.packing.segment_bound``): > 1 runs
+    cuDNN's packed kernel on GPU, 1 the mask-free padded-row path, 0 the segment mask.
+    """
+    return LossSettings(loss="reinforce", aggregation="token-mean", chunk_size=chunk_size, packed=True,
+                        max_segments=max_segments)
 
 
 def batch_arrays(batch, *, device: bool = True, mesh=None) -> dict[str, Any]:
@@ -132,13 +138,13 @@ def run_sft(
     """SFT for ``steps`` updates on shuffled batches of ``batch_size`` conversations.
 
     Rows are packed to ``row_length`` and the row count is rounded to a power of two so
-    the update compiles for few shapes.
+    the update compiles for few shapes; attention runs on the fused packed path for the
+    batch's segment bound (``train.packing.segment_bound``).
     """
     if not records:
         raise ValueError("run_sft: no SFT records")
     rng = np.random.default_rng(seed)
-    settings = sft_settings()
-    compiled: dict[int, Any] = {}
+    compiled: dict[tuple[int, int], Any] = {}
     history = []
     order = rng.permutation(len(records))
     cursor = 0
@@ -151,13 +157,14 @@ def run_sft(
         rows = 1 << max(0, (batch.shape[0] - 1).bit_length())
         batch = build_batch(chosen, pack=True, row_length=row_length, row_multiple=rows)
         arrays = batch_arrays(batch, mesh=mesh)
-        if rows not in compiled:
-            compiled[rows] = jax.jit(
+        key = (rows, segment_bound(int(batch.segment_ids.max())))
+        if key not in compiled:
+            compiled[key] = jax.jit(
                 functools.partial(
                     update_step,
                     graphdef=graphdef,
                     optimizer=optimizer,
-                    settings=settings,
+                    settings=sft_settings(max_segments=key[1]),
                     num_micro_batches=1,
                     num_sequences=len(chosen),
                 ),
@@ -165,7 +172,7 @@ def run_sft(
             )
         normalizer = np.asarray(global_normalizer(batch.loss_mask, "token-mean"))
         normalizer = jnp.asarray(normalizer) if mesh is None else put_global(normalizer, mesh)
-        state, metrics = compiled[rows](state, arrays, normalizer)
+        state, metrics = compiled[key](state, arrays, normalizer)
         scalars = {f"{log_prefix}{k}": float(to_host(v)) for k, v in metrics.items()
                    if k in ("loss", "grad_norm", "update_norm", "skipped", "entropy")}
         history.append(scalars)

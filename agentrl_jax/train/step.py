@@ -55,8 +55,9 @@ class LossSettings:
       correction_hparams: its (key, value) pairs.
       chunk_size: tokens per logprob chunk (bounds the [chunk, V] float32 buffer).
       packed: rows hold several trajectories (pass sequence ids to the losses).
-      max_segments: with ``packed``, the bound on trajectories per row (``train.packing``);
-        > 0 lets cuDNN run its packed flash-attention kernel (0: a segment mask).
+      max_segments: with ``packed``, the bound on trajectories per row (the trainer sets
+        each plan's ``train.packing.PackPlan.segment_bound``); > 1 lets cuDNN run its packed
+        flash-attention kernel, 1 runs mask-free padded-row attention, 0 a segment mask.
       old_from_current: the old logprobs are the current policy's, ``sg(logp)``, taken from
         the update's own forward (on-policy batch, one minibatch, one epoch: the params
         have not moved since the batch was sampled, so a separate old-logprob forward
@@ -123,8 +124,9 @@ def forward_logprobs(
       packed: rows hold several segments (segment-id mask). Otherwise each row is one
         right-padded trajectory and attention runs mask-free with row lengths (the fused
         flash path on GPU).
-      max_segments: with ``packed``, the static bound on segments per row (> 0: cuDNN's
-        packed kernel when the model's attention is "cudnn").
+      max_segments: with ``packed``, the static bound on segments per row (> 1: cuDNN's
+        packed kernel when the model's attention is "cudnn"; 1: one segment per row, the
+        mask-free padded-row path).
     Returns:
       logp [B, T] float32 (and entropy [B, T] when ``with_entropy``).
     """
@@ -267,19 +269,23 @@ def update_step(
     rows = minibatch["input_ids"].shape[0]
     if rows % num_micro_batches:
         raise ValueError(f"{rows} rows do not split into {num_micro_batches} micro-batches")
-    micro = jax.tree.map(
-        lambda x: x.reshape(num_micro_batches, rows // num_micro_batches, *x.shape[1:]), minibatch
-    )
     grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
+    if num_micro_batches == 1:
+        # No accumulator: zeros + one gradient would be two more passes over the float32 grads.
+        (_, metrics), grads = grad_fn(state.params, graphdef, minibatch, normalizer, settings, num_sequences)
+    else:
+        micro = jax.tree.map(
+            lambda x: x.reshape(num_micro_batches, rows // num_micro_batches, *x.shape[1:]), minibatch
+        )
 
-    def accumulate(grads, mb):
-        (_, metrics), g = grad_fn(state.params, graphdef, mb, normalizer, settings, num_sequences)
-        return jax.tree.map(jnp.add, grads, g), metrics
+        def accumulate(grads, mb):
+            (_, metrics), g = grad_fn(state.params, graphdef, mb, normalizer, settings, num_sequences)
+            return jax.tree.map(jnp.add, grads, g), metrics
 
-    zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, metrics = jax.lax.scan(accumulate, zeros, micro)
-    # The loss sums over micro-batches (shared normalizer); other metrics are averaged.
-    metrics = {k: (jnp.sum(v) if k in ("loss", "policy_loss") else jnp.mean(v)) for k, v in metrics.items()}
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        grads, metrics = jax.lax.scan(accumulate, zeros, micro)
+        # The loss sums over micro-batches (shared normalizer); other metrics are averaged.
+        metrics = {k: (jnp.sum(v) if k in ("loss", "policy_loss") else jnp.mean(v)) for k, v in metrics.items()}
 
     grad_norm = _global_norm(grads)
     updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)

@@ -1,5 +1,7 @@
 """Block pieces against hand values and NumPy / transformers references; remat invariance."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,6 +163,64 @@ def test_cudnn_packed_decoder_gradients_match_padded_rows():
         assert np.linalg.norm(a - b) <= 3e-2 * np.linalg.norm(b) + 1e-6
 
 
+def _cudnn_decoder(remat="full"):
+    cfg = DecoderConfig(architecture="qwen3", vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
+    return split_params(Decoder(cfg, dtype=jnp.bfloat16, attention_impl="cudnn", remat=remat, rngs=nnx.Rngs(0)))
+
+
+def _hidden_sum_grad(graphdef, **kwargs):
+    """``grad`` of the sum of the hidden states over real tokens, for ``Decoder(..., **kwargs)``."""
+
+    def loss(params, ids, segment_ids):
+        extra = {"lengths": jnp.sum(segment_ids > 0, axis=1)} if "max_segments" not in kwargs else {
+            "segment_ids": segment_ids, **kwargs}
+        hidden, _ = nnx.merge(graphdef, params)(ids, ids, **extra)
+        return jnp.sum(jnp.where(segment_ids[..., None] > 0, hidden.astype(jnp.float32), 0))
+
+    return jax.jit(jax.grad(loss))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's packed kernel needs a CUDA GPU (Hopper+)")
+def test_cudnn_packed_backward_memory_follows_the_segment_bound():
+    """Compiled temporaries of a long packed row's gradient. A bound of 1 (the plan's for a row
+    of one trajectory) costs what a padded row costs; cuDNN's packed kernel compiled for M
+    segments holds backward scratch for M x the row length, the 10x long-row memory of issue
+    #18 when M was always 64 (``train.packing.PackPlan.segment_bound``)."""
+    graphdef, params = _cudnn_decoder()
+    ids = jax.ShapeDtypeStruct((1, 8192), jnp.int32)
+
+    def temp_bytes(**kwargs):
+        compiled = _hidden_sum_grad(graphdef, **kwargs).lower(params, ids, ids).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    padded = temp_bytes()
+    temps = {m: temp_bytes(max_segments=m) for m in (1, 2, 64)}
+    print(f"temporaries: padded {padded / 2**20:.1f} MiB, by segment bound", {m: f"{t / 2**20:.1f} MiB"
+                                                                               for m, t in temps.items()})
+    assert temps[1] <= 1.05 * padded + 2**20
+    assert temps[64] > 4 * temps[2], temps
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's fused attention needs a CUDA GPU")
+@pytest.mark.parametrize("remat, forwards", [("full", 2), ("attention_saveable", 1), ("dots_attention_saveable", 1)])
+def test_cudnn_attention_remat_policies_skip_the_recomputed_flash_forward(remat, forwards):
+    """The attention policies keep cuDNN's forward outputs, so the backward pass runs only the
+    backward kernel (one forward kernel in the program instead of two); gradients unchanged."""
+    graphdef, params = _cudnn_decoder(remat)
+    segments = np.zeros((2, 256), np.int32)
+    segments[0, :200], segments[1, :256] = 1, 1
+    ids = jnp.asarray(np.random.default_rng(0).integers(1, 64, (2, 256)), jnp.int32)
+    grad = _hidden_sum_grad(graphdef)
+    hlo = grad.lower(params, ids, jnp.asarray(segments)).compile().as_text()
+    targets = re.findall(r'custom_call_target="([^"]*fmha[^"]*)"', hlo)
+    assert sum("Backward" not in t for t in targets) == forwards, targets
+    want = _hidden_sum_grad(_cudnn_decoder("none")[0])(params, ids, jnp.asarray(segments))
+    for a, b in zip(jax.tree.leaves(grad(params, ids, jnp.asarray(segments))), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b) + 1e-6
+
+
 CONFIG = DecoderConfig(
     architecture="llama",
     vocab_size=50,
@@ -190,7 +250,7 @@ def no_remat():
     return _value_and_grad("none")
 
 
-@pytest.mark.parametrize("remat", ["full", "dots_saveable"])
+@pytest.mark.parametrize("remat", ["full", "dots_saveable", "attention_saveable", "dots_attention_saveable"])
 def test_remat_policies_give_same_values_and_gradients(no_remat, remat):
     (v0, g0), (v1, g1) = no_remat, _value_and_grad(remat)
     np.testing.assert_allclose(v0, v1, rtol=1e-6)

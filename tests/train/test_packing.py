@@ -18,8 +18,22 @@ from agentrl_jax.losses import global_normalizer
 from agentrl_jax.models import Decoder, DecoderConfig, split_params
 from agentrl_jax.models.layers import segment_table
 from agentrl_jax.train.batch import TokenRecord, build_batch
-from agentrl_jax.train.packing import pack_arrays, packed_logprobs, packing_stats, plan_packing, unpack
-from agentrl_jax.train.step import LossSettings, forward_logprobs, init_train_state, policy_loss, update_step
+from agentrl_jax.train.packing import (
+    pack_arrays,
+    packed_logprobs,
+    packing_stats,
+    plan_packing,
+    segment_bound,
+    unpack,
+)
+from agentrl_jax.train.sft import batch_arrays, run_sft, sft_settings
+from agentrl_jax.train.step import (
+    LossSettings,
+    forward_logprobs,
+    init_train_state,
+    policy_loss,
+    update_step,
+)
 
 FIELDS = ("input_ids", "positions", "segment_ids", "targets", "loss_mask", "advantages", "sequence_ids",
           "rollout_logprobs", "params_versions")
@@ -71,6 +85,57 @@ def test_plan_is_first_fit_decreasing_deterministic_and_bounded():
     assert plan.num_rows == 4 and stats["pack/fill"] == pytest.approx(26 / 40)  # 3 rows, bucketed to 4
 
 
+def test_segment_bound_is_the_most_trajectories_of_a_row_rounded_up_to_a_power_of_two():
+    """The attention kernel is compiled for the rows the plan holds, not for ``max_segments``
+    (cuDNN's packed backward scratch grows with the bound times the row length)."""
+    assert plan_packing([7, 3, 9, 3, 4], 10, padded_length=16).segment_bound == 2  # 9 | 7+3 | 4+3
+    assert plan_packing([9, 8, 10], 10, padded_length=16).segment_bound == 1  # one trajectory per row
+    assert plan_packing([2] * 5, 10, padded_length=4).segment_bound == 8  # five in one row
+    assert plan_packing([2] * 5, 10, padded_length=4, max_segments=5).segment_bound == 5  # never above the cap
+    assert plan_packing([0, 0], 10, padded_length=4).segment_bound == 1  # nothing to pack
+    assert (segment_bound(3), segment_bound(64), segment_bound(65)) == (4, 64, 0)  # 0: more than the kernel's cap
+
+
+@pytest.mark.parametrize("lengths", [(30, 28, 25, 31), (5, 19, 11, 3, 24, 8, 14, 2)])
+def test_sft_on_its_segment_bound_equals_the_segment_mask(lengths):
+    """``run_sft`` compiles the attention for the batch's segment bound (one conversation per
+    row: the mask-free path; several: the packed kernel, the segment mask on CPU): one SFT
+    update equals the segment-mask update of the same batch."""
+    graphdef, params = _tiny()
+    rng = np.random.default_rng(3)
+    records = [TokenRecord(rng.integers(1, 64, n).tolist(), [0, 0] + [1] * (n - 2), [0.0] * n, [-1] * n,
+                           [0.0, 0.0] + [1.0] * (n - 2)) for n in lengths]
+    opt = optax.sgd(0.5)
+    got, _ = run_sft(init_train_state(jax.tree.map(jnp.copy, params), opt, 0), graphdef=graphdef, optimizer=opt, records=records, steps=1,
+                     batch_size=len(records), row_length=32, seed=0)
+    batch = build_batch(records, pack=True, row_length=32)
+    step = jax.jit(functools.partial(update_step, graphdef=graphdef, optimizer=opt, settings=sft_settings(),
+                                     num_micro_batches=1, num_sequences=len(records)))
+    want, _ = step(init_train_state(params, opt, 0), batch_arrays(batch),
+                   global_normalizer(jnp.asarray(batch.loss_mask), "token-mean"))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0),
+                 got.params, want.params)
+    assert not jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), got.params, params))
+
+
+def test_rows_of_one_trajectory_run_mask_free_and_equal_the_segment_mask():
+    """Segment bound 1 routes packed rows to the mask-free ``lengths`` attention: the same
+    logprobs as the segment-mask path, and the very program of padded rows."""
+    graphdef, params = _tiny()
+    padded = _padded(lengths=(24, 30, 17), row_length=32)
+    plan = plan_packing(_lengths(padded), 32, padded_length=32)
+    assert plan.segment_bound == 1
+    packed = {k: jnp.asarray(v) for k, v in pack_arrays(plan, padded).items()}
+    fwd = functools.partial(forward_logprobs, graphdef, temperature=0.7, packed=True)
+    mask_free, masked = (functools.partial(fwd, max_segments=m) for m in (1, 0))
+    real = packed["segment_ids"] > 0
+    np.testing.assert_allclose(np.asarray(jax.jit(mask_free)(params, packed))[real],
+                               np.asarray(jax.jit(masked)(params, packed))[real], atol=1e-5, rtol=0)
+    program = lambda fn: str(jax.make_jaxpr(fn)(params, packed))  # noqa: E731
+    padded_rows = functools.partial(forward_logprobs, graphdef, temperature=0.7)
+    assert program(mask_free) == program(padded_rows) != program(masked)
+
+
 def test_pack_unpack_round_trip_and_layout():
     padded = _padded()
     plan = plan_packing(_lengths(padded), 32, padded_length=32, max_segments=3)
@@ -112,12 +177,20 @@ def test_packed_logprobs_equal_padded(chunk_size):
     for a, b in ((lp_pad, lp_pack), (ent_pad, ent_pack)):
         np.testing.assert_allclose(np.asarray(unpack(plan, b))[real], np.asarray(a)[real], atol=1e-5, rtol=0)
     if chunk_size == 7:  # the trainer's route: plan, pack, micro-batches of 96 tokens, unpack
-        forward = lambda p, arrays: fwd(graphdef, p, {k: jnp.asarray(v) for k, v in arrays.items()},  # noqa: E731
-                                        packed=True, **kw)[0]
+        bounds = []
+
+        def forward(p, arrays, bound):
+            assert all(isinstance(v, jax.Array) for v in arrays.values())
+            bounds.append(bound)
+            return fwd(graphdef, p, arrays, packed=True, **kw)[0]
+
         inputs = {k: padded[k] for k in ("input_ids", "positions", "segment_ids", "targets")}
         got = packed_logprobs(forward, params, inputs, row_tokens=48, micro_batch_tokens=96)
+        assert isinstance(got, jax.Array) and got.shape == padded["input_ids"].shape  # stays on the device
+        got = np.asarray(got)
         np.testing.assert_allclose(got[real], np.asarray(lp_pad)[real], atol=1e-5, rtol=0)
         assert (got[~real] == 0).all()
+        assert bounds and set(bounds) == {plan_packing(_lengths(padded), 48, padded_length=32).segment_bound}
 
 
 def _grads(settings, arrays, normalizer, num_sequences, micro_rows):

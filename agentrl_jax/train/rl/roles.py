@@ -27,7 +27,7 @@ from agentrl_jax.losses.registry import loss_hparams
 from agentrl_jax.train.guidance.hindsight import Judge
 from agentrl_jax.train.guidance.old_policy import OldPolicy
 from agentrl_jax.train.guidance.signal import Teacher
-from agentrl_jax.train.multihost import put_global, to_host
+from agentrl_jax.train.multihost import put_global
 from agentrl_jax.train.packing import MAX_SEGMENTS, gather_rows, packed_logprobs
 from agentrl_jax.train.step import (
     LossSettings,
@@ -169,16 +169,15 @@ class RL:
         if "logprobs" not in self._compiled:
             self._compiled["logprobs"] = jax.jit(
                 functools.partial(forward_logprobs, temperature=self.config.rollout.temperature,
-                                  packed=self.settings.packed, max_segments=self.settings.max_segments),
-                static_argnums=(0,))
+                                  packed=self.settings.packed),
+                static_argnums=(0,), static_argnames=("max_segments",))
         fn = self._compiled["logprobs"]
         a = self.config.algorithm
         if a.pack_rows:
-            forward = lambda params, part: to_host(fn(  # noqa: E731
-                model.graphdef, params, {k: self.put(v) for k, v in part.items()}))
-            return self.put(packed_logprobs(forward, model.params, inputs, row_tokens=a.pack_row_tokens,
-                                            micro_batch_tokens=a.micro_batch_tokens,
-                                            pad_token_id=self.tokenizer.pad_token_id))
+            forward = lambda params, part, segments: fn(model.graphdef, params, part, max_segments=segments)  # noqa: E731
+            return packed_logprobs(forward, model.params, inputs, row_tokens=a.pack_row_tokens,
+                                   micro_batch_tokens=a.micro_batch_tokens, pad_token_id=self.tokenizer.pad_token_id,
+                                   put=self.put)
         rows = inputs["input_ids"].shape[0]
         parts = [fn(model.graphdef, model.params, {k: self.put(v[start: start + micro_rows])
                                                    for k, v in inputs.items()})
@@ -186,19 +185,21 @@ class RL:
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
     def update_fn(self, state: TrainState, rows: int, micro: int, *, old_from_update: bool = False,
-                  num_sequences: int | None = None):
+                  num_sequences: int | None = None, max_segments: int | None = None):
         """The jitted update of ``rows``-row minibatches in ``micro`` micro-batches.
 
         Padded rows: ``fn(state, arrays, rows, normalizer)``. Packed rows (``algorithm.pack_rows``;
         ``num_sequences``: the padded rows of the step): ``fn(state, arrays, gather,
         segment_ids, normalizer)``. ``old_from_update``: the old logprobs are ``sg(logp)`` of
-        the update's own forward (``LossSettings.old_from_current``).
+        the update's own forward (``LossSettings.old_from_current``). ``max_segments``: the
+        packed plan's segment bound (``PackPlan.segment_bound``; None: ``settings.max_segments``).
 
         Explicit shardings: the state keeps its own (params and optimizer state as laid
         out on the mesh), the batch and the metrics are replicated; the state is donated.
         """
         packed = self.config.algorithm.pack_rows
-        key = ("update", rows, micro, old_from_update, num_sequences if packed else None)
+        segments = (self.settings.max_segments if max_segments is None else max_segments) if packed else 0
+        key = ("update", rows, micro, old_from_update, num_sequences if packed else None, segments)
         if key not in self._compiled:
             shardings = {}
             if self.mesh is not None:
@@ -206,7 +207,7 @@ class RL:
                 replicated = NamedSharding(self.mesh, PartitionSpec())
                 shardings = {"in_shardings": (state_sharding,) + (replicated,) * (4 if packed else 3),
                              "out_shardings": (state_sharding, replicated)}
-            settings = dataclasses.replace(self.settings, old_from_current=old_from_update)
+            settings = dataclasses.replace(self.settings, old_from_current=old_from_update, max_segments=segments)
             common = dict(graphdef=self.roles.policy, optimizer=self.optimizer, settings=settings,
                           num_micro_batches=micro)
             body = (functools.partial(update_on_packed_rows, pad_token_id=self.tokenizer.pad_token_id,

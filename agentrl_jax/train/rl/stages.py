@@ -156,8 +156,8 @@ def update(rl: RL, state: TrainState, arrays: dict[str, jax.Array], loss_mask: n
             if a.pack_rows:
                 plan = plan_minibatch(segment_ids, idx, row_tokens=a.pack_row_tokens,
                                       micro_batch_tokens=a.micro_batch_tokens)
-                packed_fn = rl.update_fn(state, plan.num_rows, plan.num_micro_batches,
-                                         old_from_update=old_from_update, num_sequences=rows)
+                packed_fn = rl.update_fn(state, plan.num_rows, plan.num_micro_batches, old_from_update=old_from_update,
+                                         num_sequences=rows, max_segments=plan.segment_bound)
                 state, metrics = packed_fn(state, arrays, rl.put(plan.gather_index().astype(np.int32)),
                                            rl.put(plan.segment_ids()), normalizer)
                 pack_metrics.append(packing_stats(plan))
