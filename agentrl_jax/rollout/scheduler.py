@@ -58,6 +58,8 @@ class Sequence:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     truncated: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    kept_pages: list[int] | None = None  # a retired session turn's pages, until its last tokens are read
+    shard: int | None = None
 
     @property
     def kv_start(self) -> int:
@@ -172,19 +174,36 @@ class Scheduler:
         self.shared_prefills = 0
 
     def end_turn(self, track: Sequence) -> None:
-        """A sequence stopped: free its slot; a session takes over its pages and its history."""
-        session = track.request.session
+        """A sequence stopped: free its slot (unless `retire` did); a session takes over its pages and history."""
+        if track.slot is not None:
+            self.retire(track)
+        session, pages = track.request.session, track.kept_pages
+        track.kept_pages = None
         if session is None or session.closed:
-            self.engine.release_slot(track.slot)
-        else:
-            session.pages = self.engine.release_slot(track.slot, keep_pages=True)
-            session.shard = self.engine.shard_of(track.slot)
-            session.history = track.context + track.request.prompt.tolist() + track.tokens[:-1]
-            session.pending_token = track.tokens[-1]
-            session.key, session.generated = track.key, track.generated_base + len(track.tokens)
-            session.touch()
-            if session.pages:
-                self.sessions.add(session)
+            if pages:
+                self.engine.pages.release(track.shard, pages)
+            return
+        session.pages, session.shard = pages or [], track.shard
+        session.history = track.context + track.request.prompt.tolist() + track.tokens[:-1]
+        session.pending_token = track.tokens[-1]
+        session.key, session.generated = track.key, track.generated_base + len(track.tokens)
+        session.touch()
+        if session.pages:
+            self.sessions.add(session)
+
+    def retire(self, track: Sequence) -> None:
+        """Free ``track``'s slot now, although its last tokens are still to be read.
+
+        For a turn that is known to end inside the dispatch in flight (its length limit falls
+        there): the slot can take a waiting sequence in the next dispatch instead of decoding
+        one more dispatch for nothing. The device runs the calls in order, so the dispatch in
+        flight finishes writing the pages before anything queued later reuses them; a
+        session's pages stay with the track until `end_turn` hands them over.
+        """
+        session = track.request.session
+        keep = session is not None and not session.closed
+        track.shard = self.engine.shard_of(track.slot)
+        track.kept_pages = self.engine.release_slot(track.slot, keep_pages=keep)
         del self.slots[track.slot]
         track.slot = None
 
