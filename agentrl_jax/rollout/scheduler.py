@@ -12,8 +12,10 @@ Host-side bookkeeping only (no device calls); `driver.Driver` runs it inside its
 - `Session` keeps a multi-turn trajectory's pages while its tool runs, plus the token
   history those pages hold, so an evicted session can be rebuilt exactly.
 - With a `PrefixCache`, a pending sequence with nothing prefilled starts from the cached
-  full pages of its leading tokens, and every prefill outside a session offers its full
-  pages to the cache; under memory pressure the cache gives pages back first.
+  full pages of its leading tokens, and every prefill but a session's later turns (whose
+  pages hold decoded KV) offers its full pages to the cache; so an agent loop, which runs
+  every episode in a session, shares its prompts' headers. Under memory pressure the
+  cache gives pages back first.
 """
 
 from __future__ import annotations
@@ -306,7 +308,8 @@ class Scheduler:
             row = PrefillRow(shard=shard, pages=list(pending.pages), start=pending.done,
                              tokens=np.asarray(pending.tokens[pending.done:end], np.int32))
             pending.done = end
-            if self.cache is not None and pending.session is None:  # a session's pages hold decoded KV too
+            # a session's later turns hold decoded KV in their pages; its first turn holds only its prompt's
+            if self.cache is not None and (pending.session is None or not pending.session.started):
                 self.cache.insert(shard, pending.tokens, pending.pages, end)
             budget -= chunk
             if final:

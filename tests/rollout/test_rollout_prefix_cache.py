@@ -67,3 +67,28 @@ def test_reused_pages_give_the_same_tokens_and_logprobs_and_updates_empty_the_ca
     # requests 2-4 each reuse the header's two full pages (8 tokens); request 1 filled the cache
     assert stats["prefix_cache_hits"] == 3 and stats["prefix_cache_hit_tokens"] == 24
     assert emptied == 0 and after["prefix_cache_hits"] == 3  # the new weights' request found nothing stale
+
+
+def test_sessions_first_turns_share_a_header_and_later_turns_stay_exact(tiny_model):
+    """Agent loops run every episode in a session: a session's first turn offers its prompt's full
+    pages to the cache (its later turns, whose pages hold decoded KV, do not), so the next episode
+    with the same header reuses them; both turns equal the run without the cache."""
+    engine = Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), **{**ENGINE_KW, "page_size": 4})
+
+    async def run(driver):
+        out = []
+        for i, prompt in enumerate(PROMPTS[:2] + PROMPTS[2:3]):
+            session = driver.session()
+            sampling = SamplingParams(1.0, seed=11 + i)
+            out.append(await driver.generate(prompt, sampling, max_new_tokens=5, session=session))
+            out.append(await driver.generate([40, 41, 42], sampling, max_new_tokens=5, session=session))
+            session.close()
+        return out, driver.stats()
+
+    cached, stats = drive(engine, tiny_model, run, prefix_cache=True)
+    plain, _ = drive(engine, tiny_model, run)
+    for a, b in zip(cached, plain):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    # episodes 2 and 3 reuse the header's two full pages; no later turn is looked up with pages to share
+    assert stats["prefix_cache_hits"] == 2 and stats["prefix_cache_hit_tokens"] == 16
