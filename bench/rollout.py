@@ -201,7 +201,7 @@ def main(argv=None) -> None:
                 before = driver.stats()
                 passes.append(await _rollout(driver, args, vocab, seed=seed))
             after = driver.stats()
-            counters = {**{k: after[k] - before[k] for k in ("preemptions", "evictions", "shared_prefills")},
+            counters = {**{k: after.get(k, 0) - before.get(k, 0) for k in ("preemptions", "evictions", "shared_prefills", "split_groups")},
                         "shapes_compiled_in_timed_passes": len(engine._paged_prefill_fns) + len(engine._generate_fns)
                         - shapes, **_occupancy(before, after, slots, args.steps_per_dispatch),
                         **{k: after[k] - before.get(k, 0) for k in ("prefix_cache_hits", "prefix_cache_hit_tokens")

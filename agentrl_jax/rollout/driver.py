@@ -229,7 +229,8 @@ class Driver:
           sequence's remaining steps, and its next dispatch, decode tokens that are dropped).
         - the counts behind them: ``decode_dispatches``, ``live_slot_steps``, ``kept_tokens``
           (decoded tokens only; a request's first token comes from its prefill); and
-          ``preemptions``, ``evictions``, ``shared_prefills``, ``busy_seconds``, ``idle_seconds``.
+          ``preemptions``, ``evictions``, ``shared_prefills``, ``split_groups`` (groups admitted over
+          several ticks because fewer slots than samples were free), ``busy_seconds``, ``idle_seconds``.
         - With a decode state: ``kv_pool_tokens`` / ``kv_pool_bytes_per_device`` (reserved by the
           budget), ``kv_held_tokens`` (pages held by slots, sessions and prefills x page size) and
           ``kv_written_tokens`` (cache entries they hold; a page shared by a group counts once per

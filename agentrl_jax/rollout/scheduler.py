@@ -158,7 +158,7 @@ class Scheduler:
       slots: the sequence decoding in each busy slot.
       sessions: sessions holding pages between turns (evictable, oldest first).
       closing: sessions closed since the last tick (their pages are released then).
-      preemptions, evictions, shared_prefills: counters (see `Driver`).
+      preemptions, evictions, shared_prefills, split_groups: counters (see `Driver`).
     """
 
     def __init__(self, engine, steps: int, budget: int):
@@ -174,6 +174,7 @@ class Scheduler:
         self.preemptions = 0
         self.evictions = 0
         self.shared_prefills = 0
+        self.split_groups = 0
 
     def end_turn(self, track: Sequence) -> None:
         """A sequence stopped: free its slot (unless `retire` did); a session takes over its pages and history."""
@@ -285,7 +286,9 @@ class Scheduler:
         budget = self.budget
         free_slots = {d: [s for s in engine.shard_slots(d) if s not in self.slots] for d in range(engine.num_shards)}
         rows, admitted, finished = [], [], []
-        for pending in list(self.waiting):
+        # episodes under way first (a session's next turn, a resumed sequence, a group's rest: they hold
+        # or held pages), then new prompts: finishing episodes frees pages, starting new ones takes them
+        for pending in sorted(self.waiting, key=lambda p: p.fresh):
             if budget <= 0:
                 break
             remaining = len(pending.tokens) - pending.done
@@ -295,12 +298,13 @@ class Scheduler:
             shard = pending.shard
             if shard is None:
                 shard = max(range(engine.num_shards), key=lambda d: (len(free_slots[d]) >= G, engine.pages.num_free(d)))
-            if final and len(free_slots[shard]) < G:
+            take = min(G, len(free_slots[shard])) if final else G  # fewer: the group is split (`split_group`)
+            if take == 0:
                 continue
             end = pending.done + chunk
             need = pages_for(end, P) - len(pending.pages)
-            if final:  # every sample's partial page and first dispatch, minus what the pending holds
-                need = self.pages_needed(pending, G) - len(pending.pages)
+            if final:  # every admitted sample's partial page and first dispatch, minus what the pending holds
+                need = self.pages_needed(pending, take) - len(pending.pages)
             if not self.free_pages(shard, need):
                 continue
             pending.shard = shard
@@ -313,6 +317,8 @@ class Scheduler:
                 self.cache.insert(shard, pending.tokens, pending.pages, end)
             budget -= chunk
             if final:
+                if take < G:
+                    self.split_group(pending, take)
                 self.admit(pending, row, free_slots[shard])
                 admitted += pending.sequences
                 finished.append(pending)
@@ -322,6 +328,24 @@ class Scheduler:
         if not rows and not self.slots:
             self.unblock(resolved)
         return rows, admitted
+
+    def split_group(self, pending: Pending, take: int) -> None:
+        """Admit only ``take`` samples of a group now; the others wait, first in line after it.
+
+        Waiting for G slots to be free at once would leave the free ones idle meanwhile (with
+        more episodes than slots, single turns keep taking them and a group can wait long).
+        The rest keeps a reference to the prompt's full pages before its last token and
+        prefills the rest (at most one page) when slots free up: the same KV, like a prefix
+        cache hit.
+        """
+        P = self.engine.page_size
+        keep = (len(pending.tokens) - 1) // P
+        rest = Pending(tokens=pending.tokens, sequences=pending.sequences[take:], done=keep * P,
+                       pages=pending.pages[:keep], shard=pending.shard, session=pending.session)
+        self.engine.pages.incref(pending.shard, rest.pages)
+        pending.sequences = pending.sequences[:take]
+        self.waiting.insert(self.waiting.index(pending) + 1, rest)
+        self.split_groups += 1
 
     def admit(self, pending: Pending, row: PrefillRow, free: list[int]) -> None:
         """Fill G slots from a complete pending prefill: shared full pages, copied partial page."""

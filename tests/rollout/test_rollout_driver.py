@@ -254,3 +254,4 @@ def test_a_next_turn_sent_at_once_is_prefilled_in_the_next_tick(tiny_model):
     second = next(i for i, (kind, rows) in enumerate(calls)
                   if kind == "prefill" and any(r[1:] == observation for r in rows))
     assert calls[0][0] == "prefill" and sum(kind == "generate" for kind, _ in calls[:second]) == 2
+

@@ -397,3 +397,29 @@ def test_sharded_prefill_results_follow_the_callers_row_order(tiny_model):
     got, want = first_tokens(sharded), first_tokens(one_device_engine(tiny_model, **kw))
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], atol=1e-5)
+
+
+def test_a_group_is_admitted_into_the_slots_that_are_free_and_equals_an_unsplit_one(paged, tiny_model):
+    """4 slots, one held by a long request: a group of 4 takes the 3 free slots at once and its 4th
+    sample the first slot freed (re-prefilling at most a page of the shared prompt), instead of
+    waiting for the long request to end; every sample equals the group run on an idle engine."""
+    prompt = list(range(40, 59))  # 19 tokens: the rest keeps 3 full pages of 5 and re-prefills 4 tokens
+    sampling = SamplingParams(temperature=1.0, seed=7)
+
+    async def alongside_a_long_request(driver):
+        long = asyncio.ensure_future(driver.generate(PROMPT, GREEDY, max_new_tokens=48))
+        await asyncio.sleep(0)  # the long request is admitted first
+        group = await driver.generate_group(prompt, 4, sampling, max_new_tokens=4)
+        done_at = driver.stats()["decode_dispatches"]
+        await long
+        return group, done_at, driver.stats().get("split_groups", 0)
+
+    async def alone(driver):
+        return await driver.generate_group(prompt, 4, sampling, max_new_tokens=4)
+
+    group, done_at, splits = drive(paged, tiny_model, alongside_a_long_request)
+    reference = drive(paged, tiny_model, alone)
+    assert done_at < 48 // 4 and splits == 1
+    for got, want in zip(group, reference):
+        assert got.token_ids == want.token_ids
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
