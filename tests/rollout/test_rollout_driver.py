@@ -2,9 +2,9 @@
 
 import asyncio
 
+import jax
 import numpy as np
 import pytest
-import jax
 from rollout_helpers import ENGINE_KW, make_model, teacher_forced
 
 from agentrl_jax.rollout.driver import Driver
