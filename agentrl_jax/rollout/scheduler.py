@@ -92,6 +92,7 @@ class Pending:
     shard: int | None = None
     forced: int = -1
     session: object | None = None
+    cache_keys: list[int] | None = None  # the prefix cache's hash chain of ``tokens`` (computed once)
 
     @property
     def fresh(self) -> bool:
@@ -260,9 +261,6 @@ class Scheduler:
                 if other.fresh and other.tokens == pending.tokens and self.fits(other, len(sequences)):
                     other.sequences += sequences
                     return
-        if self.cache is not None and not pending.pages:
-            pending.shard, pending.pages = self.cache.lookup(pending.tokens, self.engine.num_shards)
-            pending.done = len(pending.pages) * self.engine.page_size
         self.waiting.append(pending)
 
     def pages_needed(self, pending: Pending, samples: int) -> int:
@@ -285,12 +283,14 @@ class Scheduler:
         engine, P = self.engine, self.engine.page_size
         budget = self.budget
         free_slots = {d: [s for s in engine.shard_slots(d) if s not in self.slots] for d in range(engine.num_shards)}
-        rows, admitted, finished = [], [], []
+        rows, admitted, finished, offers = [], [], [], []
         # episodes under way first (a session's next turn, a resumed sequence, a group's rest: they hold
         # or held pages), then new prompts: finishing episodes frees pages, starting new ones takes them
         for pending in sorted(self.waiting, key=lambda p: p.fresh):
             if budget <= 0:
                 break
+            if self.cache is not None and not pending.pages and pending.done == 0:
+                self.reuse_cached(pending)
             remaining = len(pending.tokens) - pending.done
             chunk = min(remaining, engine.max_prefill_length, budget)
             final = chunk == remaining
@@ -314,7 +314,7 @@ class Scheduler:
             pending.done = end
             # a session's later turns hold decoded KV in their pages; its first turn holds only its prompt's
             if self.cache is not None and (pending.session is None or not pending.session.started):
-                self.cache.insert(shard, pending.tokens, pending.pages, end)
+                offers.append((shard, pending.tokens, list(pending.pages), end))
             budget -= chunk
             if final:
                 if take < G:
@@ -325,9 +325,24 @@ class Scheduler:
             rows.append(row)
         for pending in finished:
             self.waiting.remove(pending)
+        for offer in offers:  # after the lookups: this tick's pages are written by this tick's call
+            self.cache.insert(*offer)
         if not rows and not self.slots:
             self.unblock(resolved)
         return rows, admitted
+
+    def reuse_cached(self, pending: Pending) -> None:
+        """Start ``pending`` from the prefix cache's pages of its leading tokens, if any.
+
+        Looked up when the pending is planned, not when it arrives: a step's prompts arrive
+        together, and the first ones prefilled fill the cache for the others. Only pages
+        offered in earlier ticks are found (this tick's offers are inserted after planning),
+        so every page read was written by an earlier call.
+        """
+        if pending.cache_keys is None:
+            pending.cache_keys = self.cache.chain(pending.tokens)
+        pending.shard, pending.pages = self.cache.lookup(pending.cache_keys, self.engine.num_shards)
+        pending.done = len(pending.pages) * self.engine.page_size
 
     def split_group(self, pending: Pending, take: int) -> None:
         """Admit only ``take`` samples of a group now; the others wait, first in line after it.

@@ -36,9 +36,9 @@ def test_cache_lookup_takes_the_longest_run_of_full_pages_and_keeps_one_token_to
     held = pages.alloc(1, 3)
     cache.insert(1, tokens, held, written=10)  # pages 0 and 1 are full, page 2 is not
     assert len(cache) == 2 and [pages.refcount(1, p) for p in held] == [2, 2, 1]
-    assert cache.lookup(tokens, num_shards=2) == (1, held[:2])
-    assert cache.lookup(tokens[:8], num_shards=2) == (1, held[:1])  # the last token is always prefilled
-    assert cache.lookup([0, 1, 2, 9, 4], num_shards=2) == (None, [])  # first page differs
+    assert cache.lookup(cache.chain(tokens), num_shards=2) == (1, held[:2])
+    assert cache.lookup(cache.chain(tokens[:8]), num_shards=2) == (1, held[:1])  # the last token is prefilled
+    assert cache.lookup(cache.chain([0, 1, 2, 9, 4]), num_shards=2) == (None, [])  # first page differs
     pages.release(1, held)  # the requests end: only the cache (and the two lookups above) hold pages
     pages.release(1, held[:2] + held[:1])
     cache.evict(1, need=pages.usable_pages)
@@ -92,3 +92,23 @@ def test_sessions_first_turns_share_a_header_and_later_turns_stay_exact(tiny_mod
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     # episodes 2 and 3 reuse the header's two full pages; no later turn is looked up with pages to share
     assert stats["prefix_cache_hits"] == 2 and stats["prefix_cache_hit_tokens"] == 16
+
+
+def test_prompts_sent_together_reuse_the_pages_of_those_prefilled_before_them(tiny_model):
+    """A step's prompts arrive at once; with one slot they are prefilled one after another, and each
+    finds the header pages the earlier ones offered (the lookup happens when a prompt is planned,
+    not when it arrives): 3 hits of 2 pages, and the same tokens as without the cache."""
+    engine = Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]),
+                    **{**ENGINE_KW, "page_size": 4, "max_concurrent_decodes": 1})
+
+    async def run(driver):
+        together = await asyncio.gather(*(driver.generate(p, SamplingParams(1.0, seed=3 + i), max_new_tokens=5)
+                                          for i, p in enumerate(PROMPTS)))
+        return together, driver.stats()
+
+    cached, stats = drive(engine, tiny_model, run, prefix_cache=True)
+    plain, _ = drive(engine, tiny_model, run)
+    for a, b in zip(cached, plain):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert stats["prefix_cache_hits"] == 3 and stats["prefix_cache_hit_tokens"] == 24
