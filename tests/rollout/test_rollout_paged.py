@@ -337,6 +337,19 @@ def test_rollout_config_page_fields_are_validated():
                                        "compilation_cache_dir": None}
 
 
+def test_a_compilation_cache_dir_that_cannot_be_a_directory_fails_at_config_load(tmp_path):
+    from agentrl_jax.config import Config, ConfigError, apply_overrides
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for bad in (blocker, blocker / "cache"):
+        with pytest.raises(ConfigError, match="rollout.compilation_cache_dir"):
+            apply_overrides(Config(), [f"rollout.compilation_cache_dir={bad}"])
+    good = tmp_path / "new" / "cache"
+    rollout = apply_overrides(Config(), [f"rollout.compilation_cache_dir={good}"]).rollout
+    assert rollout.engine_kwargs()["compilation_cache_dir"] == str(good) and not good.exists()
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton decode kernel runs on GPU only")
 def test_pallas_paged_driver_matches_the_xla_one_on_gpu():
     """The fused kernel reading K/V through page tables (pages of 16, sessions, a group, preemption)
