@@ -4,11 +4,14 @@ decoding, KV work waiting for prefill, sessions between turns).
 
 Host-side bookkeeping only (no device calls); `driver.Driver` runs it inside its tick.
 
-- Waiting work is prefilled under a token budget, episodes under way before new prompts;
-  a group takes the slots that are free and the rest follows (`Scheduler.split_group`).
+- Waiting work is prefilled under a token budget, in arrival order while half the pool or
+  more is free, else episodes under way (a session's next turn, a resumed sequence) before
+  new ones; a group takes the slots that are free and the rest follows
+  (`Scheduler.split_group`).
 - Out of pages: the prefix cache gives pages back first, then idle sessions (their next
   turn re-prefills the history), then the newest decoding sequence is preempted (it is
-  re-prefilled later from its kept tokens, exactly).
+  re-prefilled later from its kept tokens, exactly). A new episode never evicts a session
+  or takes the pages decoding slots are about to need while anything decodes; it waits.
 - With a `PrefixCache`, a pending sequence with nothing prefilled starts, when it is
   planned, from the cached full pages of its leading tokens, and every prefill but a
   session's later turns (whose pages hold decoded KV) offers its full pages to the cache;
@@ -170,9 +173,12 @@ class Scheduler:
         budget = self.budget
         free_slots = {d: [s for s in engine.shard_slots(d) if s not in self.slots] for d in range(engine.num_shards)}
         rows, admitted, finished, offers = [], [], [], []
-        # episodes under way first (a session's next turn, a resumed sequence, a group's rest: they hold
-        # or held pages), then new prompts: finishing episodes frees pages, starting new ones takes them
-        for pending in sorted(self.waiting, key=lambda p: p.fresh):
+        # with half of the pool or less free, episodes under way (a session's next turn, a resumed
+        # sequence) go before new ones: finishing episodes frees pages, starting new ones takes them; with
+        # plenty free, arrival order (new episodes started early shorten the pass's ragged tail)
+        tight = sum(engine.pages.num_free(d) for d in range(engine.num_shards)) * 2 <= (
+            engine.pages.usable_pages * engine.num_shards)
+        for pending in sorted(self.waiting, key=lambda p: p.new_episode) if tight else list(self.waiting):
             if budget <= 0:
                 break
             if self.cache is not None and not pending.pages and pending.done == 0:
@@ -191,7 +197,10 @@ class Scheduler:
             need = pages_for(end, P) - len(pending.pages)
             if final:  # every admitted sample's partial page and first dispatch, minus what the pending holds
                 need = self.pages_needed(pending, take) - len(pending.pages)
-            if not self.free_pages(shard, need):
+            if pending.new_episode and self.slots:  # a new episode must not push the ones under way out
+                if not self.free_pages(shard, need + self.headroom(shard), evict_sessions=False):
+                    continue
+            elif not self.free_pages(shard, need):
                 continue
             pending.shard = shard
             pending.pages += engine.pages.alloc(shard, max(pages_for(end, P) - len(pending.pages), 0))
@@ -303,13 +312,27 @@ class Scheduler:
             resolved.append((track.request.future, error))
             self.break_session(track.request.session, "its turn did not fit the KV budget")
 
-    def free_pages(self, shard: int, need: int) -> bool:
+    def headroom(self, shard: int) -> int:
+        """Pages the next dispatch of ``shard``'s decoding slots may take (a new prompt leaves them free)."""
+        slots = sum(self.engine.shard_of(slot) == shard for slot in self.slots)
+        return slots * (self.steps // self.engine.page_size + 1)
+
+    def free_pages(self, shard: int, need: int, *, evict_sessions: bool = True) -> bool:
         """Make ``need`` pages free in ``shard`` by evicting prefix-cache entries (least recently used
-        first), then idle sessions (oldest first)."""
+        first), then idle sessions (oldest first) unless ``evict_sessions`` is False.
+
+        A new prompt (nothing prefilled) waits instead of evicting sessions or taking the pages
+        that decoding slots are about to need, while anything decodes: evicted sessions and
+        preempted sequences would re-prefill, and under a tight budget new episodes would keep
+        pushing the ones under way out (thrash). With nothing decoding it may evict, so a
+        session that is never continued cannot block the pool.
+        """
         pages = self.engine.pages
         if self.cache is not None:
             self.cache.evict(shard, need)
         while pages.num_free(shard) < need:
+            if not evict_sessions:
+                return False
             idle = [s for s in self.sessions if s.shard == shard]
             if not idle:
                 return False

@@ -83,6 +83,12 @@ class Pending:
     cache_keys: list[int] | None = None  # the prefix cache's hash chain of ``tokens`` (computed once)
 
     @property
+    def new_episode(self) -> bool:
+        """Every sequence starts its first turn (no history, nothing sampled): starting it takes pages
+        and returns none until it ends."""
+        return all(not s.context and not s.tokens for s in self.sequences)
+
+    @property
     def fresh(self) -> bool:
         """A new prompt: nothing prefilled, no history, nothing forced (may merge with an identical one)."""
         first_turn = self.session is None or not self.session.started

@@ -279,7 +279,7 @@ def test_randomized_no_leaks(tiny_model, prefix_cache):
     """Random arrivals, lengths, stops, multi-turn sessions, weight updates, cancellations and a
     tight page pool: every request is answered (or cancelled) and every page ends free (but the
     prefix cache's own)."""
-    engine = one_device_engine(tiny_model, page_size=3, num_pages=24)
+    engine = one_device_engine(tiny_model, page_size=3, num_pages=12)
     other = make_model(1)
     rng = random.Random(0)
     outcomes = {"done": 0, "cancelled": 0, "error": 0}
