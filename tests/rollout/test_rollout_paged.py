@@ -436,3 +436,24 @@ def test_a_group_is_admitted_into_the_slots_that_are_free_and_equals_an_unsplit_
     for got, want in zip(group, reference):
         assert got.token_ids == want.token_ids
         np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+
+
+def test_a_new_prompt_waits_rather_than_evicting_a_session_while_others_decode(tiny_model):
+    """A session idles between turns while a long prompt decodes; a new prompt that only fits if
+    the session's pages go waits for the decoding request instead (evicting would make the session
+    re-prefill its history), and the session's next turn continues on its own pages."""
+    engine = one_device_engine(tiny_model, page_size=4, num_pages=16)
+
+    async def run(driver):
+        session = driver.session()
+        await driver.generate(PROMPT, GREEDY, max_new_tokens=2, session=session)
+        decoding = asyncio.ensure_future(driver.generate(list(range(1, 31)), GREEDY, max_new_tokens=8))
+        newcomer = asyncio.ensure_future(driver.generate(list(range(40, 60)), GREEDY, max_new_tokens=2))
+        while driver.stats()["decode_dispatches"] < 3:
+            await asyncio.sleep(0.001)
+        await driver.generate([70, 71, 72], GREEDY, max_new_tokens=2, session=session)
+        session.close()
+        await asyncio.gather(decoding, newcomer)
+        return driver.evictions, driver.preemptions
+
+    assert drive(engine, tiny_model, run) == (0, 0)
