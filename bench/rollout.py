@@ -29,6 +29,14 @@ between turns lower it), `kept_token_fraction` (of those, tokens kept; the rest 
 a stop), their product `ratio_if_steps_ran_at_raw_speed` (the ceiling this workload
 allows with this dispatch length), and `step_efficiency` = ratio / that ceiling (what
 prefills, host work and longer contexts cost per dispatched step).
+
+Other workloads: `--header N` starts every group's prompt with the same N tokens (a system
+prompt or few-shot header; with `--prefix-cache` the driver keeps their pages and later
+groups reuse them: `prefix_cache_hit_tokens`); `--max-length` and `--kv-fraction` size the
+engine like a config (`rollout.max_sequence_length`, `rollout.kv_cache_memory_fraction`)
+for a memory run, which reports the memory plan, the most KV tokens held and sequences
+decoding at once (`peak_*`, sampled every 20 ms) and the preemptions; `--timed-passes 0
+--no-raw` makes it one pass (compiles included) without the baseline.
 """
 
 from __future__ import annotations
@@ -69,11 +77,26 @@ async def _rollout(driver, args, vocab: int, seed: int) -> dict:
             session.close()
         return sampled
 
-    prompts = [rng.integers(0, vocab, args.prompt).tolist() for _ in range(args.groups)]
+    header = np.random.default_rng(0).integers(0, vocab, args.header).tolist()  # the same in every pass
+    prompts = [header + rng.integers(0, vocab, args.prompt).tolist() for _ in range(args.groups)]
+    peak = {"pages": 0, "slots": 0}
+    sampling = asyncio.ensure_future(_sample_peaks(driver, peak))
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(episode(prompts[i // args.group_size], i)
                                     for i in range(args.groups * args.group_size)))
-    return {"sampled_tokens": sum(counts), "seconds": time.perf_counter() - t0}
+    seconds = time.perf_counter() - t0
+    sampling.cancel()
+    page_tokens = driver.engine.page_size
+    return {"sampled_tokens": sum(counts), "seconds": seconds, "peak_kv_held_tokens": peak["pages"] * page_tokens,
+            "peak_decoding_sequences": peak["slots"]}
+
+
+async def _sample_peaks(driver, peak: dict) -> None:
+    """Track the most KV pages held and sequences decoding at once (sampled every 20 ms)."""
+    while True:
+        peak["pages"] = max(peak["pages"], driver.pages_in_use())
+        peak["slots"] = max(peak["slots"], len(driver._sched.slots))
+        await asyncio.sleep(0.02)
 
 
 def _raw_decode(engine, params, args, vocab: int) -> float:
@@ -84,7 +107,7 @@ def _raw_decode(engine, params, args, vocab: int) -> float:
 
     from agentrl_jax.rollout import SamplingParams
 
-    tokens = np.random.default_rng(1).integers(0, vocab, args.prompt).astype(np.int32)
+    tokens = np.random.default_rng(1).integers(0, vocab, args.header + args.prompt).astype(np.int32)
     prefix, _ = engine.prefill(params=params, padded_tokens=tokens, true_length=tokens.size,
                                sampler=SamplingParams(temperature=1.0, seed=0))
     dispatches = max(args.turns * args.turn_tokens // args.steps_per_dispatch, 2)
@@ -130,6 +153,15 @@ def main(argv=None) -> None:
     parser.add_argument("--tool-latency", type=float, default=0.0)
     parser.add_argument("--steps-per-dispatch", type=int, default=16)
     parser.add_argument("--page-size", type=int, default=32)
+    parser.add_argument("--header", type=int, default=0,
+                        help="tokens of a header (system prompt / few-shot) shared by every group's prompt")
+    parser.add_argument("--prefix-cache", action="store_true", help="Driver(prefix_cache=True)")
+    parser.add_argument("--max-length", type=int, default=0,
+                        help="the engine's max_target_length (default: the workload's longest sequence)")
+    parser.add_argument("--kv-fraction", type=float, default=None, help="kv_cache_memory_fraction")
+    parser.add_argument("--timed-passes", type=int, default=2,
+                        help="passes after the untimed one (the last is reported); 0: report the untimed one")
+    parser.add_argument("--no-raw", action="store_true", help="skip the raw-decode baseline")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: a < 1 min smoke run")
     parser.add_argument("--json", help="also write the result to this JSON file")
     args = parser.parse_args(argv)
@@ -150,28 +182,35 @@ def main(argv=None) -> None:
     slots = args.slots or episodes
     if slots % args.group_size:
         parser.error(f"--slots={slots} must be a multiple of --group-size={args.group_size} (a group decodes at once)")
-    longest = args.prompt + args.turns * (3 * args.turn_tokens // 2 + args.observation + 1) + 1
+    prompt = args.header + args.prompt
+    longest = prompt + args.turns * (3 * args.turn_tokens // 2 + args.observation + 1) + 1
+    if args.max_length and args.max_length < longest:
+        parser.error(f"--max-length={args.max_length} is shorter than the workload's longest sequence ({longest})")
     engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=slots,
-                    max_target_length=longest, max_prefill_length=max(args.prompt, 16), cache_dtype=dtype,
-                    page_size=args.page_size)
+                    max_target_length=args.max_length or longest, max_prefill_length=max(min(prompt, 2048), 16),
+                    cache_dtype=dtype, page_size=args.page_size, kv_cache_memory_fraction=args.kv_fraction)
 
     async def run():
-        async with Driver(engine, model, steps_per_dispatch=args.steps_per_dispatch) as driver:
+        async with Driver(engine, model, steps_per_dispatch=args.steps_per_dispatch,
+                          prefix_cache=args.prefix_cache) as driver:
+            before = driver.stats()
             warm = await _rollout(driver, args, vocab, seed=1)
             shapes = len(engine._paged_prefill_fns) + len(engine._generate_fns)
-            await _rollout(driver, args, vocab, seed=2)
-            before = driver.stats()
-            passes = [await _rollout(driver, args, vocab, seed=3)]
+            passes = [warm]
+            for seed in range(2, 2 + args.timed_passes):
+                before = driver.stats()
+                passes.append(await _rollout(driver, args, vocab, seed=seed))
             after = driver.stats()
-            counters = {"preemptions": driver.preemptions, "evictions": driver.evictions,
-                        "shared_prefills": driver.shared_prefills,
+            counters = {**{k: after.get(k, 0) - before.get(k, 0) for k in ("preemptions", "evictions", "shared_prefills", "split_groups")},
                         "shapes_compiled_in_timed_passes": len(engine._paged_prefill_fns) + len(engine._generate_fns)
-                        - shapes, **_occupancy(before, after, slots, args.steps_per_dispatch)}
+                        - shapes, **_occupancy(before, after, slots, args.steps_per_dispatch),
+                        **{k: after[k] - before.get(k, 0) for k in ("prefix_cache_hits", "prefix_cache_hit_tokens")
+                           if k in after}}
         return warm, passes, counters
 
     warm, passes, counters = asyncio.run(run())
     timed = passes[-1]
-    raw = _raw_decode(engine, engine.load_params(model), args, vocab)
+    raw = None if args.no_raw else _raw_decode(engine, engine.load_params(model), args, vocab)
     rate = timed["sampled_tokens"] / timed["seconds"]
     # the ratio if every dispatched decode step ran at raw-decode speed: what the slot-steps were used for
     bound = counters["slot_occupancy"] * counters["kept_token_fraction"]
@@ -179,9 +218,13 @@ def main(argv=None) -> None:
         "device": jax.devices()[0].device_kind, "size": args.size, "episodes": episodes, "slots": slots,
         "turns": args.turns,
         "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size,
-        "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": round(raw), "ratio": round(rate / raw, 3),
-        "ratio_if_steps_ran_at_raw_speed": round(bound, 3), "step_efficiency": round(rate / raw / max(bound, 1e-9), 3),
-        "warmup_s": round(warm["seconds"], 1), "sampled_tokens": timed["sampled_tokens"], **counters,
+        "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": raw and round(raw),
+        "ratio": raw and round(rate / raw, 3), "ratio_if_steps_ran_at_raw_speed": round(bound, 3),
+        "step_efficiency": raw and round(rate / raw / max(bound, 1e-9), 3),
+        "header": args.header, "prefix_cache": args.prefix_cache, "max_target_length": engine.max_target_length,
+        "warmup_s": round(warm["seconds"], 1), "timed_s": round(timed["seconds"], 2),
+        "sampled_tokens": timed["sampled_tokens"], "peak_kv_held_tokens": timed["peak_kv_held_tokens"],
+        "peak_decoding_sequences": timed["peak_decoding_sequences"], **counters,
         "compiled_prefill_shapes": len(engine._paged_prefill_fns), "compiled_decode_shapes": len(engine._generate_fns),
         "memory_plan": engine.memory_plan.describe(),
     }

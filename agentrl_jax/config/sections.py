@@ -7,6 +7,7 @@ Each section is a frozen dataclass whose fields carry their documentation; the m
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -151,6 +152,26 @@ class RolloutConfig(_Section):
             self._path("max_prompt_length"),
             f"({self.max_prompt_length}) must be < rollout.max_sequence_length ({self.max_sequence_length})",
         )
+        if self.compilation_cache_dir:
+            problem = _unusable_directory(self.compilation_cache_dir)
+            _require(problem is None, self._path("compilation_cache_dir"), f"{self.compilation_cache_dir!r} {problem} "
+                     "(the engine creates it and writes compiled programs there; '' turns the cache off)")
+
+
+def _unusable_directory(path: str) -> str | None:
+    """Why ``path`` cannot be (created as) a writable directory, or None: checked at config load, so a bad
+    path fails before the model loads, not when the rollout engine is built."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return "exists and is not a directory"
+        return None if os.access(path, os.W_OK | os.X_OK) else "is not writable"
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"cannot be created: {parent} is not a directory"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be created: {parent} is not writable"
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,10 @@
 
 A tick (`Dispatcher.tick`):
 
-1. release what finished or was given up: closed sessions' pages, cancelled requests;
+1. release what finished or was given up: closed sessions' pages, cancelled requests; and
+   retire the slots whose turn ends inside the dispatch in flight by its length limit
+   (`max_new_tokens`, `max_target_length`: known on the host), so they can take a waiting
+   sequence in the next dispatch instead of decoding it for nothing;
 2. apply a pending weight update if its boundary is reached;
 3. give every decoding slot the pages its next dispatch needs (evicting idle sessions or
    preempting the newest sequence when a shard runs out: `Scheduler.reserve_pages`);
@@ -12,8 +15,8 @@ A tick (`Dispatcher.tick`):
    dispatch's results (copied to the host asynchronously), so the device never waits on
    the host;
 6. walk each slot's new tokens and stop at eos / stop ids / stop strings / `max_new_tokens`
-   / `max_target_length`; tokens after a stop are dropped (a stopped sequence decodes one
-   dispatch too many, which is discarded).
+   / `max_target_length`; tokens after a stop are dropped (a sequence stopped by a token or
+   a string decodes the rest of its dispatch and one dispatch more, which are discarded).
 
 Nothing here touches asyncio: finished requests come back as ``(future, value)`` pairs that
 the driver resolves on its event loop.
@@ -53,6 +56,8 @@ class Dispatcher:
         self.sched = Scheduler(engine, steps, budget)
         # the last decode dispatch, read one tick later: (results, {slot: (track, admission)}, params version)
         self.in_flight: tuple[Any, dict, int] | None = None
+        # sequences whose slot was freed this tick before their last dispatch is read (`_retire_known_ends`)
+        self.retired: set[Track] = set()
         # decode work: dispatches, slot-steps dispatched for slots holding a sequence, and the
         # tokens of those that were kept (the rest came after a stop or before a preemption)
         self.dispatches = self.live_slot_steps = self.kept_tokens = 0
@@ -79,6 +84,7 @@ class Dispatcher:
             "slot_occupancy": self.live_slot_steps / slot_steps if slot_steps else 0.0,
             "kept_token_fraction": self.kept_tokens / self.live_slot_steps if self.live_slot_steps else 0.0,
             "preemptions": sched.preemptions, "evictions": sched.evictions, "shared_prefills": sched.shared_prefills,
+            "split_groups": sched.split_groups,
         }
         if sched.cache is not None:
             out.update(prefix_cache_pages=len(sched.cache), prefix_cache_hits=sched.cache.hits,
@@ -98,13 +104,15 @@ class Dispatcher:
     def requests(self) -> list[Request]:
         """Every request that waits for a prefill or decodes."""
         sched = self.sched
-        return [*(s.request for p in sched.waiting for s in p.sequences), *(t.request for t in sched.slots.values())]
+        return [*(s.request for p in sched.waiting for s in p.sequences), *(t.request for t in sched.slots.values()),
+                *(t.request for t in self.retired)]
 
     def tick(self, inbox: list[Request], update) -> tuple[list, bool]:
         """One boundary (see the module docstring). Returns the ``(future, value)`` pairs to resolve and
         whether ``update`` (``(params, version, drain, future)`` or None) was applied."""
         sched = self._prepare(inbox)
         resolved: list = []
+        self.retired = self._retire_known_ends()
         update_done = False
         if update is not None and (not update[2] or not sched.slots):
             self.params, self.version = update[0], update[1]
@@ -127,6 +135,7 @@ class Dispatcher:
             self.live_slot_steps += len(sched.slots) * self.steps
         if previous is not None:
             self._read_dispatch(*previous, resolved)
+        self.retired = set()
         if rows:  # first tokens come after every token of the previous dispatch
             tokens, valid, log_prob, truncated = (c.tolist() for c in _columns(first.convert_to_numpy()))
             for m, track in enumerate(admitted):
@@ -148,11 +157,35 @@ class Dispatcher:
             sched.enqueue(request)
         return sched
 
+    def _retire_known_ends(self) -> set[Track]:
+        """Free now the slots whose turn ends inside the dispatch in flight by its length limit.
+
+        ``max_new_tokens`` and ``max_target_length`` are known on the host: a sequence whose
+        held tokens plus the in-flight dispatch's steps reach one of them stops inside that
+        dispatch (there or earlier, at a stop). Without this its slot would decode the next
+        dispatch too, for tokens that are dropped; retired (`Scheduler.retire`), the slot is
+        free for a waiting sequence in that dispatch. The track is finished when the in-flight
+        results are read, later in this tick. Stops by token or string are only known then.
+        """
+        if self.in_flight is None:
+            return set()
+        retired = set()
+        for slot, (track, admitted) in self.in_flight[1].items():
+            if self.sched.slots.get(slot) is not track or track.admitted != admitted:
+                continue
+            limit = min(track.request.max_new_tokens, self.engine.max_target_length - track.kv_start)
+            if len(track.tokens) + self.steps >= limit:
+                self.sched.retire(track)
+                retired.add(track)
+        return retired
+
     def _read_dispatch(self, generated, tracks: dict, version: int, resolved: list) -> None:
-        """Accept one dispatch's tokens for the sequences that are still in the slots they had then."""
+        """Accept one dispatch's tokens for the sequences that are still in the slots they had then
+        (or were retired from them this tick)."""
         tokens, valid, log_prob, truncated = (c.T.tolist() for c in _columns(generated.convert_to_numpy()))
         for slot, (track, admitted) in tracks.items():
-            if self.sched.slots.get(slot) is not track or track.admitted != admitted:
+            current = self.sched.slots.get(slot) is track and track.admitted == admitted
+            if not current and track not in self.retired:
                 continue  # finished or preempted (and maybe resumed) since: these tokens are dropped
             self.kept_tokens += self._accept(
                 track, tokens[slot], valid[slot], log_prob[slot], truncated[slot], version, resolved

@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["Completion", "Driver", "Session"]
 
+_REPLY_TURNS = 4  # event-loop turns the driver yields after answering callers (`Driver._let_callers_reply`)
+
 
 class Driver:
     """Continuous-batching generation over an `Engine`, for asyncio callers.
@@ -227,7 +229,8 @@ class Driver:
           sequence's remaining steps, and its next dispatch, decode tokens that are dropped).
         - the counts behind them: ``decode_dispatches``, ``live_slot_steps``, ``kept_tokens``
           (decoded tokens only; a request's first token comes from its prefill); and
-          ``preemptions``, ``evictions``, ``shared_prefills``, ``busy_seconds``, ``idle_seconds``.
+          ``preemptions``, ``evictions``, ``shared_prefills``, ``split_groups`` (groups admitted over
+          several ticks because fewer slots than samples were free), ``busy_seconds``, ``idle_seconds``.
         - With a decode state: ``kv_pool_tokens`` / ``kv_pool_bytes_per_device`` (reserved by the
           budget), ``kv_held_tokens`` (pages held by slots, sessions and prefills x page size) and
           ``kv_written_tokens`` (cache entries they hold; a page shared by a group counts once per
@@ -305,12 +308,26 @@ class Driver:
                     future.set_exception(value)
                 else:
                     future.set_result(value)
+            if resolved:
+                await self._let_callers_reply()
             if self._dispatcher.idle and not self._inbox and self._pending_update is None:
                 if self._release_requested:
                     self._drop_state()
                 started = time.perf_counter()
                 await self._wakeup.wait()
                 self.idle_seconds += time.perf_counter() - started
+
+    async def _let_callers_reply(self) -> None:
+        """Give the callers just answered a few event-loop turns before the next tick takes the inbox.
+
+        The next tick queues a dispatch and then waits for the one in flight, so a next turn
+        that misses its inbox waits one whole dispatch more. An agent loop whose environment
+        answers at once (a parse error, a cached or trivial tool) resubmits within a few loop
+        turns (resume, environment step, `generate`); the device is busy with the dispatch
+        already queued meanwhile, and an idle turn costs microseconds.
+        """
+        for _ in range(_REPLY_TURNS):
+            await asyncio.sleep(0)
 
     def _drop_state(self) -> None:
         """Forget the decode state and every page (open sessions will re-prefill their history)."""

@@ -289,7 +289,11 @@ class Engine(DensePrefixAPI):
         if slots:
             state = self._deactivate(state, np.asarray(slots, np.int32))
         if self.slots.dirty:
-            state = state.replace(page_table=jax.device_put(self.slots.table, self.state_shardings.page_table))
+            # a copy: the host edits its table while calls queued with the uploaded one may not have run
+            # (the transfer can read the host buffer later, or alias it on CPU), e.g. a slot retired while
+            # the dispatch that writes its last tokens is in flight
+            table = self.slots.table.copy()
+            state = state.replace(page_table=jax.device_put(table, self.state_shardings.page_table))
             self.slots.dirty = False
         return state
 

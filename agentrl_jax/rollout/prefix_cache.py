@@ -51,12 +51,15 @@ class PrefixCache:
             keys.append(key)
         return keys
 
-    def lookup(self, tokens: Sequence[int], num_shards: int) -> tuple[int | None, list[int]]:
-        """``(shard, pages)``: the longest run of cached leading pages of ``tokens`` on one shard (each
-        page gets one more reference, owned by the caller), leaving at least one token to prefill;
-        ``(None, [])`` when no page matches."""
+    def chain(self, tokens: Sequence[int]) -> list[int]:
+        """The keys of the full pages of ``tokens`` that a lookup may reuse (all but the last token's)."""
+        return self._keys(tokens, (len(tokens) - 1) // self.page_size)
+
+    def lookup(self, keys: Sequence[int], num_shards: int) -> tuple[int | None, list[int]]:
+        """``(shard, pages)``: the longest run of cached leading pages of a sequence whose `chain` is
+        ``keys``, on one shard (each page gets one more reference, owned by the caller), leaving at
+        least one token to prefill; ``(None, [])`` when no page matches."""
         self.lookups += 1
-        keys = self._keys(tokens, (len(tokens) - 1) // self.page_size)
         best_shard, best = None, []
         for shard in range(num_shards):
             run = []

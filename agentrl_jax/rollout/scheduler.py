@@ -1,25 +1,26 @@
-"""Who holds which KV pages between the driver's ticks: sequences waiting for prefill, sessions
-between turns, and the choices the driver makes when pages run out.
+"""Who holds which KV pages between the driver's ticks, and the choices the driver makes when
+slots or pages run out: the scheduler over the records of `rollout.tracks` (sequences
+decoding, KV work waiting for prefill, sessions between turns).
 
 Host-side bookkeeping only (no device calls); `driver.Driver` runs it inside its tick.
 
-- `Sequence` is one sample of a request (a track): its tokens so far, its key and sample
-  counter (so a re-prefill after preemption samples exactly what an uninterrupted run would).
-- `Pending` is KV work waiting for a prefill: the full token list whose KV must be in
-  pages, how much of it already is, the pages holding that part, and the sequences that
-  will decode from it (G for a prompt shared by a group or by identical prompts that
-  arrived in the same tick; the full pages are then shared, the last partial page copied).
-- `Session` keeps a multi-turn trajectory's pages while its tool runs, plus the token
-  history those pages hold, so an evicted session can be rebuilt exactly.
-- With a `PrefixCache`, a pending sequence with nothing prefilled starts from the cached
-  full pages of its leading tokens, and every prefill outside a session offers its full
-  pages to the cache; under memory pressure the cache gives pages back first.
+- Waiting work is prefilled under a token budget, in arrival order while half the pool or
+  more is free, else episodes under way (a session's next turn, a resumed sequence) before
+  new ones; a group takes the slots that are free and the rest follows
+  (`Scheduler.split_group`).
+- Out of pages: the prefix cache gives pages back first, then idle sessions (their next
+  turn re-prefills the history), then the newest decoding sequence is preempted (it is
+  re-prefilled later from its kept tokens, exactly). A new episode never evicts a session
+  or takes the pages decoding slots are about to need while anything decodes; it waits.
+- With a `PrefixCache`, a pending sequence with nothing prefilled starts, when it is
+  planned, from the cached full pages of its leading tokens, and every prefill but a
+  session's later turns (whose pages hold decoded KV) offers its full pages to the cache;
+  so an agent loop, which runs every episode in a session, shares its prompts' headers.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 from collections.abc import Callable
 
@@ -29,116 +30,9 @@ from agentrl_jax.rollout.paged_prefill import Admission, PrefillRow
 from agentrl_jax.rollout.pages import OutOfPages, pages_for
 from agentrl_jax.rollout.prefix_cache import PrefixCache
 from agentrl_jax.rollout.sampling import request_keys
+from agentrl_jax.rollout.tracks import Pending, Sequence, Session
 
-_order = itertools.count()
-
-
-@dataclasses.dataclass(eq=False)
-class Sequence:
-    """One sample of a request, from admission to its last token.
-
-    Attributes:
-      request: the driver's request (`request.Request`).
-      index: the sample index within the request.
-      key: [2] uint32 request key of this sample.
-      generated_base: tokens the sample's key had sampled before this turn (sessions).
-      context: tokens whose KV precedes this turn's input (a session's history).
-      slot: the decode slot while decoding, else None.
-      admitted: admission order (preemption takes the newest first).
-    """
-
-    request: object
-    index: int
-    key: np.ndarray
-    generated_base: int
-    context: list[int]
-    slot: int | None = None
-    admitted: int = 0
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    truncated: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def kv_start(self) -> int:
-        """Cache entries before this turn's first sampled token."""
-        return len(self.context) + len(self.request.prompt)
-
-    def resume_tokens(self) -> tuple[list[int], int]:
-        """(tokens whose KV a resumed sequence needs, the token it feeds next)."""
-        return self.context + list(self.request.prompt) + self.tokens[:-1], self.tokens[-1]
-
-
-@dataclasses.dataclass(eq=False)
-class Pending:
-    """KV work waiting for prefill (see the module docstring).
-
-    Attributes:
-      tokens: every token whose KV must be in pages before decoding starts.
-      done: how many of them already are (in ``pages``, of ``shard``).
-      sequences: who decodes from it once it is complete.
-      forced: the token a resumed sequence feeds next (no sampling), or -1.
-      session: the session whose history this continues (its pages moved here).
-    """
-
-    tokens: list[int]
-    sequences: list[Sequence]
-    done: int = 0
-    pages: list[int] = dataclasses.field(default_factory=list)
-    shard: int | None = None
-    forced: int = -1
-    session: object | None = None
-
-    @property
-    def fresh(self) -> bool:
-        """A new prompt: nothing prefilled, no history, nothing forced (may merge with an identical one)."""
-        first_turn = self.session is None or not self.session.started
-        return self.done == 0 and self.forced < 0 and first_turn and not self.pages
-
-
-class Session:
-    """A multi-turn trajectory's handle: its KV pages between turns and the tokens they hold.
-
-    Create with `Driver.session()`, pass to every `generate` call of the trajectory, and
-    `close()` it when the episode ends to release its pages.
-
-    Attributes:
-      history: tokens whose KV the session's pages hold (every earlier turn except the
-        last sampled token, which the next turn feeds first).
-      pending_token: the last sampled token.
-      generated: tokens the session has sampled (its key's counter).
-    """
-
-    def __init__(self, scheduler=None):
-        self._scheduler = scheduler
-        self.history: list[int] = []
-        self.pages: list[int] = []
-        self.shard: int | None = None
-        self.pending_token: int | None = None
-        self.key: np.ndarray | None = None
-        self.generated = 0
-        self.busy = False
-        self.broken: str | None = None
-        self.closed = False
-        self.last_used = 0
-
-    def close(self) -> None:
-        """Release the session's pages (at the driver's next tick) and forget its history."""
-        self.closed = True
-        if self._scheduler is not None:
-            self._scheduler.closing.append(self)
-
-    @property
-    def started(self) -> bool:
-        return self.pending_token is not None
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Tokens of the trajectory whose KV the session's pages hold now."""
-        return len(self.history) if self.pages else 0
-
-    def touch(self) -> None:
-        self.last_used = next(_order)
+__all__ = ["Pending", "Scheduler", "Sequence", "Session"]
 
 
 class Scheduler:
@@ -154,7 +48,7 @@ class Scheduler:
       slots: the sequence decoding in each busy slot.
       sessions: sessions holding pages between turns (evictable, oldest first).
       closing: sessions closed since the last tick (their pages are released then).
-      preemptions, evictions, shared_prefills: counters (see `Driver`).
+      preemptions, evictions, shared_prefills, split_groups: counters (see `Driver`).
     """
 
     def __init__(self, engine, steps: int, budget: int):
@@ -170,21 +64,39 @@ class Scheduler:
         self.preemptions = 0
         self.evictions = 0
         self.shared_prefills = 0
+        self.split_groups = 0
 
     def end_turn(self, track: Sequence) -> None:
-        """A sequence stopped: free its slot; a session takes over its pages and its history."""
-        session = track.request.session
+        """A sequence stopped: free its slot (unless `retire` did); a session takes over its pages and history."""
+        if track.slot is not None:
+            self.retire(track)
+        session, pages = track.request.session, track.kept_pages
+        track.kept_pages = None
         if session is None or session.closed:
-            self.engine.release_slot(track.slot)
-        else:
-            session.pages = self.engine.release_slot(track.slot, keep_pages=True)
-            session.shard = self.engine.shard_of(track.slot)
-            session.history = track.context + track.request.prompt.tolist() + track.tokens[:-1]
-            session.pending_token = track.tokens[-1]
-            session.key, session.generated = track.key, track.generated_base + len(track.tokens)
-            session.touch()
-            if session.pages:
-                self.sessions.add(session)
+            if pages:
+                self.engine.pages.release(track.shard, pages)
+            return
+        session.pages, session.shard = pages or [], track.shard
+        session.history = track.context + track.request.prompt.tolist() + track.tokens[:-1]
+        session.pending_token = track.tokens[-1]
+        session.key, session.generated = track.key, track.generated_base + len(track.tokens)
+        session.touch()
+        if session.pages:
+            self.sessions.add(session)
+
+    def retire(self, track: Sequence) -> None:
+        """Free ``track``'s slot now, although its last tokens are still to be read.
+
+        For a turn that is known to end inside the dispatch in flight (its length limit falls
+        there): the slot can take a waiting sequence in the next dispatch instead of decoding
+        one more dispatch for nothing. The device runs the calls in order, so the dispatch in
+        flight finishes writing the pages before anything queued later reuses them; a
+        session's pages stay with the track until `end_turn` hands them over.
+        """
+        session = track.request.session
+        keep = session is not None and not session.closed
+        track.shard = self.engine.shard_of(track.slot)
+        track.kept_pages = self.engine.release_slot(track.slot, keep_pages=keep)
         del self.slots[track.slot]
         track.slot = None
 
@@ -238,9 +150,6 @@ class Scheduler:
                 if other.fresh and other.tokens == pending.tokens and self.fits(other, len(sequences)):
                     other.sequences += sequences
                     return
-        if self.cache is not None and not pending.pages:
-            pending.shard, pending.pages = self.cache.lookup(pending.tokens, self.engine.num_shards)
-            pending.done = len(pending.pages) * self.engine.page_size
         self.waiting.append(pending)
 
     def pages_needed(self, pending: Pending, samples: int) -> int:
@@ -263,10 +172,17 @@ class Scheduler:
         engine, P = self.engine, self.engine.page_size
         budget = self.budget
         free_slots = {d: [s for s in engine.shard_slots(d) if s not in self.slots] for d in range(engine.num_shards)}
-        rows, admitted, finished = [], [], []
-        for pending in list(self.waiting):
+        rows, admitted, finished, offers = [], [], [], []
+        # with half of the pool or less free, episodes under way (a session's next turn, a resumed
+        # sequence) go before new ones: finishing episodes frees pages, starting new ones takes them; with
+        # plenty free, arrival order (new episodes started early shorten the pass's ragged tail)
+        tight = sum(engine.pages.num_free(d) for d in range(engine.num_shards)) * 2 <= (
+            engine.pages.usable_pages * engine.num_shards)
+        for pending in sorted(self.waiting, key=lambda p: p.new_episode) if tight else list(self.waiting):
             if budget <= 0:
                 break
+            if self.cache is not None and not pending.pages and pending.done == 0:
+                self.reuse_cached(pending)
             remaining = len(pending.tokens) - pending.done
             chunk = min(remaining, engine.max_prefill_length, budget)
             final = chunk == remaining
@@ -274,32 +190,72 @@ class Scheduler:
             shard = pending.shard
             if shard is None:
                 shard = max(range(engine.num_shards), key=lambda d: (len(free_slots[d]) >= G, engine.pages.num_free(d)))
-            if final and len(free_slots[shard]) < G:
+            take = min(G, len(free_slots[shard])) if final else G  # fewer: the group is split (`split_group`)
+            if take == 0:
                 continue
             end = pending.done + chunk
             need = pages_for(end, P) - len(pending.pages)
-            if final:  # every sample's partial page and first dispatch, minus what the pending holds
-                need = self.pages_needed(pending, G) - len(pending.pages)
-            if not self.free_pages(shard, need):
+            if final:  # every admitted sample's partial page and first dispatch, minus what the pending holds
+                need = self.pages_needed(pending, take) - len(pending.pages)
+            if pending.new_episode and self.slots:  # a new episode must not push the ones under way out
+                if not self.free_pages(shard, need + self.headroom(shard), evict_sessions=False):
+                    continue
+            elif not self.free_pages(shard, need):
                 continue
             pending.shard = shard
             pending.pages += engine.pages.alloc(shard, max(pages_for(end, P) - len(pending.pages), 0))
             row = PrefillRow(shard=shard, pages=list(pending.pages), start=pending.done,
                              tokens=np.asarray(pending.tokens[pending.done:end], np.int32))
             pending.done = end
-            if self.cache is not None and pending.session is None:  # a session's pages hold decoded KV too
-                self.cache.insert(shard, pending.tokens, pending.pages, end)
+            # a session's later turns hold decoded KV in their pages; its first turn holds only its prompt's
+            if self.cache is not None and (pending.session is None or not pending.session.started):
+                offers.append((shard, pending.tokens, list(pending.pages), end))
             budget -= chunk
             if final:
+                if take < G:
+                    self.split_group(pending, take)
                 self.admit(pending, row, free_slots[shard])
                 admitted += pending.sequences
                 finished.append(pending)
             rows.append(row)
         for pending in finished:
             self.waiting.remove(pending)
+        for offer in offers:  # after the lookups: this tick's pages are written by this tick's call
+            self.cache.insert(*offer)
         if not rows and not self.slots:
             self.unblock(resolved)
         return rows, admitted
+
+    def reuse_cached(self, pending: Pending) -> None:
+        """Start ``pending`` from the prefix cache's pages of its leading tokens, if any.
+
+        Looked up when the pending is planned, not when it arrives: a step's prompts arrive
+        together, and the first ones prefilled fill the cache for the others. Only pages
+        offered in earlier ticks are found (this tick's offers are inserted after planning),
+        so every page read was written by an earlier call.
+        """
+        if pending.cache_keys is None:
+            pending.cache_keys = self.cache.chain(pending.tokens)
+        pending.shard, pending.pages = self.cache.lookup(pending.cache_keys, self.engine.num_shards)
+        pending.done = len(pending.pages) * self.engine.page_size
+
+    def split_group(self, pending: Pending, take: int) -> None:
+        """Admit only ``take`` samples of a group now; the others wait, first in line after it.
+
+        Waiting for G slots to be free at once would leave the free ones idle meanwhile (with
+        more episodes than slots, single turns keep taking them and a group can wait long).
+        The rest keeps a reference to the prompt's full pages before its last token and
+        prefills the rest (at most one page) when slots free up: the same KV, like a prefix
+        cache hit.
+        """
+        P = self.engine.page_size
+        keep = (len(pending.tokens) - 1) // P
+        rest = Pending(tokens=pending.tokens, sequences=pending.sequences[take:], done=keep * P,
+                       pages=pending.pages[:keep], shard=pending.shard, session=pending.session)
+        self.engine.pages.incref(pending.shard, rest.pages)
+        pending.sequences = pending.sequences[:take]
+        self.waiting.insert(self.waiting.index(pending) + 1, rest)
+        self.split_groups += 1
 
     def admit(self, pending: Pending, row: PrefillRow, free: list[int]) -> None:
         """Fill G slots from a complete pending prefill: shared full pages, copied partial page."""
@@ -356,13 +312,27 @@ class Scheduler:
             resolved.append((track.request.future, error))
             self.break_session(track.request.session, "its turn did not fit the KV budget")
 
-    def free_pages(self, shard: int, need: int) -> bool:
+    def headroom(self, shard: int) -> int:
+        """Pages the next dispatch of ``shard``'s decoding slots may take (a new prompt leaves them free)."""
+        slots = sum(self.engine.shard_of(slot) == shard for slot in self.slots)
+        return slots * (self.steps // self.engine.page_size + 1)
+
+    def free_pages(self, shard: int, need: int, *, evict_sessions: bool = True) -> bool:
         """Make ``need`` pages free in ``shard`` by evicting prefix-cache entries (least recently used
-        first), then idle sessions (oldest first)."""
+        first), then idle sessions (oldest first) unless ``evict_sessions`` is False.
+
+        A new prompt (nothing prefilled) waits instead of evicting sessions or taking the pages
+        that decoding slots are about to need, while anything decodes: evicted sessions and
+        preempted sequences would re-prefill, and under a tight budget new episodes would keep
+        pushing the ones under way out (thrash). With nothing decoding it may evict, so a
+        session that is never continued cannot block the pool.
+        """
         pages = self.engine.pages
         if self.cache is not None:
             self.cache.evict(shard, need)
         while pages.num_free(shard) < need:
+            if not evict_sessions:
+                return False
             idle = [s for s in self.sessions if s.shard == shard]
             if not idle:
                 return False

@@ -2,12 +2,15 @@
 
 import asyncio
 
+import jax
 import numpy as np
 import pytest
-from rollout_helpers import make_model, teacher_forced
+from rollout_helpers import ENGINE_KW, make_model, teacher_forced
 
 from agentrl_jax.rollout.driver import Driver
+from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.sampling import SamplingParams
+from agentrl_jax.sharding import make_mesh
 
 pytestmark = pytest.mark.gpu  # also run on a CUDA GPU: see the `gpu` marker in pyproject.toml
 
@@ -169,8 +172,9 @@ def test_prompt_longer_than_max_prefill_is_prefilled_in_chunks(engine, tiny_mode
 
 def test_stats_count_dispatches_occupancy_and_kv_pages(engine, tiny_model):
     """One request of 8 tokens, 4 steps per dispatch, 4 slots: its first token comes from the prefill,
-    the next 4 from dispatch 1 and 3 from dispatch 2 (read while dispatch 3 already runs, whose
-    tokens are dropped): 3 dispatches, 12 of 48 slot-steps held, 7 of 12 tokens kept."""
+    the next 4 from dispatch 1 and 3 from dispatch 2 (its limit falls inside dispatch 2, so its slot
+    is retired before a third dispatch: `Dispatcher._retire_known_ends`): 2 dispatches, 8 of 32
+    slot-steps held, 7 of 8 tokens kept."""
 
     async def run(driver):
         session = driver.session()
@@ -181,9 +185,9 @@ def test_stats_count_dispatches_occupancy_and_kv_pages(engine, tiny_model):
         return during, driver.stats(), driver.pages_in_use()
 
     during, after, pages = drive(engine, tiny_model, run)
-    assert during["decode_dispatches"] == 3
-    assert during["slot_occupancy"] == pytest.approx(12 / 48)
-    assert during["kept_token_fraction"] == pytest.approx(7 / 12)
+    assert during["decode_dispatches"] == 2
+    assert during["slot_occupancy"] == pytest.approx(8 / 32)
+    assert during["kept_token_fraction"] == pytest.approx(7 / 8)
     P = engine.page_size
     assert during["kv_pool_tokens"] == engine.memory_plan.tokens
     # the session holds its turn: 7 prompt + 7 sampled entries (the last token is fed next turn)
@@ -191,4 +195,63 @@ def test_stats_count_dispatches_occupancy_and_kv_pages(engine, tiny_model):
     assert during["kv_held_tokens"] % P == 0 and during["kv_held_tokens"] >= len(PROMPT) + 7
     assert after["kv_held_tokens"] == pages * P == 0 and after["kv_written_tokens"] == 0
     # the 1-token request's slot is filled and decodes one dispatch before its prefilled token is read
-    assert after["decode_dispatches"] == 4 and after["kept_tokens"] == 7
+    assert after["decode_dispatches"] == 3 and after["kept_tokens"] == 7
+
+
+def test_a_slot_whose_length_limit_falls_in_flight_takes_the_next_request_at_once(tiny_model):
+    """One slot, two 5-token requests, 4 steps per dispatch. The first request's limit falls inside
+    dispatch 1, so its slot is retired before dispatch 2 and the second request decodes there: 2 full
+    dispatches (4 when the slot waited for its results: one for the first request's dropped tail,
+    one for the second's). Tokens and logprobs are unchanged (the greedy reference)."""
+    engine = Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), **{**ENGINE_KW,
+                    "max_concurrent_decodes": 1})
+    prompts = [PROMPT, [9, 8, 7]]
+
+    async def run(driver):
+        return await asyncio.gather(*(driver.generate(p, GREEDY, max_new_tokens=5) for p in prompts)), driver.stats()
+
+    completions, stats = drive(engine, tiny_model, run)
+    for prompt, completion in zip(prompts, completions):
+        assert completion.finish_reason == "length"
+        assert completion.token_ids == greedy_reference(tiny_model, prompt, 5)
+    assert stats["decode_dispatches"] == 2
+    assert stats["kept_token_fraction"] == 1.0 and stats["slot_occupancy"] == 1.0
+    assert engine.pages.num_used() == 0
+
+
+
+def test_a_next_turn_sent_at_once_is_prefilled_in_the_next_tick(tiny_model):
+    """While another request keeps the device busy, a session whose tool answers at once has its
+    next turn prefilled in the tick right after its turn was read: 2 dispatches from the first
+    turn's prefill to the second's (the tick reading it queues the next dispatch first). Without
+    the driver yielding to its callers before taking the inbox, the next tick starts before they
+    resubmit and the turn waits one dispatch more (3)."""
+    engine = Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), **ENGINE_KW)
+    calls = []
+    prefill_insert, generate = engine.prefill_insert, engine.generate
+
+    def logged_prefill(params, state, rows):
+        calls.append(("prefill", [r.tokens.tolist() for r in rows]))
+        return prefill_insert(params, state, rows)
+
+    def logged_generate(*args, **kwargs):
+        calls.append(("generate", None))
+        return generate(*args, **kwargs)
+
+    engine.prefill_insert, engine.generate = logged_prefill, logged_generate
+    observation = [70, 71, 72]
+
+    async def agent(driver):
+        session = driver.session()
+        await driver.generate(PROMPT, GREEDY, max_new_tokens=4, session=session)
+        await driver.generate(observation, GREEDY, max_new_tokens=2, session=session)
+        session.close()
+
+    async def run(driver):
+        await asyncio.gather(driver.generate([1, 2, 3], GREEDY, max_new_tokens=40), agent(driver))
+
+    drive(engine, tiny_model, run)
+    second = next(i for i, (kind, rows) in enumerate(calls)
+                  if kind == "prefill" and any(r[1:] == observation for r in rows))
+    assert calls[0][0] == "prefill" and sum(kind == "generate" for kind, _ in calls[:second]) == 2
+

@@ -279,7 +279,7 @@ def test_randomized_no_leaks(tiny_model, prefix_cache):
     """Random arrivals, lengths, stops, multi-turn sessions, weight updates, cancellations and a
     tight page pool: every request is answered (or cancelled) and every page ends free (but the
     prefix cache's own)."""
-    engine = one_device_engine(tiny_model, page_size=3, num_pages=24)
+    engine = one_device_engine(tiny_model, page_size=3, num_pages=12)
     other = make_model(1)
     rng = random.Random(0)
     outcomes = {"done": 0, "cancelled": 0, "error": 0}
@@ -335,6 +335,19 @@ def test_rollout_config_page_fields_are_validated():
     rollout = apply_overrides(Config(), ["rollout.page_size=32", "rollout.kv_cache_bytes=1000000"]).rollout
     assert rollout.engine_kwargs() == {"page_size": 32, "kv_cache_bytes": 1000000, "kv_cache_memory_fraction": None,
                                        "compilation_cache_dir": None}
+
+
+def test_a_compilation_cache_dir_that_cannot_be_a_directory_fails_at_config_load(tmp_path):
+    from agentrl_jax.config import Config, ConfigError, apply_overrides
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for bad in (blocker, blocker / "cache"):
+        with pytest.raises(ConfigError, match="rollout.compilation_cache_dir"):
+            apply_overrides(Config(), [f"rollout.compilation_cache_dir={bad}"])
+    good = tmp_path / "new" / "cache"
+    rollout = apply_overrides(Config(), [f"rollout.compilation_cache_dir={good}"]).rollout
+    assert rollout.engine_kwargs()["compilation_cache_dir"] == str(good) and not good.exists()
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the Triton decode kernel runs on GPU only")
@@ -397,3 +410,50 @@ def test_sharded_prefill_results_follow_the_callers_row_order(tiny_model):
     got, want = first_tokens(sharded), first_tokens(one_device_engine(tiny_model, **kw))
     np.testing.assert_array_equal(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], atol=1e-5)
+
+
+def test_a_group_is_admitted_into_the_slots_that_are_free_and_equals_an_unsplit_one(paged, tiny_model):
+    """4 slots, one held by a long request: a group of 4 takes the 3 free slots at once and its 4th
+    sample the first slot freed (re-prefilling at most a page of the shared prompt), instead of
+    waiting for the long request to end; every sample equals the group run on an idle engine."""
+    prompt = list(range(40, 59))  # 19 tokens: the rest keeps 3 full pages of 5 and re-prefills 4 tokens
+    sampling = SamplingParams(temperature=1.0, seed=7)
+
+    async def alongside_a_long_request(driver):
+        long = asyncio.ensure_future(driver.generate(PROMPT, GREEDY, max_new_tokens=48))
+        await asyncio.sleep(0)  # the long request is admitted first
+        group = await driver.generate_group(prompt, 4, sampling, max_new_tokens=4)
+        done_at = driver.stats()["decode_dispatches"]
+        await long
+        return group, done_at, driver.stats().get("split_groups", 0)
+
+    async def alone(driver):
+        return await driver.generate_group(prompt, 4, sampling, max_new_tokens=4)
+
+    group, done_at, splits = drive(paged, tiny_model, alongside_a_long_request)
+    reference = drive(paged, tiny_model, alone)
+    assert done_at < 48 // 4 and splits == 1
+    for got, want in zip(group, reference):
+        assert got.token_ids == want.token_ids
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+
+
+def test_a_new_prompt_waits_rather_than_evicting_a_session_while_others_decode(tiny_model):
+    """A session idles between turns while a long prompt decodes; a new prompt that only fits if
+    the session's pages go waits for the decoding request instead (evicting would make the session
+    re-prefill its history), and the session's next turn continues on its own pages."""
+    engine = one_device_engine(tiny_model, page_size=4, num_pages=16)
+
+    async def run(driver):
+        session = driver.session()
+        await driver.generate(PROMPT, GREEDY, max_new_tokens=2, session=session)
+        decoding = asyncio.ensure_future(driver.generate(list(range(1, 31)), GREEDY, max_new_tokens=8))
+        newcomer = asyncio.ensure_future(driver.generate(list(range(40, 60)), GREEDY, max_new_tokens=2))
+        while driver.stats()["decode_dispatches"] < 3:
+            await asyncio.sleep(0.001)
+        await driver.generate([70, 71, 72], GREEDY, max_new_tokens=2, session=session)
+        session.close()
+        await asyncio.gather(decoding, newcomer)
+        return driver.evictions, driver.preemptions
+
+    assert drive(engine, tiny_model, run) == (0, 0)

@@ -36,9 +36,9 @@ def test_cache_lookup_takes_the_longest_run_of_full_pages_and_keeps_one_token_to
     held = pages.alloc(1, 3)
     cache.insert(1, tokens, held, written=10)  # pages 0 and 1 are full, page 2 is not
     assert len(cache) == 2 and [pages.refcount(1, p) for p in held] == [2, 2, 1]
-    assert cache.lookup(tokens, num_shards=2) == (1, held[:2])
-    assert cache.lookup(tokens[:8], num_shards=2) == (1, held[:1])  # the last token is always prefilled
-    assert cache.lookup([0, 1, 2, 9, 4], num_shards=2) == (None, [])  # first page differs
+    assert cache.lookup(cache.chain(tokens), num_shards=2) == (1, held[:2])
+    assert cache.lookup(cache.chain(tokens[:8]), num_shards=2) == (1, held[:1])  # the last token is prefilled
+    assert cache.lookup(cache.chain([0, 1, 2, 9, 4]), num_shards=2) == (None, [])  # first page differs
     pages.release(1, held)  # the requests end: only the cache (and the two lookups above) hold pages
     pages.release(1, held[:2] + held[:1])
     cache.evict(1, need=pages.usable_pages)
@@ -67,3 +67,48 @@ def test_reused_pages_give_the_same_tokens_and_logprobs_and_updates_empty_the_ca
     # requests 2-4 each reuse the header's two full pages (8 tokens); request 1 filled the cache
     assert stats["prefix_cache_hits"] == 3 and stats["prefix_cache_hit_tokens"] == 24
     assert emptied == 0 and after["prefix_cache_hits"] == 3  # the new weights' request found nothing stale
+
+
+def test_sessions_first_turns_share_a_header_and_later_turns_stay_exact(tiny_model):
+    """Agent loops run every episode in a session: a session's first turn offers its prompt's full
+    pages to the cache (its later turns, whose pages hold decoded KV, do not), so the next episode
+    with the same header reuses them; both turns equal the run without the cache."""
+    engine = Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), **{**ENGINE_KW, "page_size": 4})
+
+    async def run(driver):
+        out = []
+        for i, prompt in enumerate(PROMPTS[:2] + PROMPTS[2:3]):
+            session = driver.session()
+            sampling = SamplingParams(1.0, seed=11 + i)
+            out.append(await driver.generate(prompt, sampling, max_new_tokens=5, session=session))
+            out.append(await driver.generate([40, 41, 42], sampling, max_new_tokens=5, session=session))
+            session.close()
+        return out, driver.stats()
+
+    cached, stats = drive(engine, tiny_model, run, prefix_cache=True)
+    plain, _ = drive(engine, tiny_model, run)
+    for a, b in zip(cached, plain):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    # episodes 2 and 3 reuse the header's two full pages; no later turn is looked up with pages to share
+    assert stats["prefix_cache_hits"] == 2 and stats["prefix_cache_hit_tokens"] == 16
+
+
+def test_prompts_sent_together_reuse_the_pages_of_those_prefilled_before_them(tiny_model):
+    """A step's prompts arrive at once; with one slot they are prefilled one after another, and each
+    finds the header pages the earlier ones offered (the lookup happens when a prompt is planned,
+    not when it arrives): 3 hits of 2 pages, and the same tokens as without the cache."""
+    engine = Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]),
+                    **{**ENGINE_KW, "page_size": 4, "max_concurrent_decodes": 1})
+
+    async def run(driver):
+        together = await asyncio.gather(*(driver.generate(p, SamplingParams(1.0, seed=3 + i), max_new_tokens=5)
+                                          for i, p in enumerate(PROMPTS)))
+        return together, driver.stats()
+
+    cached, stats = drive(engine, tiny_model, run, prefix_cache=True)
+    plain, _ = drive(engine, tiny_model, run)
+    for a, b in zip(cached, plain):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert stats["prefix_cache_hits"] == 3 and stats["prefix_cache_hit_tokens"] == 24
