@@ -13,6 +13,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from tiny_decoder import tiny_decoder
 
 from agentrl_jax.losses import global_normalizer
 from agentrl_jax.models import Decoder, DecoderConfig, split_params
@@ -39,15 +40,7 @@ FIELDS = ("input_ids", "positions", "segment_ids", "targets", "loss_mask", "adva
           "rollout_logprobs", "params_versions")
 
 
-@functools.lru_cache(maxsize=1)
-def _tiny():
-    cfg = DecoderConfig(
-        architecture="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
-        rope_scaling=None, tie_word_embeddings=True, attention_bias=False, qk_norm=True,
-        max_position_embeddings=128,
-    )
-    return split_params(Decoder(cfg, rngs=nnx.Rngs(0)))
+_tiny = functools.lru_cache(maxsize=1)(tiny_decoder)
 
 
 LENGTHS = (5, 19, 11, 3, 24, 8, 14, 2, 17, 9)
@@ -131,7 +124,7 @@ def test_rows_of_one_trajectory_run_mask_free_and_equal_the_segment_mask():
     real = packed["segment_ids"] > 0
     np.testing.assert_allclose(np.asarray(jax.jit(mask_free)(params, packed))[real],
                                np.asarray(jax.jit(masked)(params, packed))[real], atol=1e-5, rtol=0)
-    program = lambda fn: str(jax.make_jaxpr(fn)(params, packed))  # noqa: E731
+    program = lambda fn: str(jax.make_jaxpr(fn)(params, packed))
     padded_rows = functools.partial(forward_logprobs, graphdef, temperature=0.7)
     assert program(mask_free) == program(padded_rows) != program(masked)
 

@@ -7,23 +7,19 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from tiny_decoder import tiny_decoder
 
 from agentrl_jax.config import OptimizerConfig
-from agentrl_jax.models import Decoder, DecoderConfig, split_params
-from agentrl_jax.train.batch import TokenRecord, build_batch
-from agentrl_jax.train.step import LossSettings, forward_logprobs, init_train_state, update_step
 from agentrl_jax.losses import global_normalizer
+from agentrl_jax.train.batch import TokenRecord, build_batch
+from agentrl_jax.train.step import (
+    LossSettings,
+    forward_logprobs,
+    init_train_state,
+    update_step,
+)
 
-
-def _tiny():
-    cfg = DecoderConfig(
-        architecture="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0,
-        rope_scaling=None, tie_word_embeddings=True, attention_bias=False, qk_norm=True,
-        max_position_embeddings=128,
-    )
-    return split_params(Decoder(cfg, rngs=nnx.Rngs(0)))
+_tiny = tiny_decoder
 
 
 def _batch(n=8, seed=0):
