@@ -139,6 +139,8 @@ def eval_seed(task_index: int) -> int:
     of an ablation) are paired on common random numbers, so their difference is the policy's,
     not the sampler's.
     """
+    # A tuple of ints hashes the same in every process (PYTHONHASHSEED randomizes only str and
+    # bytes hashes) and on every CPython >= 3.8; the ablation's evaluations depend on these values.
     return hash((EVAL_SEED, task_index)) & 0x7FFFFFFF
 
 
