@@ -11,22 +11,18 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import jax
 import numpy as np
 import pytest
-from flax import nnx
+from tiny_decoder import tiny_agent_engine
 
 from agentrl_jax.envs.agent_loop import AgentLoop
 from agentrl_jax.envs.base import Environment, StepResult
 from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv
-from agentrl_jax.models import Decoder, DecoderConfig, split_params
 from agentrl_jax.models.tiny import train_tiny_tokenizer
 from agentrl_jax.models.tokenizer import Tokenizer
 from agentrl_jax.rewards.shaping import RewardWeights
 from agentrl_jax.rollout.driver import Driver
-from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.sampling import SamplingParams
-from agentrl_jax.sharding import make_mesh
 
 TASK = {"question": "What is 12*34?", "answer": "408", "id": "t0"}
 CORPUS = ["What is 12*34? <code>print(12*34)</code> <interpreter>408</interpreter> \\boxed{408}"] * 30
@@ -42,15 +38,8 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tokenizer):
-    cfg = DecoderConfig(
-        architecture="qwen3", vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64, num_layers=1,
-        num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
-        tie_word_embeddings=True, attention_bias=False, qk_norm=True, max_position_embeddings=256,
-    )
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=4,
-                    max_target_length=128, max_prefill_length=64, min_prefill_bucket=16)
-    return engine, split_params(model)[1]
+    return tiny_agent_engine(tokenizer.vocab_size, slots=4, max_target_length=128, max_prefill_length=64,
+                             min_prefill_bucket=16)
 
 
 def run(engine, tokenizer, env, *, max_total_tokens, truncation="mask", seed=0):

@@ -11,20 +11,23 @@ from __future__ import annotations
 
 import asyncio
 
-import jax
 import numpy as np
 import pytest
 from chat_formats import CORPUS, FORMATS, build_tokenizer
-from flax import nnx
+from tiny_decoder import tiny_agent_engine
 
 from agentrl_jax.envs.agent_loop import AgentLoop
-from agentrl_jax.envs.tools import ParsedTurn, ToolCall, ToolCallingEnv, ToolEnvConfig, ToolRegistry, calculator_tool
+from agentrl_jax.envs.tools import (
+    ParsedTurn,
+    ToolCall,
+    ToolCallingEnv,
+    ToolEnvConfig,
+    ToolRegistry,
+    calculator_tool,
+)
 from agentrl_jax.envs.tools.parsers import MalformedCall
-from agentrl_jax.models import Decoder, DecoderConfig, split_params
 from agentrl_jax.rollout.driver import Driver
-from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.sampling import SamplingParams
-from agentrl_jax.sharding import make_mesh
 
 TASK = {"question": "What is 12*34+5?", "answer": "413"}
 PER_TURN = 6
@@ -46,15 +49,9 @@ def setup(request, tmp_path_factory):
     env = make_env(fmt)
     texts = [draft.render_chat(asyncio.run(env.reset(TASK)), tools=env.tools)] * 20 + list(CORPUS)
     tok = build_tokenizer(fmt, root / fmt.name, individual_digits=True, texts=texts, vocab_size=1200)
-    cfg = DecoderConfig(
-        architecture="qwen3", vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_layers=1,
-        num_heads=2, num_kv_heads=1, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
-        tie_word_embeddings=True, attention_bias=False, qk_norm=True, max_position_embeddings=512,
-    )
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=2,
-                    max_target_length=MAX_TOKENS, max_prefill_length=256, min_prefill_bucket=32)
-    return fmt, tok, engine, split_params(model)[1]
+    engine, params = tiny_agent_engine(tok.vocab_size, slots=2, max_target_length=MAX_TOKENS, max_prefill_length=256,
+                                       min_prefill_bucket=32, max_position_embeddings=512)
+    return fmt, tok, engine, params
 
 
 def make_env(fmt) -> ToolCallingEnv:
