@@ -89,13 +89,13 @@ def paged(k_cache, v_cache, page_size: int, seed=0):
 def sweep_settings(page_size: int) -> list[dict]:
     """The settings a sweep tries: dense, the old grid (method x block x warps x stages x
     chunking); paged, the tensor-core method only (faster at every dense setting), blocks
-    from a half page to 4 pages x 4 or 8 warps x 2 or 3 stages, and per block 4 stages and
-    2 chunks per row."""
+    of 1, 2 or 4 pages (less than a page lost 15% at pages of 16) x 4 or 8 warps x 2 or 3
+    stages, and per block 4 stages (up to 64 entries) and 2 chunks per row."""
     if not page_size:
         return [dict(method=m, block_k=b, warps=w, stages=st, min_programs=mp) for m, b, w, st, mp in
                 itertools.product(fused.METHODS, (16, 32, 64, 128), (1, 2, 4, 8), (1, 2, 3), (512, 1024))
                 if not (m == "dot" and (w < 4 or b < 32)) and not (m == "vector" and st > 1 and mp > 512)]
-    blocks = [b for b in (16, 32, 64, 128, 256) if page_size // 2 <= b <= 4 * page_size]
+    blocks = [b for b in (16, 32, 64, 128, 256) if page_size <= b <= 4 * page_size]
     grid = [(b, w, st, 512) for b, w, st in itertools.product(blocks, (4, 8), (2, 3))]
     grid += [(b, 4, 4, 512) for b in blocks if b <= 64] + [(b, 4, 3, 1024) for b in blocks]
     return [dict(method="dot", block_k=b, warps=w, stages=st, min_programs=mp) for b, w, st, mp in grid]
@@ -195,6 +195,10 @@ def main(argv=None) -> None:
             table = pools[2]
             copy = functools.partial(jax.tree.map, functools.partial(jnp.array, copy=True), (*inputs[:2], *pools[:2]))
             impl = f"agentrl_jax fused, pages of {args.page_size}"
+        def row(impl, label, seconds, out):
+            return dict(batch=batch, impl=impl, setting=label, us=1e6 * seconds, GBps=kv_bytes / seconds / 1e9,
+                        device=device, ratio=base_s / seconds, diff=float(np.max(np.abs(out - ref))))
+
         for setting in settings:
             label = ",".join(f"{k}={v}" for k, v in setting.items())
             try:
@@ -204,16 +208,20 @@ def main(argv=None) -> None:
                 print(f"| {batch} | fused | {label} | error: {type(e).__name__}: {str(e)[:120]} | | | | |")
                 continue
             results.append((impl, label, seconds, out))
-        for impl, label, seconds, out in sorted(results, key=lambda r: r[2]):
-            gbps = kv_bytes / seconds / 1e9
-            row = dict(batch=batch, impl=impl, setting=label, us=1e6 * seconds, GBps=gbps, device=device,
-                       ratio=base_s / seconds, diff=float(np.max(np.abs(out - ref))))
-            rows.append(row)
-            pct = f"{100 * gbps * 1e9 / bandwidth:.0f}%" if bandwidth else "?"
-            print(f"| {batch} | {impl} | {label} | {row['us']:.1f} | {gbps:.0f} | {pct} | {row['ratio']:.2f}x | "
-                  f"{row['diff']:.1e} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
+            print(f"# {label}: {1e6 * seconds:.1f} us", flush=True)
+            _dump(args.json, rows + [row(*r) for r in results])  # so far: a sweep cut short keeps its results
+        for result in sorted(results, key=lambda r: r[2]):
+            rows.append(row(*result))
+            r = rows[-1]
+            pct = f"{100 * r['GBps'] * 1e9 / bandwidth:.0f}%" if bandwidth else "?"
+            print(f"| {batch} | {r['impl']} | {r['setting']} | {r['us']:.1f} | {r['GBps']:.0f} | {pct} | "
+                  f"{r['ratio']:.2f}x | {r['diff']:.1e} |", flush=True)
+    _dump(args.json, rows)
+
+
+def _dump(path: str | None, rows: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(rows, f, indent=1)
 
 
