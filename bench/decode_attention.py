@@ -195,10 +195,7 @@ def main(argv=None) -> None:
             table = pools[2]
             copy = functools.partial(jax.tree.map, functools.partial(jnp.array, copy=True), (*inputs[:2], *pools[:2]))
             impl = f"agentrl_jax fused, pages of {args.page_size}"
-        def row(impl, label, seconds, out):
-            return dict(batch=batch, impl=impl, setting=label, us=1e6 * seconds, GBps=kv_bytes / seconds / 1e9,
-                        device=device, ratio=base_s / seconds, diff=float(np.max(np.abs(out - ref))))
-
+        row = functools.partial(_row, batch=batch, device=device, kv_bytes=kv_bytes, base_s=base_s, ref=ref)
         for setting in settings:
             label = ",".join(f"{k}={v}" for k, v in setting.items())
             try:
@@ -217,6 +214,11 @@ def main(argv=None) -> None:
             print(f"| {batch} | {r['impl']} | {r['setting']} | {r['us']:.1f} | {r['GBps']:.0f} | {pct} | "
                   f"{r['ratio']:.2f}x | {r['diff']:.1e} |", flush=True)
     _dump(args.json, rows)
+
+
+def _row(impl, label, seconds, out, *, batch, device, kv_bytes, base_s, ref) -> dict:
+    return {"batch": batch, "impl": impl, "setting": label, "us": 1e6 * seconds, "GBps": kv_bytes / seconds / 1e9,
+            "device": device, "ratio": base_s / seconds, "diff": float(np.max(np.abs(out - ref)))}
 
 
 def _dump(path: str | None, rows: list[dict]) -> None:
