@@ -109,6 +109,8 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
 
                 row["impl"] += (f" {decode.PALLAS_METHOD} b{decode.PALLAS_BLOCK} w{decode.PALLAS_WARPS} "
                                 f"s{decode.PALLAS_STAGES} p{decode.PALLAS_MIN_PROGRAMS} qkv/{decode.PALLAS_QKV_SPLITS}")
+            if os.environ.get("XLA_FLAGS"):
+                row["impl"] += f" XLA_FLAGS={os.environ['XLA_FLAGS']}"
             params = engine.load_params(model)
             tokens = np.random.default_rng(0).integers(0, vocab, prompt).astype(np.int32)
             sampler = SamplingParams(temperature=1.0, seed=0)
@@ -261,11 +263,11 @@ def _rates(size: str, batch: int, prompt: int, steps: int, seconds: float, dtype
     }
 
 
-def _run_worker(kind: str, size: str, args) -> list[dict]:
+def _run_worker(kind: str, size: str, args, kernel: str = "") -> list[dict]:
     batches = args.hf_batches if kind == "hf" else args.batches
     cmd = [sys.executable, __file__, "--worker", kind, "--sizes", size, "--batches", batches,
            "--prompt", str(args.prompt), "--gen", str(args.gen), "--steps-per-dispatch", str(args.steps_per_dispatch),
-           "--hf-cache", args.hf_cache, "--decode-attention", args.decode_attention, "--kernel", args.kernel,
+           "--hf-cache", args.hf_cache, "--decode-attention", args.decode_attention, "--kernel", kernel,
            "--page-size", str(args.page_size)] + (
                ["--profile"] if args.profile else [])
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"))
@@ -334,7 +336,8 @@ def main(argv=None) -> None:
     parser.add_argument("--page-size", type=int, default=32, help="KV page size (Engine(page_size=...))")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--kernel", default="", help="override the Pallas kernel's settings, e.g. "
-                        "method=dot,block_k=32,warps=4,stages=3,min_programs=1024 (models/decode.py PALLAS_*)")
+                        "method=dot,block_k=32,warps=4,stages=3,min_programs=1024 (models/decode.py PALLAS_*); "
+                        "several settings separated by ';' run one after the other ('' = the defaults)")
     parser.add_argument("--profile", action="store_true", help="print the busiest kernels per step (GPU)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: a < 1 min smoke run")
     parser.add_argument("--json", help="also write the rows to this JSON file")
@@ -346,7 +349,9 @@ def main(argv=None) -> None:
     args.hf_batches = args.hf_batches or args.batches
     if args.gen % args.steps_per_dispatch:
         parser.error(f"--gen {args.gen} must be a multiple of --steps-per-dispatch {args.steps_per_dispatch}")
-    _set_kernel(args.kernel)  # checks the value here; each worker sets it again in its own process
+    kernels = args.kernel.split(";")
+    for kernel in kernels:  # checks the values here; each worker sets its own in its own process
+        _set_kernel(kernel)
     if args.worker:
         size, batches = args.sizes, _ints(args.batches)
         if args.worker == "jax":
@@ -361,7 +366,8 @@ def main(argv=None) -> None:
     for size in args.sizes.split(","):
         if size not in QWEN3:
             parser.error(f"--sizes: unknown size {size!r}; known: {sorted(QWEN3)}")
-        rows += _run_worker("jax", size, args)
+        for kernel in kernels:
+            rows += _run_worker("jax", size, args, kernel)
         if not args.no_hf:
             rows += _run_worker("hf", size, args)
         print(_table(rows, args), flush=True)

@@ -3,6 +3,7 @@
 Usage (GPU):
     python bench/decode_attention.py                      # Qwen3-1.7B layer shapes, batches 1,16,64,256
     python bench/decode_attention.py --sweep --batches 64 # every kernel setting at batch 64
+    python bench/decode_attention.py --sweep --batches 64 --page-size 32  # the paged cache
 Quick check (CPU, interpreted, tiny shapes):
     python bench/decode_attention.py --tiny
 
@@ -15,6 +16,10 @@ ran before). Candidate: `agentrl_jax.models.decode_attention.decode_attention`, 
 does both in one kernel. Each timing runs the op `--reps` times inside one jitted loop
 (the buffers donated and carried, as the engine's 28 layers do), median of `--trials`.
 GB/s counts the K and V bytes a step must read: ``B * KV * context * K * 2 * 2``.
+
+With ``--page-size P`` the candidate reads a pool of pages ``[N, KV, P, K]`` through a
+shuffled page table (the same entries as the dense buffers, so the same reference); the
+baseline stays the dense one. Blocks larger than a page are gathered over whole pages.
 """
 
 from __future__ import annotations
@@ -58,11 +63,42 @@ def baseline_step(qkv, positions, k_cache, v_cache, *, block_k=64, min_programs=
     return out.reshape(B, KV, G, K), k_cache, v_cache
 
 
-def fused_step(qkv, positions, k_cache, v_cache, *, block_k, min_programs, method, warps, stages):
+def fused_step(qkv, positions, k_cache, v_cache, *, block_k, min_programs, method, warps, stages, page_table=None):
     B, KV = qkv.shape[:2]
-    chunks = kernel_chunks(B * KV, k_cache.shape[2] // block_k, min_programs)
+    S = k_cache.shape[2] if page_table is None else page_table.shape[1] * k_cache.shape[2]
+    chunks = kernel_chunks(B * KV, S // block_k, min_programs)
     return fused.decode_attention(qkv, positions, k_cache, v_cache, block_k=block_k, chunks=chunks,
-                                  method=method, num_warps=warps, num_stages=stages)
+                                  method=method, num_warps=warps, num_stages=stages, page_table=page_table)
+
+
+def paged(k_cache, v_cache, page_size: int, seed=0):
+    """The dense ``[B, KV, S, K]`` buffers as pools of pages ``[B * T + 1, KV, P, K]`` in a
+    shuffled order (page 0 spare, as the engine's trash page) and the ``[B, T]`` table."""
+    B, KV, S, K = k_cache.shape
+    T = S // page_size
+    table = 1 + np.random.default_rng(seed).permutation(B * T).reshape(B, T)
+
+    def pool(cache):
+        pages = cache.reshape(B, KV, T, page_size, K).transpose(0, 2, 1, 3, 4).reshape(B * T, KV, page_size, K)
+        out = jnp.zeros((B * T + 1, KV, page_size, K), cache.dtype)
+        return out.at[table.reshape(-1)].set(pages)
+
+    return pool(k_cache), pool(v_cache), jnp.asarray(table, jnp.int32)
+
+
+def sweep_settings(page_size: int) -> list[dict]:
+    """The settings a sweep tries: dense, the old grid (method x block x warps x stages x
+    chunking); paged, the tensor-core method only (faster at every dense setting), blocks
+    of 1, 2 or 4 pages (less than a page lost 15% at pages of 16) x 4 or 8 warps x 2 or 3
+    stages, and per block 4 stages (up to 64 entries) and 2 chunks per row."""
+    if not page_size:
+        return [dict(method=m, block_k=b, warps=w, stages=st, min_programs=mp) for m, b, w, st, mp in
+                itertools.product(fused.METHODS, (16, 32, 64, 128), (1, 2, 4, 8), (1, 2, 3), (512, 1024))
+                if not (m == "dot" and (w < 4 or b < 32)) and not (m == "vector" and st > 1 and mp > 512)]
+    blocks = [b for b in (16, 32, 64, 128, 256) if page_size <= b <= 4 * page_size]
+    grid = [(b, w, st, 512) for b, w, st in itertools.product(blocks, (4, 8), (2, 3))]
+    grid += [(b, 4, 4, 512) for b in blocks if b <= 64] + [(b, 4, 3, 1024) for b in blocks]
+    return [dict(method="dot", block_k=b, warps=w, stages=st, min_programs=mp) for b, w, st, mp in grid]
 
 
 def time_op(step, inputs, reps: int, trials: int) -> tuple[float, np.ndarray]:
@@ -121,6 +157,7 @@ def main(argv=None) -> None:
     parser.add_argument("--reps", type=int, default=28)
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="every method/block/warps/stages/chunking setting")
+    parser.add_argument("--page-size", type=int, default=0, help="read a paged pool of this page size (0: dense)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
@@ -131,17 +168,17 @@ def main(argv=None) -> None:
     device = jax.devices()[0].device_kind
     bandwidth = hbm_bandwidth(device)
     print(f"device: {device}; HBM {bandwidth / 1e12 if bandwidth else '?'} TB/s; jax {jax.__version__}; "
-          f"KV={args.kv_heads} G={args.group} K={args.head_dim} S={args.cache} context={args.context} {dtype.__name__}")
+          f"KV={args.kv_heads} G={args.group} K={args.head_dim} S={args.cache} context={args.context} {dtype.__name__}"
+          f"{f'; pages of {args.page_size}' if args.page_size else ''}")
     from agentrl_jax.models import decode as decode_module
 
     default = dict(method=decode_module.PALLAS_METHOD, block_k=decode_module.PALLAS_BLOCK,
                    warps=decode_module.PALLAS_WARPS, stages=decode_module.PALLAS_STAGES, min_programs=512)
-    if args.sweep:
-        settings = [dict(method=m, block_k=b, warps=w, stages=st, min_programs=mp) for m, b, w, st, mp in
-                    itertools.product(fused.METHODS, (16, 32, 64, 128), (1, 2, 4, 8), (1, 2, 3), (512, 1024))
-                    if not (m == "dot" and (w < 4 or b < 32)) and not (m == "vector" and st > 1 and mp > 512)]
-    else:
-        settings = [default]
+    if args.page_size:
+        default["block_k"] = decode_module.kernel_block(args.cache, args.page_size)
+    settings = sweep_settings(args.page_size) if args.sweep else [default]
+    if args.tiny:  # a smoke run checks the plumbing, not the speed
+        settings = settings[:2]
     rows = []
     print("| batch | impl | setting | us/call | GB/s | % HBM | vs baseline | max abs diff to f32 XLA |")
     print("|---|---|---|---|---|---|---|---|")
@@ -152,25 +189,41 @@ def main(argv=None) -> None:
         ref = _reference(*inputs)
         base_s, base_out = time_op(baseline_step, copy(), args.reps, args.trials)
         results = [("jax mqa + 2 scatters (before)", "block 64", base_s, base_out)]
+        impl, table = "agentrl_jax fused", None
+        if args.page_size:
+            pools = paged(*inputs[2:], args.page_size)
+            table = pools[2]
+            copy = functools.partial(jax.tree.map, functools.partial(jnp.array, copy=True), (*inputs[:2], *pools[:2]))
+            impl = f"agentrl_jax fused, pages of {args.page_size}"
+        row = functools.partial(_row, batch=batch, device=device, kv_bytes=kv_bytes, base_s=base_s, ref=ref)
         for setting in settings:
             label = ",".join(f"{k}={v}" for k, v in setting.items())
             try:
-                step = functools.partial(fused_step, **setting)
+                step = functools.partial(fused_step, **setting, page_table=table)
                 seconds, out = time_op(step, copy(), args.reps, args.trials)
             except Exception as e:  # noqa: BLE001  (a setting that does not compile must not end the sweep)
                 print(f"| {batch} | fused | {label} | error: {type(e).__name__}: {str(e)[:120]} | | | | |")
                 continue
-            results.append(("agentrl_jax fused", label, seconds, out))
-        for impl, label, seconds, out in sorted(results, key=lambda r: r[2]):
-            gbps = kv_bytes / seconds / 1e9
-            row = dict(batch=batch, impl=impl, setting=label, us=1e6 * seconds, GBps=gbps, device=device,
-                       ratio=base_s / seconds, diff=float(np.max(np.abs(out - ref))))
-            rows.append(row)
-            pct = f"{100 * gbps * 1e9 / bandwidth:.0f}%" if bandwidth else "?"
-            print(f"| {batch} | {impl} | {label} | {row['us']:.1f} | {gbps:.0f} | {pct} | {row['ratio']:.2f}x | "
-                  f"{row['diff']:.1e} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
+            results.append((impl, label, seconds, out))
+            print(f"# {label}: {1e6 * seconds:.1f} us", flush=True)
+            _dump(args.json, rows + [row(*r) for r in results])  # so far: a sweep cut short keeps its results
+        for result in sorted(results, key=lambda r: r[2]):
+            rows.append(row(*result))
+            r = rows[-1]
+            pct = f"{100 * r['GBps'] * 1e9 / bandwidth:.0f}%" if bandwidth else "?"
+            print(f"| {batch} | {r['impl']} | {r['setting']} | {r['us']:.1f} | {r['GBps']:.0f} | {pct} | "
+                  f"{r['ratio']:.2f}x | {r['diff']:.1e} |", flush=True)
+    _dump(args.json, rows)
+
+
+def _row(impl, label, seconds, out, *, batch, device, kv_bytes, base_s, ref) -> dict:
+    return {"batch": batch, "impl": impl, "setting": label, "us": 1e6 * seconds, "GBps": kv_bytes / seconds / 1e9,
+            "device": device, "ratio": base_s / seconds, "diff": float(np.max(np.abs(out - ref)))}
+
+
+def _dump(path: str | None, rows: list[dict]) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(rows, f, indent=1)
 
 

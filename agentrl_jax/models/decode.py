@@ -424,12 +424,22 @@ def paged_xla_attend_and_write(write_pos, qkv, k_pool, v_pool, page_table, *, at
 
 
 TRASH_PAGE = 0  # see rollout.pages: the page every write that must go nowhere lands on
-PALLAS_BLOCK = 32  # cache entries per kernel iteration
+PALLAS_BLOCK = 32  # cache entries per kernel iteration (paged: see `kernel_block`)
 PALLAS_METHOD = "dot"
 PALLAS_WARPS = 4
 PALLAS_STAGES = 3
 PALLAS_QKV_SPLITS = 4  # the QKV projection as 4 partial products over slices of D, summed in the kernel
 PALLAS_MIN_PROGRAMS = 512  # fewer (row, kv head) programs than this: split rows into chunks
+
+
+def kernel_block(length: int, page_size: int | None = None, preferred: int | None = None) -> int:
+    """The kernel's block (cache entries per loop iteration): ``preferred`` (`PALLAS_BLOCK`),
+    halved until it divides the cache ``length`` and, with pages, is part of a page or whole
+    pages (the kernel then gathers a block over several pages rather than shrinking it)."""
+    block = PALLAS_BLOCK if preferred is None else preferred
+    while block > 1 and (length % block or (page_size and page_size % block and block % page_size)):
+        block //= 2
+    return block
 
 
 def kernel_chunks(programs: int, blocks: int, min_programs: int) -> int:
@@ -457,18 +467,20 @@ def pallas_attend_and_write(
       min_programs: split each row's entries into the fewest chunks (a divisor of the
         cache's blocks) that give at least this many (row, kv head, chunk) programs.
       page_table: ``[B, Tp]`` page ids: the caches are then pools ``[N, KV, P, K]`` (see
-        `paged_xla_attend_and_write`); the kernel reads in blocks of min(P, `PALLAS_BLOCK`).
+        `paged_xla_attend_and_write`); the kernel's block is `kernel_block`'s.
 
     Returns:
       ``(out [B, 1, KV, G, K], k_cache, v_cache)``.
     """
     _, B, KV, _, K = partials.shape
     if page_table is None:
-        S, block = k_cache.shape[2], PALLAS_BLOCK
+        S, page_size = k_cache.shape[2], None
+        if S % PALLAS_BLOCK:
+            raise ValueError(f"pallas decode attention: the cache length {S} must be a multiple of {PALLAS_BLOCK}")
     else:
-        S, block = page_table.shape[1] * k_cache.shape[2], min(k_cache.shape[2], PALLAS_BLOCK)
-    if S % block:
-        raise ValueError(f"pallas decode attention: the cache length {S} must be a multiple of {block}")
+        page_size = k_cache.shape[2]
+        S = page_table.shape[1] * page_size
+    block = kernel_block(S, page_size)
     min_programs = PALLAS_MIN_PROGRAMS if min_programs is None else min_programs
     chunks = kernel_chunks(B * KV, S // block, min_programs)
     q_norm, k_norm = (x.astype(dtype) for x in norms) if norms else (None, None)

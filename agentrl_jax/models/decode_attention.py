@@ -26,9 +26,11 @@ cores with the G heads padded to a 16-row tile; the faster one on H200) and ``"v
 kept in float32). Logits, softmax and accumulation are float32.
 
 Paged caches: with a ``page_table`` the k/v buffers are pools of pages ``[N, KV, P, K]``
-and each program reads its row's blocks (``block_k`` divides P, so a block never crosses a
-page) and writes the new entry through the table; the loop, masks and softmax are the
-same.
+and each program reads its row's blocks through the table and writes the new entry through
+it; the loop, masks and softmax are the same. A block is either part of one page
+(``block_k`` divides P: one table lookup per block, a contiguous load) or several whole
+pages (P divides ``block_k``: a gathered load, each entry's page looked up), so the block,
+which sets the loop's trip count and the tensor-core tile, need not shrink with the page.
 
 Off GPU the kernel runs in Pallas's interpreter (tests).
 """
@@ -131,11 +133,22 @@ def _kernel(*refs, G, block_k, chunk, method, normalize, partials, bias, rope, n
 
     offsets = jnp.arange(block_k)
     num_blocks = jnp.maximum(pl.cdiv(end - start, block_k), 0)
+    gather = page_size and block_k > page_size  # a block spans block_k / P pages
 
-    def load(ref, i):
+    def locate(i):
+        """Block i's entries: (where to read them, which are valid). A block inside one page is
+        a slice of it; a block over several pages gathers each entry's page from the table once
+        for both the key and the value load."""
         index = start + i * block_k + offsets
-        block = plgpu.load(entries(ref, start + i * block_k, block_k), mask=(index < end)[:, None], other=0.0)
-        return block, index < end
+        valid = index < end
+        if not gather:
+            return start + i * block_k, valid
+        pages = plgpu.load(table_ref.at[index // page_size], mask=valid, other=0)
+        return (pages[:, None], (index % page_size)[:, None]), valid
+
+    def load(ref, where, valid):
+        source = ref.at[where[0], where[1], cols[None, :]] if gather else entries(ref, where, block_k)
+        return plgpu.load(source, mask=valid[:, None], other=0.0)
 
     neg = jnp.float32(-1e30)  # finite: exp(neg - m) underflows to 0 without inf - inf
     seed = jnp.maximum(1 - c, 0).astype(jnp.float32)  # 1 in chunk 0, else 0 (no bool -> float: Triton)
@@ -145,9 +158,8 @@ def _kernel(*refs, G, block_k, chunk, method, normalize, partials, bias, rope, n
         init = [(v_new * seed, jnp.where(first, jnp.sum(q * k_new), neg), seed) for q in qs]
 
         def body(i, carry):
-            k, valid = load(k_ref, i)
-            v, _ = load(v_ref, i)
-            k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+            where, valid = locate(i)
+            k, v = load(k_ref, where, valid).astype(jnp.float32), load(v_ref, where, valid).astype(jnp.float32)
             out = []
             for q, (o, m, denom) in zip(qs, carry, strict=True):
                 s = jnp.where(valid, jnp.sum(k * q, axis=1), neg)  # [block_k]
@@ -174,13 +186,14 @@ def _kernel(*refs, G, block_k, chunk, method, normalize, partials, bias, rope, n
 
         def body(i, carry):
             o, m, denom = carry
-            k, valid = load(k_ref, i)
+            where, valid = locate(i)
+            k = load(k_ref, where, valid)
             s = plgpu.dot(q, k.astype(dtype).T).astype(jnp.float32) * scale  # [16, block_k]
             s = jnp.where(valid[None, :], s, neg)
             m_next = jnp.maximum(m, jnp.max(s, axis=1))
             p = jnp.exp(s - m_next[:, None])
             correction = jnp.exp(m - m_next)
-            v, _ = load(v_ref, i)
+            v = load(v_ref, where, valid)
             o = o * correction[:, None] + plgpu.dot(p.astype(dtype), v.astype(dtype)).astype(jnp.float32)
             return o, m_next, denom * correction + jnp.sum(p, axis=1)
 
@@ -238,7 +251,7 @@ def decode_attention(
       positions: ``[B]`` int32; the new entry goes to index ``positions[b]`` (dropped if
         ``>= S``) and row b attends over entries ``[0, positions[b]]``.
       k_cache, v_cache: ``[B, KV, S, K]``, donated; S a multiple of ``block_k * chunks``.
-        With ``page_table``: pools of pages ``[N, KV, P, K]`` (P a multiple of ``block_k``).
+        With ``page_table``: pools of pages ``[N, KV, P, K]`` (P a multiple or a divisor of ``block_k``).
       page_table: ``[B, T]`` int32, row b's cache entry t lives at entry ``t % P`` of page
         ``page_table[b, t // P]``; S = T * P. Rows that must not write anywhere real point
         every entry at a scratch page (the engine's trash page).
@@ -275,8 +288,9 @@ def decode_attention(
         page_size = k_cache.shape[2]
         S = page_table.shape[-1] * page_size
         cache_shape_ok = k_cache.ndim == 4 and k_cache.shape[1:] == (KV, page_size, K) and page_table.shape[0] == B
-        if page_size % block_k:
-            raise ValueError(f"decode_attention: the page size {page_size} must be a multiple of block_k={block_k}")
+        if page_size % block_k and block_k % page_size:
+            raise ValueError(f"decode_attention: the page size {page_size} and block_k={block_k} must divide one "
+                             "another (a block is part of a page or whole pages)")
     if G < 1 or not cache_shape_ok or v_cache.shape != k_cache.shape or positions.shape != (B,):
         raise ValueError(
             f"decode_attention: qkv {qkv.shape} ([B, KV, G + 2, K]), positions {positions.shape}, caches "

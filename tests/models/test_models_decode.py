@@ -247,6 +247,16 @@ def test_pallas_decode_step_matches_the_xla_path(model):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)  # split-K order: ~1 ulp
 
 
+def test_kernel_block_hand_values():
+    from agentrl_jax.models.decode import kernel_block
+
+    assert kernel_block(1792, None, 32) == 32  # dense: the preferred block
+    assert kernel_block(1792, 128, 32) == 32  # a quarter page
+    assert kernel_block(1792, 16, 32) == 32  # two whole pages (gathered)
+    assert kernel_block(1552, 16, 64) == 16  # 1552 = 97 pages of 16: 64 and 32 do not divide it
+    assert kernel_block(1536, 48, 32) == 16  # pages of 48: 32 is neither part of one nor whole pages
+
+
 def test_kernel_chunks_hand_values():
     from agentrl_jax.models.decode import kernel_chunks
 
@@ -256,12 +266,14 @@ def test_kernel_chunks_hand_values():
     assert kernel_chunks(8, 56, 512) == 56  # none reaches it: every block its own chunk
 
 
-@pytest.mark.parametrize("method", decode_attention.METHODS)
-@pytest.mark.parametrize("page_size,chunks", [(16, 1), (32, 2), (64, 1)])
-def test_paged_decode_attention_kernel_equals_the_dense_one(method, page_size, chunks):
+@pytest.mark.parametrize("method,page_size,block_k,chunks", [
+    (method, *case) for method in decode_attention.METHODS for case in ((16, 16, 1), (32, 32, 2), (64, 32, 1))
+] + [("dot", 8, 32, 1), ("vector", 16, 32, 2)])  # blocks of several pages: one method each (the gather is shared)
+def test_paged_decode_attention_kernel_equals_the_dense_one(method, page_size, block_k, chunks):
     """The kernel reading and writing through a page table (pages shuffled, a trash page for a
-    row that writes nowhere) == the dense kernel on the rows gathered from the pages."""
-    rng = np.random.default_rng(page_size + chunks)
+    row that writes nowhere) == the dense kernel on the rows gathered from the pages; blocks
+    inside a page, and blocks of several pages (gathered entry by entry)."""
+    rng = np.random.default_rng(page_size + block_k + chunks)
     B, KV, G, K, T = 4, 2, 2, 16, 4  # T table entries per row: S = T * page_size
     N = B * T + 1
     pool_k, pool_v = (rng.normal(size=(N, KV, page_size, K)).astype(np.float32) for _ in range(2))
@@ -274,16 +286,18 @@ def test_paged_decode_attention_kernel_equals_the_dense_one(method, page_size, c
         return pool[table].transpose(0, 2, 1, 3, 4).reshape(B, KV, S, K)
 
     want, want_k, want_v = decode_attention.decode_attention(
-        *map(jnp.asarray, (qkv, positions, dense(pool_k), dense(pool_v))), method=method, chunks=chunks
+        *map(jnp.asarray, (qkv, positions, dense(pool_k), dense(pool_v))), method=method, chunks=chunks,
+        block_k=block_k,
     )
     got, got_k, got_v = decode_attention.decode_attention(
         *map(jnp.asarray, (qkv, positions, pool_k, pool_v)), page_table=jnp.asarray(table), method=method,
-        chunks=chunks, block_k=min(page_size, 32),
+        chunks=chunks, block_k=block_k,
     )
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     np.testing.assert_array_equal(dense(np.asarray(got_k)), np.asarray(want_k))
     np.testing.assert_array_equal(dense(np.asarray(got_v)), np.asarray(want_v))
     np.testing.assert_array_equal(np.asarray(got_k)[0], pool_k[0])  # the trash page: untouched here
-    with pytest.raises(ValueError, match="multiple of block_k"):
-        decode_attention.decode_attention(*map(jnp.asarray, (qkv, positions, pool_k, pool_v)),
-                                          page_table=jnp.asarray(table), block_k=2 * page_size)
+    with pytest.raises(ValueError, match="must divide one another"):
+        decode_attention.decode_attention(*map(jnp.asarray, (qkv, positions, pool_k[:, :, :3 * page_size // 4],
+                                                             pool_v[:, :, :3 * page_size // 4])),
+                                          page_table=jnp.asarray(table), block_k=page_size // 2)
