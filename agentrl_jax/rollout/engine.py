@@ -51,6 +51,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,7 +66,16 @@ from agentrl_jax.models.decode import DecodeParams
 from agentrl_jax.rollout.compile_cache import use_compilation_cache
 from agentrl_jax.rollout.decode_step import choose_decode_attention, generate_steps
 from agentrl_jax.rollout.dense_prefix import DensePrefixAPI
-from agentrl_jax.rollout.paged_prefill import PrefillRow, pack_rows, prefill_insert_step
+from agentrl_jax.rollout.paged_prefill import (
+    PackedRows,
+    PrefillRow,
+    copy_pages,
+    empty_pack,
+    pack_rows,
+    prefill_insert_step,
+    rows_bucket,
+    window_pages,
+)
 from agentrl_jax.rollout.pages import MemoryPlan, PageAllocator, pages_for, plan_memory
 from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.sampling import SlotSampling
@@ -94,7 +104,11 @@ class Engine(DensePrefixAPI):
       max_concurrent_decodes: S, the number of decode slots.
       max_target_length: M, the longest sequence (prompt + every turn + generated).
       max_prefill_length: the largest prompt chunk one prefill takes.
-      min_prefill_bucket: the smallest padded prefill length.
+      min_prefill_bucket: the smallest padded prefill length (JetStream `prefill`).
+      prefill_row_tokens: C, the width of a packed row of `prefill_insert` (the Driver's
+        path): a sequence's new tokens are cut into pieces of C (at most
+        ``max_prefill_length``), so it pads less than C tokens and the compiled shapes stay
+        few (`paged_prefill`).
       cache_dtype: dtype of the KV cache (default: the model's compute dtype).
       rules: logical-axis rule table (default: `inference_rules()`).
       attend_granule: the "xla" decode attention reads a window of the first W entries of
@@ -128,6 +142,7 @@ class Engine(DensePrefixAPI):
         max_target_length: int = 1024,
         max_prefill_length: int = 512,
         min_prefill_bucket: int = 16,
+        prefill_row_tokens: int = 64,
         cache_dtype: Any = None,
         rules: Rules | None = None,
         attend_granule: int = 256,
@@ -140,6 +155,7 @@ class Engine(DensePrefixAPI):
     ):
         _check_sizes(max_concurrent_decodes=max_concurrent_decodes, max_target_length=max_target_length,
                      max_prefill_length=max_prefill_length, min_prefill_bucket=min_prefill_bucket,
+                     prefill_row_tokens=prefill_row_tokens,
                      attend_granule=attend_granule, page_size=page_size, num_pages=num_pages,
                      kv_cache_bytes=kv_cache_bytes, kv_cache_memory_fraction=kv_cache_memory_fraction)
         if compilation_cache_dir:
@@ -158,6 +174,7 @@ class Engine(DensePrefixAPI):
         self.table_width = pages_for(max_target_length, page_size)
         self._max_prefill = max_prefill_length
         self._min_bucket = min(min_prefill_bucket, max_prefill_length)
+        self.prefill_row_tokens = min(prefill_row_tokens, max_prefill_length)
         self.cache_dtype = cache_dtype if cache_dtype is not None else model.dtype
         # the pool's pages are split over the data axes exactly like the slots
         self._rows_spec = logical_to_spec(("slots",), self._rules, shape=(self._slots,), mesh=self._mesh)[0]
@@ -175,6 +192,7 @@ class Engine(DensePrefixAPI):
         self._generate_fns: dict[tuple[int | None, int], Any] = {}
         self._prefill_fns: dict[tuple, Any] = {}
         self._paged_prefill_fns: dict[tuple, Any] = {}
+        self._copy_fns: dict[int, Any] = {}
         self._insert_fns: dict[int, Any] = {}
         self._extract_fns: dict[int, Any] = {}
         self.slots: SlotTable | None = None
@@ -309,15 +327,18 @@ class Engine(DensePrefixAPI):
     # ---- batched prefill straight into pages (the Driver's path) -----------------------
 
     def prefill_insert(
-        self, params: DecodeParams, decode_state: DecodeState, rows: Sequence[PrefillRow]
+        self, params: DecodeParams, decode_state: DecodeState, rows: Sequence[PrefillRow], *,
+        row_cap: int | None = None,
     ) -> tuple[DecodeState, ResultTokens]:
         """Prefill several sequences' new tokens into their pages and fill decode slots, in one call.
 
         Row r writes the KV of ``rows[r].tokens`` at entries ``[start, start + len)`` of its
         pages (earlier entries, e.g. a session's previous turns or a shared prompt, are read,
         not recomputed); then its ``copies`` duplicate pages (copy-on-write of a group's last
-        partial page); then each admission samples its first token from the row's last
+        partial page; a second, small call: `paged_prefill.copy_pages`); then each admission samples its first token from the row's last
         position (or takes its forced token) and fills its slot. See `paged_prefill`.
+        ``row_cap``: packed rows per shard that the caller's token budget allows (the driver's
+        budget / `prefill_row_tokens`): a call with fewer pieces pads up to at most this many.
 
         Returns:
           the new decode state and `ResultTokens` with one row per admission, in order
@@ -325,23 +346,48 @@ class Engine(DensePrefixAPI):
         """
         if not rows:
             raise ValueError("prefill_insert: no rows")
-        P = self.page_size
         reach = max(r.start + len(r.tokens) for r in rows)
-        window = min(pages_for(attend_bucket(reach, self.max_target_length, self._attend_granule), P),
-                     self.table_width)
         packed = pack_rows(
             rows, num_shards=self.num_shards, num_slots=self._slots, slots_per_shard=self._slots_per_shard,
-            pages_per_shard=self.memory_plan.pages_per_shard, page_size=P,
-            tokens_bucket=prefill_bucket(max(len(r.tokens) for r in rows), self._min_bucket, self._max_prefill),
-            window=window, max_prefill=self._max_prefill, max_length=self.max_target_length,
+            pages_per_shard=self.memory_plan.pages_per_shard, page_size=self.page_size,
+            row_tokens=self.prefill_row_tokens, row_cap=row_cap, window=self._prefill_window(reach),
+            max_prefill=self._max_prefill, max_length=self.max_target_length,
         )
         for m, a in enumerate(packed.admitted):
             self.slots.assign(a.slot, a.pages, int(packed.adm_length[m]))
-        decode_state = self._sync(decode_state)
-        key = (packed.tokens.shape, window, packed.adm_row.shape[0], packed.copy_src.shape[0])
+        return self._run_prefill(params, self._sync(decode_state), packed)
+
+    def prefill_shape(self, rows: Sequence[PrefillRow], row_cap: int | None = None) -> tuple[int, int, int]:
+        """``(packed rows, row width C, window pages)`` of the `prefill_insert` call for ``rows``."""
+        pieces = [sum(-(-len(r.tokens) // self.prefill_row_tokens) for r in rows if r.shard == d)
+                  for d in range(self.num_shards)]
+        reach = max(r.start + len(r.tokens) for r in rows)
+        return (self.num_shards * rows_bucket(max(pieces), row_cap), self.prefill_row_tokens,
+                self._prefill_window(reach))
+
+    def prefill_shapes(self, token_budget: int) -> list[tuple[int, int, int]]:
+        """Every ``(packed rows, C, window pages)`` a driver with this prefill token budget per tick
+        meets: the closed set `warmup` compiles (rows per shard: powers of two up to budget / C)."""
+        cap = max(token_budget // self.prefill_row_tokens, 1)
+        per_shard = sorted({rows_bucket(n, cap) for n in range(1, cap + 1)})
+        windows, w = [], self._prefill_window(1)
+        while True:
+            windows.append(w)
+            if w >= self.table_width:
+                break
+            w = self._prefill_window(2 * w * self.page_size)
+        return [(self.num_shards * r, self.prefill_row_tokens, w) for r in per_shard for w in windows]
+
+    def _prefill_window(self, reach: int) -> int:
+        """Prefill attention window in pages: a power of two from 4 x attend_granule entries up."""
+        return window_pages(reach, page_size=self.page_size, floor=pages_for(4 * self._attend_granule, self.page_size),
+                            table_width=self.table_width)
+
+    def _run_prefill(self, params: DecodeParams, decode_state: DecodeState, packed: PackedRows):
+        key = (packed.tokens.shape, packed.tables.shape[1], packed.adm_row.shape[0])
         if key not in self._paged_prefill_fns:
             step = functools.partial(
-                prefill_insert_step, config=self.config, dtype=self._dtype, page_size=P,
+                prefill_insert_step, config=self.config, dtype=self._dtype, page_size=self.page_size,
                 cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh,
             )
             self._paged_prefill_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None))
@@ -352,10 +398,47 @@ class Engine(DensePrefixAPI):
         )
         # host arrays go to the jitted call as they are: it transfers them in one go (an eager
         # jnp.asarray per array cost more host time than the transfers)
-        return self._paged_prefill_fns[key](
+        decode_state, first = self._paged_prefill_fns[key](
             params, decode_state, *placed, packed.adm_row, packed.adm_slot, packed.adm_key, packed.adm_generated,
-            packed.adm_forced, packed.adm_length, SlotSampling(*packed.sampling), packed.copy_src, packed.copy_dst,
+            packed.adm_forced, packed.adm_length, SlotSampling(*packed.sampling),
         )
+        if packed.num_copies or not packed.admitted:  # (no admission: a warm-up call compiles the copies too)
+            key = packed.copy_src.shape[0]
+            if key not in self._copy_fns:
+                self._copy_fns[key] = jax.jit(copy_pages, donate_argnums=(0,), out_shardings=self.state_shardings)
+            decode_state = self._copy_fns[key](decode_state, packed.copy_src, packed.copy_dst)
+        return decode_state, first
+
+    def warmup(self, params: DecodeParams, decode_state: DecodeState, *, token_budget: int,
+               num_steps: int | None) -> tuple[DecodeState, dict[str, float]]:
+        """Compile now every program a driver with this prefill budget and dispatch length runs.
+
+        Runs each shape of `prefill_shapes` once with padding rows only (they write the trash
+        page; no slot changes) and one ``num_steps`` decode dispatch ("pallas": the only
+        decode program; "xla": one per attention window, each run once) while no slot is live.
+        With a persistent compilation cache the programs are loaded, not compiled, on restart.
+
+        Returns:
+          the decode state and ``{"prefill_shapes", "decode_shapes", "seconds"}``.
+        """
+        if self.slots.live_slots():
+            raise RuntimeError("Engine.warmup: slots are live; warm up before the first request")
+        started = time.perf_counter()
+        for rows, width, window in self.prefill_shapes(token_budget):
+            packed = empty_pack(rows=rows, row_tokens=width, window=window, num_slots=self._slots)
+            decode_state, _ = self._run_prefill(params, self._sync(decode_state), packed)
+        steps = 1 if num_steps is None else num_steps
+        lengths = [self.table_width * self.page_size] if self.decode_attention == "pallas" else sorted(
+            {min(pages_for(attend_bucket(n, self.max_target_length, self._attend_granule), self.page_size),
+                 self.table_width) * self.page_size for n in range(steps, self.max_target_length + steps + 1)})
+        for attend_len in lengths:  # no slot is live: every slot writes the trash page
+            decode_state, _ = self._dispatch(params, self._sync(decode_state), num_steps, attend_len)
+        jax.block_until_ready(decode_state)
+        stats = {"prefill_shapes": len(self.prefill_shapes(token_budget)), "decode_shapes": len(lengths),
+                 "seconds": time.perf_counter() - started}
+        logger.info("rollout warm-up: %d prefill and %d decode programs in %.1f s", stats["prefill_shapes"],
+                    stats["decode_shapes"], stats["seconds"])
+        return decode_state, stats
 
     # ---- generate ---------------------------------------------------------------------
 
@@ -391,7 +474,11 @@ class Engine(DensePrefixAPI):
             attend_len = self.attend_window(decode_state, steps)
         elif not 0 < attend_len <= self.max_target_length:
             raise ValueError(f"generate: attend_len={attend_len} must be in [1, {self.max_target_length}]")
-        decode_state = self._sync(decode_state)
+        out = self._dispatch(params, self._sync(decode_state), num_steps, attend_len)
+        self.slots.advance(steps)
+        return out
+
+    def _dispatch(self, params: DecodeParams, decode_state: DecodeState, num_steps: int | None, attend_len: int):
         key = (num_steps, attend_len)
         if key not in self._generate_fns:
             step = functools.partial(
@@ -404,9 +491,7 @@ class Engine(DensePrefixAPI):
                 donate_argnums=(1,),
                 out_shardings=(self.state_shardings, None),
             )
-        out = self._generate_fns[key](params, decode_state)
-        self.slots.advance(steps)
-        return out
+        return self._generate_fns[key](params, decode_state)
 
     def attend_window(self, decode_state: DecodeState | None = None, num_steps: int = 1) -> int:
         """The "xla" attention window W for `num_steps` steps (see `generate`): whole pages
