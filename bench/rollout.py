@@ -30,6 +30,17 @@ a stop), their product `ratio_if_steps_ran_at_raw_speed` (the ceiling this workl
 allows with this dispatch length), and `step_efficiency` = ratio / that ceiling (what
 prefills, host work and longer contexts cost per dispatched step).
 
+Diagnostics: `--warmup` calls `Driver.warmup()` first (every prefill shape and the decode
+dispatch compiled, reported as `warmup_*`), and with `--no-untimed` skips the untimed pass,
+so `shapes_compiled_in_timed_passes` shows what warm-up missed. `--call-times` adds a pass
+after the timed ones in which every engine call is run to completion before the next
+(`CallTimes`; slower, reported apart as `diag_*`): wall time per prefill call and per decode
+dispatch, their share, prefill tokens real and computed (padding included), compiles.
+`steady_*` is the decoded tokens/s over the part of the timed pass in which new episodes
+still waited for a slot, `full_pool_*` over the part in which at least as many episodes
+were unfinished as there are slots (the pool can be kept full, as with partial rollouts; no
+ragged tail), next to the whole-pass number, which the issue's targets are read against.
+
 Other workloads: `--header N` starts every group's prompt with the same N tokens (a system
 prompt or few-shot header; with `--prefix-cache` the driver keeps their pages and later
 groups reuse them: `prefix_cache_hit_tokens`); `--max-length` and `--kv-fraction` size the
@@ -75,11 +86,12 @@ async def _rollout(driver, args, vocab: int, seed: int) -> dict:
                 pending = rng.integers(0, vocab, args.observation).tolist()
         finally:
             session.close()
+            peak["unfinished"] -= 1
         return sampled
 
     header = np.random.default_rng(0).integers(0, vocab, args.header).tolist()  # the same in every pass
     prompts = [header + rng.integers(0, vocab, args.prompt).tolist() for _ in range(args.groups)]
-    peak = {"pages": 0, "slots": 0}
+    peak = {"pages": 0, "slots": 0, "unfinished": args.groups * args.group_size}
     sampling = asyncio.ensure_future(_sample_peaks(driver, peak))
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(episode(prompts[i // args.group_size], i)
@@ -88,14 +100,17 @@ async def _rollout(driver, args, vocab: int, seed: int) -> dict:
     sampling.cancel()
     page_tokens = driver.engine.page_size
     return {"sampled_tokens": sum(counts), "seconds": seconds, "peak_kv_held_tokens": peak["pages"] * page_tokens,
-            "peak_decoding_sequences": peak["slots"], **_steady(peak)}
+            "peak_decoding_sequences": peak["slots"], **_steady(peak, "steady"), **_steady(peak, "full_pool")}
 
 
 async def _sample_peaks(driver, peak: dict) -> None:
-    """Track the most KV pages held and sequences decoding at once, and the steady-state window
-    (sampled every 20 ms): from the first decoded token while new episodes still wait for a
-    slot, the decoded tokens and the time (`_steady`)."""
+    """Track the most KV pages held and sequences decoding at once, and two steady-state windows
+    (sampled every 20 ms; `_steady`): from the first decoded token while new episodes still
+    wait for a slot ("steady"), and while at least as many episodes are unfinished as there
+    are slots ("full_pool": admission can keep every slot busy; for multi-turn episodes, which
+    are all admitted early, the better measure)."""
     dispatcher = driver._dispatcher
+    slots = driver.engine.max_concurrent_decodes
     while True:
         peak["pages"] = max(peak["pages"], driver.pages_in_use())
         peak["slots"] = max(peak["slots"], len(driver._sched.slots))
@@ -103,23 +118,25 @@ async def _sample_peaks(driver, peak: dict) -> None:
             feeding = any(p.new_episode for p in list(driver._sched.waiting))
         except RuntimeError:  # the rollout thread changed the queue meanwhile: next sample
             feeding = True
-        if feeding and dispatcher.kept_tokens > peak.setdefault("kept0", dispatcher.kept_tokens):
-            now = time.perf_counter()
-            peak.setdefault("steady", [now, dispatcher.kept_tokens])
-            peak["steady"][2:] = [now, dispatcher.kept_tokens]
+        now, kept = time.perf_counter(), dispatcher.kept_tokens
+        if kept > peak.setdefault("kept0", kept):
+            for name, inside in (("steady", feeding), ("full_pool", peak["unfinished"] >= slots)):
+                if inside:
+                    peak.setdefault(name, [now, kept])
+                    peak[name][2:] = [now, kept]
         await asyncio.sleep(0.02)
 
 
-def _steady(peak: dict) -> dict:
-    """Decoded tokens/s while admission kept new episodes waiting (the pool full but for turn gaps):
-    what a trainer that keeps the pool full (partial rollouts, large steps) sees, without the
-    ragged tail of a finite batch. Counts decoded tokens only (not the first token of each turn,
-    which its prefill samples). None when no new episode ever waited."""
-    window = peak.get("steady")
+def _steady(peak: dict, name: str) -> dict:
+    """Decoded tokens/s over the window ``name`` of `_sample_peaks` (the pool kept full but for
+    turn gaps): what a trainer that keeps the pool full (partial rollouts, large steps) sees,
+    without the ragged tail of a finite batch. Counts decoded tokens only (not the first token
+    of each turn, which its prefill samples). None when the window is under 0.1 s."""
+    window = peak.get(name)
     if window is None or len(window) < 4 or window[2] - window[0] < 0.1:
-        return {"steady_tokens_per_s": None, "steady_window_s": None}
-    return {"steady_tokens_per_s": round((window[3] - window[1]) / (window[2] - window[0])),
-            "steady_window_s": round(window[2] - window[0], 2)}
+        return {f"{name}_tokens_per_s": None, f"{name}_window_s": None}
+    return {f"{name}_tokens_per_s": round((window[3] - window[1]) / (window[2] - window[0])),
+            f"{name}_window_s": round(window[2] - window[0], 2)}
 
 
 class CallTimes:
@@ -320,6 +337,8 @@ def main(argv=None) -> None:
         "ratio": raw and round(rate / raw, 3), "ratio_if_steps_ran_at_raw_speed": round(bound, 3),
         "steady_tokens_per_s": timed["steady_tokens_per_s"], "steady_window_s": timed["steady_window_s"],
         "steady_ratio": raw and timed["steady_tokens_per_s"] and round(timed["steady_tokens_per_s"] / raw, 3),
+        "full_pool_tokens_per_s": timed["full_pool_tokens_per_s"], "full_pool_window_s": timed["full_pool_window_s"],
+        "full_pool_ratio": raw and timed["full_pool_tokens_per_s"] and round(timed["full_pool_tokens_per_s"] / raw, 3),
         "step_efficiency": raw and round(rate / raw / max(bound, 1e-9), 3),
         "header": args.header, "prefix_cache": args.prefix_cache, "max_target_length": engine.max_target_length,
         "warmup_s": round(warm["seconds"], 1), "timed_s": round(timed["seconds"], 2),

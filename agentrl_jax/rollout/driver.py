@@ -12,6 +12,10 @@ counted in `preemptions`), one N-step decode dispatch queued before the previous
 results are read, and the stop checks (`stops.StopMatcher` detokenizes only when a token
 can complete a stop string).
 
+Warm-up (`Driver.warmup`): the prefill calls take a closed set of shapes fixed by the
+engine and the token budget (`Engine.prefill_shapes`); warm-up compiles them and the decode
+dispatch before the first request, so no tick compiles.
+
 Multi-turn (`Session`): when a turn ends, the session takes over the slot's pages (no
 copy) and the slot is freed. The next turn's `generate(observation_ids, session=s)`
 prefills only [last sampled token] + observation into the session's own pages. A session
