@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from agentrl_jax.models.decode import DecodeParams
@@ -133,8 +134,9 @@ class PagedPrefillAPI:
         """Compile now every program a driver with this prefill budget and dispatch length runs.
 
         Runs each shape of `prefill_shapes` once with padding rows only (they write the trash
-        page; no slot changes) and one ``num_steps`` decode dispatch ("pallas": the only
-        decode program; "xla": one per attention window, each run once) while no slot is live.
+        page; no slot changes), one ``num_steps`` decode dispatch ("pallas": the only decode
+        program; "xla": one per attention window, each run once) while no slot is live, and
+        the batched slot frees of every size.
         With a persistent compilation cache the programs are loaded, not compiled, on restart.
 
         Returns:
@@ -152,6 +154,12 @@ class PagedPrefillAPI:
                  self.table_width) * self.page_size for n in range(steps, self.max_target_length + steps + 1)})
         for attend_len in lengths:  # no slot is live: every slot writes the trash page
             decode_state, _ = self._dispatch(params, self._sync(decode_state), num_steps, attend_len)
+        frees = 1
+        while True:  # the batched slot frees, padded to powers of two (`SlotTable`; slot S: dropped)
+            decode_state = self._deactivate(decode_state, np.full((frees,), self._slots, np.int32))
+            if frees >= self._slots:
+                break
+            frees *= 2
         jax.block_until_ready(decode_state)
         stats = {"prefill_shapes": len(self.prefill_shapes(token_budget)), "decode_shapes": len(lengths),
                  "seconds": time.perf_counter() - started}

@@ -28,7 +28,9 @@ def one_device_engine(tiny_model, **kw):
 
 
 def programs(engine) -> int:
-    return len(engine._paged_prefill_fns) + len(engine._copy_fns) + len(engine._generate_fns)
+    compiled = [*engine._paged_prefill_fns.values(), *engine._copy_fns.values(), *engine._generate_fns.values(),
+                engine._deactivate]
+    return sum(fn._cache_size() for fn in compiled)
 
 
 async def workload(driver, seed: int):
