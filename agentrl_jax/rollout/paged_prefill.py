@@ -79,7 +79,8 @@ class PrefillRow:
 
 @dataclasses.dataclass
 class PackedRows:
-    """`pack_rows`' arrays: R = D x rows-per-shard rows of T tokens, M admissions, C copies."""
+    """`pack_rows`' arrays: R = D x rows-per-shard rows of C tokens (the row width), M admissions,
+    and page copies padded to the slot count."""
 
     tokens: np.ndarray  # [R, C]
     tables: np.ndarray  # [R, window] local page ids
@@ -92,8 +93,8 @@ class PackedRows:
     adm_forced: np.ndarray  # [M], -1 = sample
     adm_length: np.ndarray  # [M] the slot's length after the prefill
     sampling: tuple[np.ndarray, np.ndarray, np.ndarray]  # temperature, top_k, top_p [M]
-    copy_src: np.ndarray  # [C] global page ids
-    copy_dst: np.ndarray  # [C]
+    copy_src: np.ndarray  # [max(S, copies)] global page ids
+    copy_dst: np.ndarray  # [max(S, copies)]
     admitted: list[Admission]
     num_copies: int = 0  # real pairs at the front of copy_src / copy_dst
 
