@@ -7,6 +7,7 @@ the float32 params, and for the engine computing the very logits the trainer doe
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,42 @@ def test_compute_lm_head_is_a_bf16_matmul_with_float32_logits():
     np.testing.assert_allclose(param_logits, np.asarray(hidden, np.float64) @ np.asarray(param_table, np.float64).T,
                                rtol=1e-5, atol=1e-6)
     assert not np.allclose(param_logits, want, rtol=0, atol=1e-6)
+
+
+def _plain_logits(hidden, table, layout):
+    """The logits matmul left to autodiff (what ``output_logits`` was before its custom VJP)."""
+    contraction = (((1,), (1,)), ((), ())) if layout == "vd" else (((1,), (0,)), ((), ()))
+    return jax.lax.dot_general(hidden, table, contraction, preferred_element_type=jnp.float32)
+
+
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_logits_gradient_matmuls_run_in_the_forward_dtype(layout):
+    """bf16 inputs: the float32 cotangent is rounded to bf16 once and both gradient matmuls
+    take bf16 operands (autodiff would promote them to float32: TF32 on a GPU); the gradients
+    equal NumPy's products of the rounded cotangent. Float32 or mixed inputs: autodiff's numbers."""
+    rng = np.random.default_rng(4)
+    cotangent = jnp.asarray(rng.normal(size=(6, 96)), jnp.float32)
+    hidden = jnp.asarray(rng.normal(size=(6, 64)), jnp.bfloat16)
+    table = jnp.asarray(rng.normal(size=(96, 64) if layout == "vd" else (64, 96)), jnp.bfloat16)
+
+    def grads(fn, h, e):
+        return jax.jit(jax.grad(lambda h, e: jnp.sum(fn(h, e, layout) * cotangent), argnums=(0, 1)))(h, e)
+
+    program = jax.jit(jax.grad(lambda h, e: jnp.sum(output_logits(h, e, layout) * cotangent), (0, 1)))
+    operand_types = re.findall(r"stablehlo.dot_general .*: \((.*)\) ->", program.lower(hidden, table).as_text())
+    # the two gradient matmuls (the loss is linear in the logits: the forward one is dead code)
+    assert len(operand_types) == 2 and all("f32" not in t for t in operand_types), operand_types
+    d_hidden, d_table = grads(output_logits, hidden, table)
+    g, h, e = _bf16(cotangent), np.asarray(hidden, np.float64), np.asarray(table, np.float64)
+    e_vd = e if layout == "vd" else e.T
+    np.testing.assert_allclose(np.asarray(d_hidden, np.float64), g @ e_vd, rtol=1e-2, atol=1e-2)
+    want_table = g.T @ h if layout == "vd" else h.T @ g
+    np.testing.assert_allclose(np.asarray(d_table, np.float64), want_table, rtol=1e-2, atol=1e-2)
+    for h_dtype, e_dtype in ((jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32)):
+        args = hidden.astype(h_dtype), table.astype(e_dtype)
+        for a, b in zip(grads(output_logits, *args), grads(_plain_logits, *args), strict=True):
+            assert a.dtype == b.dtype
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-6, atol=1e-6)
 
 
 def _loss_and_grads(model):
