@@ -39,6 +39,7 @@ from agentrl_jax.models.layers import (
     swiglu,
 )
 from agentrl_jax.models.remat import REMAT_POLICIES, remat_layer
+from agentrl_jax.models.splash import splash_packed_attention
 from agentrl_jax.sharding import (
     DEFAULT_RULES,
     MESH_AXES,
@@ -47,7 +48,7 @@ from agentrl_jax.sharding import (
     logical_to_spec,
 )
 
-ATTENTION_IMPLS = ("xla", "cudnn", None)
+ATTENTION_IMPLS = ("xla", "cudnn", "splash", None)
 LM_HEAD_DTYPES = ("param", "compute")
 
 
@@ -138,7 +139,9 @@ class Decoder(nnx.Module):
       dtype: compute dtype (activations; weights are cast to it at use).
       param_dtype: storage dtype of the weights.
       attention_impl: "xla", "cudnn" or None (JAX picks), passed to
-        ``jax.nn.dot_product_attention``.
+        ``jax.nn.dot_product_attention``; or "splash": Pallas splash attention (TPU; Pallas's
+        interpreter elsewhere) for packed and right-padded rows without a cache
+        (``models.splash``), XLA for the rest.
       remat: "none", "full" (recompute each layer in the backward pass), "dots_saveable"
         (keep matmul outputs), "attention_saveable" (keep only cuDNN's fused attention
         output and softmax statistics, so the backward pass never reruns the flash forward)
@@ -252,6 +255,7 @@ class Decoder(nnx.Module):
             implementation=self.attention_impl,
             constrain=constrain,
             positions=positions,
+            rules=self.activation_rules,
         )
         if cache is None and lengths is not None:
             if segment_ids is not None or attention_mask is not None:
@@ -262,9 +266,10 @@ class Decoder(nnx.Module):
             )
             hidden, _ = jax.lax.scan(body, hidden, layer_weights)
             new_cache = None
-        elif cache is None and segment_ids is not None and max_segments and self.attention_impl == "cudnn":
+        elif cache is None and segment_ids is not None and max_segments and self.attention_impl in ("cudnn", "splash"):
             if attention_mask is not None:
-                raise ValueError("Decoder: the packed cuDNN path takes segment_ids (0 = padding), not attention_mask")
+                raise ValueError("Decoder: the packed cuDNN/splash path takes segment_ids (0 = padding), "
+                                 "not attention_mask")
             packed = (segment_ids, max_segments)
             body = remat_layer(
                 lambda h, w: (block(h, w, mask=None, kv_write=None, packed=packed)[0], None), self.remat
@@ -339,6 +344,7 @@ def _decoder_block(
     kv_write,
     lengths: jax.Array | None = None,
     packed: tuple[jax.Array, int] | None = None,
+    rules: Rules | None = None,
 ) -> tuple[jax.Array, Any]:
     """One pre-norm block: ``h + Attn(RMSNorm(h))``, then ``h + SwiGLU(RMSNorm(h))``.
 
@@ -347,7 +353,8 @@ def _decoder_block(
       kv_write: None, or ``(k, v) -> (keys, values, cache_state)`` that stores the new
         ``[B, T, KV, K]`` keys/values in the cache and returns the layer's whole
         ``[B, S, KV, K]`` keys and values plus the updated cache.
-      packed: ``(segment_ids, max_segments)`` for cuDNN's packed kernel, or None.
+      packed: ``(segment_ids, max_segments)`` for cuDNN's or splash's packed kernel, or None.
+      rules: the activation rules (where splash attention finds the mesh placement).
 
     Returns:
       ``(h [B, T, D], cache_state or None)``.
@@ -371,10 +378,16 @@ def _decoder_block(
     if kv_write is not None:
         k, v, cache_state = kv_write(k, v)
         k, v = k.astype(dtype), v.astype(dtype)
-    if packed is not None:
+    if implementation == "splash" and kv_write is None and (packed is not None or mask is None):
+        # packed rows, or right-padded rows as one segment each (id 0 after the row's length)
+        ids = packed[0] if packed is not None else (
+            jnp.arange(h.shape[1])[None, :] < (h.shape[1] if lengths is None else lengths[:, None])
+        ).astype(jnp.int32)
+        out = splash_packed_attention(q, k, v, ids, rules=rules)
+    elif packed is not None:
         out = packed_attention(q, k, v, *packed)
     else:
-        out = attention(q, k, v, mask, implementation, lengths=lengths)
+        out = attention(q, k, v, mask, None if implementation == "splash" else implementation, lengths=lengths)
     h = h + jnp.einsum("bthk,hkd->btd", out, cast["wo"])
     x = rms_norm(h, cast["mlp_norm"], eps)
     h = h + swiglu(x, cast["w_gate"], cast["w_up"], cast["w_down"])
