@@ -20,8 +20,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 from jax.sharding import PartitionSpec
 
 from agentrl_jax.sharding import DEFAULT_RULES, MESH_AXES, Rules, logical_to_spec
@@ -39,6 +37,10 @@ def _block(length: int) -> int:
 
 def _local(q, k, v, segment_ids, *, interpret: bool):
     """Splash attention of one shard: q ``[B, T, H, K]``, k, v ``[B, T, KV, K]``, ids ``[B, T]``."""
+    # imported here: the Pallas TPU package is needed only when this path runs
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
+
     B, T, H, K = q.shape
     KV = k.shape[2]
     G = H // KV
