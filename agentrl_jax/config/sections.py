@@ -54,8 +54,8 @@ class ModelConfig(_Section):
         "docs/benchmarks.md, 'Train step', compares them).")
     lm_head_dtype: Literal["param", "compute"] = _f(
         "param", "Inputs of the logits matmul (trainer and engine alike; float32 logits either way): the output "
-        "embedding as stored (param) or cast to compute_dtype like every other weight (compute: 7% faster "
-        "1.7B update on an H200 with float32 params and bfloat16 compute; docs/benchmarks.md, 'Train step').")
+        "embedding as stored (param) or cast to compute_dtype like every other weight (compute: +7% tokens/s "
+        "on the 1.7B update on an H200 with float32 params and bfloat16 compute; docs/benchmarks.md, 'Train step').")
     scratch: ScratchModelConfig = _section(ScratchModelConfig, "Tiny from-scratch model (when path is empty).")
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"doc": (
         "Variables every chat-template render gets (prompts, appended tool messages, SFT records), e.g. "
