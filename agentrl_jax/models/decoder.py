@@ -39,6 +39,7 @@ from agentrl_jax.models.layers import (
     swiglu,
 )
 from agentrl_jax.models.remat import REMAT_POLICIES, remat_layer
+from agentrl_jax.models.splash import splash_packed_attention
 from agentrl_jax.sharding import (
     DEFAULT_RULES,
     MESH_AXES,
@@ -47,7 +48,8 @@ from agentrl_jax.sharding import (
     logical_to_spec,
 )
 
-ATTENTION_IMPLS = ("xla", "cudnn", None)
+ATTENTION_IMPLS = ("xla", "cudnn", "splash", None)
+LM_HEAD_DTYPES = ("param", "compute")
 
 
 def layer_param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -137,7 +139,9 @@ class Decoder(nnx.Module):
       dtype: compute dtype (activations; weights are cast to it at use).
       param_dtype: storage dtype of the weights.
       attention_impl: "xla", "cudnn" or None (JAX picks), passed to
-        ``jax.nn.dot_product_attention``.
+        ``jax.nn.dot_product_attention``; or "splash": Pallas splash attention (TPU; Pallas's
+        interpreter elsewhere) for packed and right-padded rows without a cache
+        (``models.splash``), XLA for the rest.
       remat: "none", "full" (recompute each layer in the backward pass), "dots_saveable"
         (keep matmul outputs), "attention_saveable" (keep only cuDNN's fused attention
         output and softmax statistics, so the backward pass never reruns the flash forward)
@@ -145,6 +149,11 @@ class Decoder(nnx.Module):
       activation_rules: logical-axis rules for activation sharding constraints (batch over
         the data axes, heads over tensor), applied only while a mesh with axes
         (data, fsdp, tensor) is set with ``jax.set_mesh``; None disables them.
+      lm_head_dtype: "param": the logits matmul reads the output embedding as stored;
+        "compute": cast to ``dtype`` first, like every other weight of the model. The logits
+        are float32 either way (float32 accumulation). With float32 params and bfloat16
+        activations, "param" makes the lm head a float32 matmul (TF32 on GPUs, half the bf16
+        rate; 6.5% of the 1.7B update's step time, docs/benchmarks.md "Train step").
       rngs: initializer randomness.
     """
 
@@ -157,6 +166,7 @@ class Decoder(nnx.Module):
         attention_impl: str | None = None,
         remat: str = "none",
         activation_rules: Rules | None = DEFAULT_RULES,
+        lm_head_dtype: str = "param",
         rngs: nnx.Rngs | None = None,
     ):
         if attention_impl not in ATTENTION_IMPLS:
@@ -165,6 +175,8 @@ class Decoder(nnx.Module):
             )
         if remat not in REMAT_POLICIES:
             raise ValueError(f"Decoder: remat must be one of {REMAT_POLICIES}, got {remat!r}")
+        if lm_head_dtype not in LM_HEAD_DTYPES:
+            raise ValueError(f"Decoder: lm_head_dtype must be one of {LM_HEAD_DTYPES}, got {lm_head_dtype!r}")
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.config = config
         self.dtype = dtype
@@ -172,6 +184,7 @@ class Decoder(nnx.Module):
         self.attention_impl = attention_impl
         self.remat = remat
         self.activation_rules = activation_rules
+        self.lm_head_dtype = lm_head_dtype
         specs = param_specs(config)
         init = tuple((name, shape, kind) for name, (shape, _, kind) in specs.items())
         values = _init_values(rngs.params(), init, jnp.dtype(param_dtype))
@@ -242,6 +255,7 @@ class Decoder(nnx.Module):
             implementation=self.attention_impl,
             constrain=constrain,
             positions=positions,
+            rules=self.activation_rules,
         )
         if cache is None and lengths is not None:
             if segment_ids is not None or attention_mask is not None:
@@ -252,9 +266,10 @@ class Decoder(nnx.Module):
             )
             hidden, _ = jax.lax.scan(body, hidden, layer_weights)
             new_cache = None
-        elif cache is None and segment_ids is not None and max_segments and self.attention_impl == "cudnn":
+        elif cache is None and segment_ids is not None and max_segments and self.attention_impl in ("cudnn", "splash"):
             if attention_mask is not None:
-                raise ValueError("Decoder: the packed cuDNN path takes segment_ids (0 = padding), not attention_mask")
+                raise ValueError("Decoder: the packed cuDNN/splash path takes segment_ids (0 = padding), "
+                                 "not attention_mask")
             packed = (segment_ids, max_segments)
             body = remat_layer(
                 lambda h, w: (block(h, w, mask=None, kv_write=None, packed=packed)[0], None), self.remat
@@ -296,10 +311,18 @@ class Decoder(nnx.Module):
         return hidden, new_cache
 
     def output_embedding(self) -> tuple[jax.Array, str]:
-        """``(table, "vd")``: tied embedding ``[V, D]``; ``(kernel, "dv")``: lm_head ``[D, V]``."""
+        """``(table, "vd")``: tied embedding ``[V, D]``; ``(kernel, "dv")``: lm_head ``[D, V]``.
+
+        In the compute dtype with ``lm_head_dtype="compute"`` (the cast is inside the caller's
+        jit, so the gradient reaches the stored params in their own dtype).
+        """
         if self.config.tie_word_embeddings:
-            return self.embed[...], "vd"
-        return self.lm_head[...], "dv"
+            table, layout = self.embed[...], "vd"
+        else:
+            table, layout = self.lm_head[...], "dv"
+        if self.lm_head_dtype == "compute":
+            table = table.astype(self.dtype)
+        return table, layout
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 ``[B, T, V]`` logits of ``[B, T, D]`` hidden states (small inputs only)."""
@@ -321,6 +344,7 @@ def _decoder_block(
     kv_write,
     lengths: jax.Array | None = None,
     packed: tuple[jax.Array, int] | None = None,
+    rules: Rules | None = None,
 ) -> tuple[jax.Array, Any]:
     """One pre-norm block: ``h + Attn(RMSNorm(h))``, then ``h + SwiGLU(RMSNorm(h))``.
 
@@ -329,7 +353,8 @@ def _decoder_block(
       kv_write: None, or ``(k, v) -> (keys, values, cache_state)`` that stores the new
         ``[B, T, KV, K]`` keys/values in the cache and returns the layer's whole
         ``[B, S, KV, K]`` keys and values plus the updated cache.
-      packed: ``(segment_ids, max_segments)`` for cuDNN's packed kernel, or None.
+      packed: ``(segment_ids, max_segments)`` for cuDNN's or splash's packed kernel, or None.
+      rules: the activation rules (where splash attention finds the mesh placement).
 
     Returns:
       ``(h [B, T, D], cache_state or None)``.
@@ -353,10 +378,16 @@ def _decoder_block(
     if kv_write is not None:
         k, v, cache_state = kv_write(k, v)
         k, v = k.astype(dtype), v.astype(dtype)
-    if packed is not None:
+    if implementation == "splash" and kv_write is None and (packed is not None or mask is None):
+        # packed rows, or right-padded rows as one segment each (id 0 after the row's length)
+        ids = packed[0] if packed is not None else (
+            jnp.arange(h.shape[1])[None, :] < (h.shape[1] if lengths is None else lengths[:, None])
+        ).astype(jnp.int32)
+        out = splash_packed_attention(q, k, v, ids, rules=rules)
+    elif packed is not None:
         out = packed_attention(q, k, v, *packed)
     else:
-        out = attention(q, k, v, mask, implementation, lengths=lengths)
+        out = attention(q, k, v, mask, None if implementation == "splash" else implementation, lengths=lengths)
     h = h + jnp.einsum("bthk,hkd->btd", out, cast["wo"])
     x = rms_norm(h, cast["mlp_norm"], eps)
     h = h + swiglu(x, cast["w_gate"], cast["w_up"], cast["w_down"])

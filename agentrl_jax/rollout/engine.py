@@ -173,7 +173,8 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         self.num_shards = math.prod(self._mesh.shape[a] for a in rows_axes)
         self._slots_per_shard = self._slots // self.num_shards
         self._budget = (num_pages, kv_cache_bytes, kv_cache_memory_fraction)
-        self._weights = EngineWeights(self.config, abstract, self._mesh, self._rules, model.param_dtype)
+        output_dtype = model.dtype if model.lm_head_dtype == "compute" else None
+        self._weights = EngineWeights(self.config, abstract, self._mesh, self._rules, model.param_dtype, output_dtype)
         self.param_shardings = self._weights.param_shardings
         self.decode_param_shardings = self._weights.decode_param_shardings
         self.memory_plan: MemoryPlan | None = None
