@@ -44,8 +44,10 @@ class ModelConfig(_Section):
     compute_dtype: DType = _f("bfloat16", "Activation / matmul dtype.")
     param_dtype: DType = _f("float32", "Dtype of the trained params (optimizer master copy).")
     reference_dtype: DType = _f("bfloat16", "Dtype of the frozen reference params.")
-    attention_impl: Literal["auto", "xla", "cudnn"] = _f(
-        "auto", "jax.nn.dot_product_attention implementation; auto lets JAX pick."
+    attention_impl: Literal["auto", "xla", "cudnn", "splash"] = _f(
+        "auto", "Training attention: 'cudnn' (GPU, bfloat16) or 'xla' through jax.nn.dot_product_attention, "
+        "'splash' the TPU splash kernel with segment ids (TPU only); auto: cudnn on GPU in bfloat16, splash "
+        "on TPU, else JAX's choice."
     )
     remat: Literal["none", "full", "dots_saveable", "attention_saveable", "dots_attention_saveable"] = _f(
         "full", "Rematerialization policy per layer (what the backward pass keeps instead of recomputing; "

@@ -39,6 +39,7 @@ from agentrl_jax.models.layers import (
     swiglu,
 )
 from agentrl_jax.models.remat import REMAT_POLICIES, remat_layer
+from agentrl_jax.models.splash import SPLASH_IMPLS, check_backend, splash_attention, splash_segment_ids
 from agentrl_jax.sharding import (
     DEFAULT_RULES,
     MESH_AXES,
@@ -47,7 +48,7 @@ from agentrl_jax.sharding import (
     logical_to_spec,
 )
 
-ATTENTION_IMPLS = ("xla", "cudnn", None)
+ATTENTION_IMPLS = ("xla", "cudnn", *SPLASH_IMPLS, None)
 
 
 def layer_param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -137,7 +138,10 @@ class Decoder(nnx.Module):
       dtype: compute dtype (activations; weights are cast to it at use).
       param_dtype: storage dtype of the weights.
       attention_impl: "xla", "cudnn" or None (JAX picks), passed to
-        ``jax.nn.dot_product_attention``.
+        ``jax.nn.dot_product_attention``; or "splash": every forward without a KV cache
+        runs the TPU splash kernel (``models.splash``; TPU backends only) and cached
+        prefill keeps JAX's choice. "splash_interpret" is the same kernel in Pallas
+        interpret mode, for tests off TPU.
       remat: "none", "full" (recompute each layer in the backward pass), "dots_saveable"
         (keep matmul outputs), "attention_saveable" (keep only cuDNN's fused attention
         output and softmax statistics, so the backward pass never reruns the flash forward)
@@ -163,6 +167,7 @@ class Decoder(nnx.Module):
             raise ValueError(
                 f"Decoder: attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}"
             )
+        check_backend(attention_impl)
         if remat not in REMAT_POLICIES:
             raise ValueError(f"Decoder: remat must be one of {REMAT_POLICIES}, got {remat!r}")
         rngs = nnx.Rngs(0) if rngs is None else rngs
@@ -216,7 +221,8 @@ class Decoder(nnx.Module):
           max_segments: static bound on segments per row of packed ``segment_ids``. With
             ``attention_impl="cudnn"`` it selects cuDNN's packed flash-attention kernel
             (no ``[B, T, T]`` mask; ``layers.packed_attention``). 1 (every row one segment
-            followed by padding) runs the mask-free ``lengths`` path on any backend.
+            followed by padding) runs the mask-free ``lengths`` path on any backend. With
+            ``attention_impl="splash"`` every row runs the splash kernel, whatever the bound.
           cache: a ``KVCache`` with k, v ``[L, B, S, KV, K]``, or None.
           cache_index: ``[B]`` int32 write offsets; required with ``cache``.
 
@@ -235,15 +241,25 @@ class Decoder(nnx.Module):
         constrain = functools.partial(_constrain, rules=self.activation_rules)
         hidden = constrain(hidden, ("batch", "sequence", "embed"))
         layer_weights = self.layers.stacked(cfg)
+        splash = self.attention_impl in SPLASH_IMPLS
         block = functools.partial(
             _decoder_block,
             config=cfg,
             dtype=self.dtype,
-            implementation=self.attention_impl,
+            implementation=None if splash else self.attention_impl,
             constrain=constrain,
             positions=positions,
         )
-        if cache is None and lengths is not None:
+        if cache is None and splash:
+            ids = splash_segment_ids(B, T, segment_ids=segment_ids, attention_mask=attention_mask, lengths=lengths)
+            attend = functools.partial(splash_attention, segment_ids=ids, rules=self.activation_rules,
+                                       interpret=self.attention_impl == "splash_interpret")
+            body = remat_layer(
+                lambda h, w: (block(h, w, mask=None, kv_write=None, attend=attend)[0], None), self.remat
+            )
+            hidden, _ = jax.lax.scan(body, hidden, layer_weights)
+            new_cache = None
+        elif cache is None and lengths is not None:
             if segment_ids is not None or attention_mask is not None:
                 raise ValueError("Decoder: pass either lengths or segment_ids/attention_mask, not both")
             chex.assert_shape(lengths, (B,))
@@ -321,6 +337,7 @@ def _decoder_block(
     kv_write,
     lengths: jax.Array | None = None,
     packed: tuple[jax.Array, int] | None = None,
+    attend=None,
 ) -> tuple[jax.Array, Any]:
     """One pre-norm block: ``h + Attn(RMSNorm(h))``, then ``h + SwiGLU(RMSNorm(h))``.
 
@@ -330,6 +347,8 @@ def _decoder_block(
         ``[B, T, KV, K]`` keys/values in the cache and returns the layer's whole
         ``[B, S, KV, K]`` keys and values plus the updated cache.
       packed: ``(segment_ids, max_segments)`` for cuDNN's packed kernel, or None.
+      attend: None, or ``(q, k, v) -> out`` that replaces the attention (the splash kernel
+        with its segment ids bound).
 
     Returns:
       ``(h [B, T, D], cache_state or None)``.
@@ -353,7 +372,9 @@ def _decoder_block(
     if kv_write is not None:
         k, v, cache_state = kv_write(k, v)
         k, v = k.astype(dtype), v.astype(dtype)
-    if packed is not None:
+    if attend is not None:
+        out = attend(q, k, v)
+    elif packed is not None:
         out = packed_attention(q, k, v, *packed)
     else:
         out = attention(q, k, v, mask, implementation, lengths=lengths)
