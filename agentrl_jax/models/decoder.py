@@ -39,7 +39,12 @@ from agentrl_jax.models.layers import (
     swiglu,
 )
 from agentrl_jax.models.remat import REMAT_POLICIES, remat_layer
-from agentrl_jax.models.splash import SPLASH_IMPLS, check_backend, splash_attention, splash_segment_ids
+from agentrl_jax.models.splash import (
+    SPLASH_IMPLS,
+    check_backend,
+    splash_attention,
+    splash_segment_ids,
+)
 from agentrl_jax.sharding import (
     DEFAULT_RULES,
     MESH_AXES,

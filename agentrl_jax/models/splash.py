@@ -30,8 +30,6 @@ import math
 import chex
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec
 
 from agentrl_jax.sharding import DEFAULT_RULES, MESH_AXES, Rules, logical_to_spec
@@ -92,16 +90,19 @@ def splash_segment_ids(
     return ids
 
 
-def block_sizes(length: int) -> splash_kernel.BlockSizes:
-    """Forward and backward tiles for rows of ``length`` tokens (a multiple of 128).
+def block_sizes(length: int):
+    """Forward and backward tiles (the kernel's ``BlockSizes``) for rows of ``length``
+    tokens (a multiple of 128).
 
     The largest of 512 / 256 / 128 that divides the row, for every block (MaxText's default
     is 512 throughout); not tuned on a TPU here.
     """
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
     if length % _ROW_MULTIPLE:
         raise ValueError(f"splash attention: row length {length} is not a multiple of {_ROW_MULTIPLE}")
     block = next(b for b in _BLOCKS if length % b == 0)
-    return splash_kernel.BlockSizes(
+    return splash.BlockSizes(
         block_q=block, block_kv=block, block_kv_compute=block,
         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
         block_q_dq=block, block_kv_dq=block,
@@ -162,11 +163,15 @@ def splash_attention(
 
 def _attend_rows(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, interpret: bool) -> jax.Array:
     """The kernel on ``[B, H, T, K]`` / ``[B, KV, T, K]`` rows (the local shard under a mesh)."""
+    # Imported here, as layers.packed_attention imports cuDNN's: the decoder must import on
+    # any JAX build, and only this path needs the kernel.
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
     _, H, T, _ = q.shape
-    causal = splash_mask.MultiHeadMask([splash_mask.CausalMask((T, T))] * H)
-    kernel = splash_kernel.make_splash_mha(
+    causal = splash.MultiHeadMask([splash.CausalMask((T, T))] * H)
+    kernel = splash.make_splash_mha(
         causal, head_shards=1, q_seq_shards=1, block_sizes=block_sizes(T),
         residual_checkpoint_name=RESIDUAL_NAME, interpret=interpret,
     )
     ids = segment_ids.astype(jnp.int32)
-    return jax.vmap(lambda q, k, v, ids: kernel(q, k, v, splash_kernel.SegmentIds(q=ids, kv=ids)))(q, k, v, ids)
+    return jax.vmap(lambda q, k, v, ids: kernel(q, k, v, splash.SegmentIds(q=ids, kv=ids)))(q, k, v, ids)
