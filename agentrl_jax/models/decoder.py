@@ -154,6 +154,9 @@ class Decoder(nnx.Module):
       activation_rules: logical-axis rules for activation sharding constraints (batch over
         the data axes, heads over tensor), applied only while a mesh with axes
         (data, fsdp, tensor) is set with ``jax.set_mesh``; None disables them.
+      mesh: the (data, fsdp, tensor) mesh the params live on, for the splash kernel's
+        ``shard_map`` when no mesh is set with ``jax.set_mesh`` (the trainer's jits set
+        none, and XLA cannot partition a Pallas TPU kernel); unused by other attentions.
       rngs: initializer randomness.
     """
 
@@ -166,6 +169,7 @@ class Decoder(nnx.Module):
         attention_impl: str | None = None,
         remat: str = "none",
         activation_rules: Rules | None = DEFAULT_RULES,
+        mesh: Mesh | None = None,
         rngs: nnx.Rngs | None = None,
     ):
         if attention_impl not in ATTENTION_IMPLS:
@@ -182,6 +186,7 @@ class Decoder(nnx.Module):
         self.attention_impl = attention_impl
         self.remat = remat
         self.activation_rules = activation_rules
+        self.mesh = mesh
         specs = param_specs(config)
         init = tuple((name, shape, kind) for name, (shape, _, kind) in specs.items())
         values = _init_values(rngs.params(), init, jnp.dtype(param_dtype))
@@ -258,7 +263,7 @@ class Decoder(nnx.Module):
         if cache is None and splash:
             ids = splash_segment_ids(B, T, segment_ids=segment_ids, attention_mask=attention_mask, lengths=lengths)
             attend = functools.partial(splash_attention, segment_ids=ids, rules=self.activation_rules,
-                                       interpret=self.attention_impl == "splash_interpret")
+                                       mesh=self.mesh, interpret=self.attention_impl == "splash_interpret")
             body = remat_layer(
                 lambda h, w: (block(h, w, mask=None, kv_write=None, attend=attend)[0], None), self.remat
             )

@@ -298,6 +298,7 @@ def load_hf_params(
             attention_impl=attention_impl,
             remat=remat,
             activation_rules=rules,
+            mesh=mesh,
         )
     )
     graphdef, abstract_params = split_params(abstract)

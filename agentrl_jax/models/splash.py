@@ -11,9 +11,9 @@ keep their own attention.
 
 The kernel takes one sequence ``[H, T, K]``; it is ``vmap``-ed over the rows. Grouped
 query attention is native (query head h reads kv head ``h // (H / KV)``, as
-``layers.attention``). The kernel does not scale q. Under a (data, fsdp, tensor) mesh the
-call is wrapped in ``shard_map`` (a Mosaic kernel cannot be partitioned by XLA): rows over
-the batch axes, heads over tensor.
+``layers.attention``). The kernel does not scale q. Under a (data, fsdp, tensor) mesh (set
+with ``jax.set_mesh``, or the decoder's own ``mesh``) the call is wrapped in ``shard_map``
+(XLA cannot partition a Mosaic kernel): rows over the batch axes, heads over tensor.
 
 Off TPU the kernel runs only in Pallas interpret mode (every grid step as XLA ops, orders
 of magnitude slower): "splash_interpret" selects that, for tests on CPU. The kernel's
@@ -30,7 +30,7 @@ import math
 import chex
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from agentrl_jax.sharding import DEFAULT_RULES, MESH_AXES, Rules, logical_to_spec
 
@@ -117,6 +117,7 @@ def splash_attention(
     *,
     interpret: bool = False,
     rules: Rules | None = DEFAULT_RULES,
+    mesh: Mesh | None = None,
 ) -> jax.Array:
     """``softmax(q k^T / sqrt(K) + log mask) v`` with mask "key <= query, same segment id".
 
@@ -128,6 +129,7 @@ def splash_attention(
       segment_ids: ``[B, T]`` int (:func:`splash_segment_ids`).
       interpret: run the kernel in Pallas interpret mode (any backend; slow).
       rules: logical-axis rules for the ``shard_map`` under a (data, fsdp, tensor) mesh.
+      mesh: that mesh when none is set with ``jax.set_mesh`` (which wins when set).
 
     Returns:
       ``[B, T, H, K]`` in ``q.dtype``.
@@ -145,7 +147,8 @@ def splash_attention(
     # [B, T, N, K] -> [B, N, T, K]: the kernel's head-major layout.
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * jnp.asarray(1 / math.sqrt(K), q.dtype), k, v))
     run = functools.partial(_attend_rows, interpret=interpret)
-    mesh = jax.sharding.get_abstract_mesh()
+    context = jax.sharding.get_abstract_mesh()
+    mesh = context if mesh is None or not context.empty else mesh
     if rules is not None and not mesh.empty and set(MESH_AXES) <= set(mesh.axis_names):
         q_spec = logical_to_spec(("batch", "heads", "sequence", "head_dim"), rules, shape=q.shape, mesh=mesh)
         kv_spec = logical_to_spec(("batch", "kv_heads", "sequence", "head_dim"), rules, shape=k.shape, mesh=mesh)

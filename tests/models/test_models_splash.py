@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from agentrl_jax.config import Config, ConfigError, apply_overrides
-from agentrl_jax.models import Decoder, DecoderConfig, split_params
+from agentrl_jax.models import Decoder, DecoderConfig, param_shardings, split_params
 from agentrl_jax.models.layers import attention, packed_causal_mask
 from agentrl_jax.models.splash import block_sizes, splash_attention, splash_segment_ids
 from agentrl_jax.sharding import make_mesh
@@ -145,22 +145,36 @@ def test_splash_decoder_forward_and_grads_match_xla():
         np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))))
 
 
-@pytest.mark.slow  # ~6 s
+@pytest.mark.slow  # ~10 s
 def test_splash_under_a_mesh_runs_in_shard_map():
-    """Rows over (data, fsdp) and heads over tensor, with kv heads that do not divide the
-    tensor axis (repeated to the query heads): == the unsharded XLA reference."""
+    """Rows over (data, fsdp) and heads over tensor: the kernel alone under ``jax.set_mesh``,
+    with kv heads that do not divide the tensor axis (repeated to the query heads), and a
+    decoder built with ``mesh`` on sharded params with no mesh set (how the trainer jits):
+    both run in ``shard_map`` and == the unsharded XLA reference."""
     if jax.device_count() < 8:
         pytest.skip("needs 8 devices (tests/conftest.py fakes 8 CPU devices)")
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     B, T, H, KV, K = 4, 100, 4, 1, 16
     rng = np.random.default_rng(2)
     q, k, v = (jnp.asarray(rng.normal(size=(B, T, n, K)), jnp.float32) for n in (H, KV, KV))
     segments = jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1).astype(np.int32))
     want = attention(q, k, v, packed_causal_mask(segments, None, B, T), "xla")
-    with jax.set_mesh(make_mesh({"data": 2, "fsdp": 2, "tensor": 2})):
+    with jax.set_mesh(mesh):
         fn = jax.jit(lambda q, k, v: splash_attention(q, k, v, segments, interpret=True))
         assert "shard_map" in str(jax.make_jaxpr(fn)(q, k, v))
         got = fn(q, k, v)
     np.testing.assert_allclose(got, want, atol=1e-5)
+
+    graphdef, params = split_params(Decoder(CONFIG, attention_impl="splash_interpret", mesh=mesh, rngs=nnx.Rngs(0)))
+    params = jax.device_put(params, param_shardings(params, mesh))
+    ids, positions, segments = (jnp.concatenate([x, x]) for x in _packed_row())
+
+    def hidden(graphdef, params):
+        return nnx.merge(graphdef, params)(ids, positions, segment_ids=segments)[0]
+
+    assert "shard_map" in str(jax.make_jaxpr(hidden, static_argnums=0)(graphdef, params))
+    want = jax.jit(hidden, static_argnums=0)(_decoder("xla")[0], params)
+    np.testing.assert_allclose(jax.jit(hidden, static_argnums=0)(graphdef, params), want, atol=1e-5)
 
 
 @pytest.mark.slow  # ~15 s: four compiled interpret-mode gradients
