@@ -148,8 +148,9 @@ class Decoder(nnx.Module):
         prefill keeps JAX's choice. "splash_interpret" is the same kernel in Pallas
         interpret mode, for tests off TPU.
       remat: "none", "full" (recompute each layer in the backward pass), "dots_saveable"
-        (keep matmul outputs), "attention_saveable" (keep only cuDNN's fused attention
-        output and softmax statistics, so the backward pass never reruns the flash forward)
+        (keep matmul outputs), "attention_saveable" (keep only the fused attention's output
+        and softmax statistics, cuDNN's or splash's, so the backward pass never reruns the
+        flash forward)
         or "dots_attention_saveable" (both: only elementwise work is recomputed).
       activation_rules: logical-axis rules for activation sharding constraints (batch over
         the data axes, heads over tensor), applied only while a mesh with axes

@@ -42,6 +42,8 @@ RESIDUAL_NAME = "splash_attention_residuals"
 # of the TPU's 128 lanes); blocks are the largest of these that divides the padded row.
 _ROW_MULTIPLE = 128
 _BLOCKS = (512, 256, 128)
+# The id of that padding: no real token's (real ids are >= 0, masked tokens' >= -T).
+_PAD_ID = -(2**31)
 
 
 def check_backend(implementation: str | None, backend: str | None = None) -> None:
@@ -143,7 +145,7 @@ def splash_attention(
     if padded != T:
         pad = ((0, 0), (0, padded - T), (0, 0), (0, 0))
         q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
-        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, padded - T)), constant_values=-1)
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, padded - T)), constant_values=_PAD_ID)
     # [B, T, N, K] -> [B, N, T, K]: the kernel's head-major layout.
     q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * jnp.asarray(1 / math.sqrt(K), q.dtype), k, v))
     run = functools.partial(_attend_rows, interpret=interpret)

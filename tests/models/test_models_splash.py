@@ -130,11 +130,11 @@ def _hidden_loss(graphdef, **call):
     return jax.jit(jax.value_and_grad(loss, has_aux=True))
 
 
-@pytest.mark.slow  # ~10 s: two interpret-mode decoder gradients
+@pytest.mark.slow  # ~12 s: two interpret-mode decoder gradients
 def test_splash_decoder_forward_and_grads_match_xla():
     """A packed row through the whole decoder: hidden states and every weight gradient of the
-    splash path == the XLA segment-masked path (same params), and == it under a
-    (data, fsdp, tensor) mesh, where the kernel runs in ``shard_map``."""
+    splash path == the XLA segment-masked path (same params); right-padded rows (``lengths``)
+    == XLA's mask-free path on the real tokens."""
     graphdef, params = _decoder("splash_interpret")
     (want_loss, want_hidden), want_grads = _hidden_loss(_decoder("xla")[0])(params)
     (loss, hidden), grads = _hidden_loss(graphdef, max_segments=4)(params)
@@ -143,6 +143,17 @@ def test_splash_decoder_forward_and_grads_match_xla():
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
         # float32 noise relative to each weight's gradient scale (embedding rows reach ~150)
         np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))))
+
+    # Right-padded rows (``lengths``, the trainer's unpacked layout): real tokens equal.
+    ids, positions, _ = _packed_row()
+    ids, positions = jnp.concatenate([ids, ids]), jnp.concatenate([positions, positions])
+    lengths = jnp.asarray([70, 160], jnp.int32)
+
+    def padded(graphdef):
+        return jax.jit(lambda p: nnx.merge(graphdef, p)(ids, positions, lengths=lengths)[0])(params)
+
+    real = np.arange(160)[None, :] < np.asarray(lengths)[:, None]
+    np.testing.assert_allclose(padded(graphdef)[real], padded(_decoder("xla")[0])[real], atol=1e-5)
 
 
 @pytest.mark.slow  # ~10 s
