@@ -72,8 +72,8 @@ def rl_batch(episodes: int, vocab: int, max_response: int, seed: int = 0) -> dic
 
 
 def _model(cfg: DecoderConfig, attention: str | None):
-    on_gpu = jax.default_backend() == "gpu"
-    model = Decoder(cfg, dtype=jnp.bfloat16 if on_gpu else jnp.float32, remat="full", attention_impl=attention,
+    on_accelerator = jax.default_backend() in ("gpu", "tpu")
+    model = Decoder(cfg, dtype=jnp.bfloat16 if on_accelerator else jnp.float32, remat="full", attention_impl=attention,
                     rngs=nnx.Rngs(0))
     return split_params(model)
 
@@ -202,10 +202,10 @@ def main() -> None:
     p.add_argument("--only", default="padded,packed,dense,memory")
     p.add_argument("--out", default=None, help="append result lines (JSON) to this file")
     p.add_argument("--masked-packed", action="store_true",
-                   help="packed rows through the segment mask instead of cuDNN's packed kernel")
+                   help="packed rows through the segment mask instead of cuDNN's packed kernel (GPU)")
     args = p.parse_args()
-    on_gpu = jax.default_backend() == "gpu"
-    attention = "cudnn" if on_gpu else "xla"
+    # the fused kernel of each accelerator (train.build.attention_implementation's "auto")
+    attention = {"gpu": "cudnn", "tpu": "splash"}.get(jax.default_backend(), "xla")
     cfg = DecoderConfig(architecture="qwen3", qk_norm=True, rope_theta=1e6, **SHAPES[args.size])
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  shape {args.size}", flush=True)
 
