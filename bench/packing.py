@@ -71,10 +71,14 @@ def rl_batch(episodes: int, vocab: int, max_response: int, seed: int = 0) -> dic
     return {k: np.asarray(getattr(batch, k)) for k in FIELDS}
 
 
+# The Decoder options of every model a run builds (--remat, --lm-head-dtype).
+MODEL_OPTIONS = {"remat": "full", "lm_head_dtype": "param"}
+
+
 def _model(cfg: DecoderConfig, attention: str | None):
     on_accelerator = jax.default_backend() in ("gpu", "tpu")
-    model = Decoder(cfg, dtype=jnp.bfloat16 if on_accelerator else jnp.float32, remat="full", attention_impl=attention,
-                    rngs=nnx.Rngs(0))
+    model = Decoder(cfg, dtype=jnp.bfloat16 if on_accelerator else jnp.float32, attention_impl=attention,
+                    rngs=nnx.Rngs(0), **MODEL_OPTIONS)
     return split_params(model)
 
 
@@ -201,17 +205,22 @@ def main() -> None:
                    help="segment bound of the packed throughput run (default: the plan's, as the trainer)")
     p.add_argument("--only", default="padded,packed,dense,memory")
     p.add_argument("--out", default=None, help="append result lines (JSON) to this file")
+    p.add_argument("--remat", default="full", help="model.remat of every model")
+    p.add_argument("--lm-head-dtype", default="param", choices=["param", "compute"], help="model.lm_head_dtype")
     p.add_argument("--masked-packed", action="store_true",
                    help="packed rows through the segment mask instead of cuDNN's packed kernel (GPU)")
     args = p.parse_args()
+    MODEL_OPTIONS.update(remat=args.remat, lm_head_dtype=args.lm_head_dtype)
     # the fused kernel of each accelerator (train.build.attention_implementation's "auto")
     attention = {"gpu": "cudnn", "tpu": "splash"}.get(jax.default_backend(), "xla")
     cfg = DecoderConfig(architecture="qwen3", qk_norm=True, rope_theta=1e6, **SHAPES[args.size])
-    print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  shape {args.size}", flush=True)
+    print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  shape {args.size}  {MODEL_OPTIONS}",
+          flush=True)
 
     segments = 0 if args.masked_packed else args.segments
 
     def emit(row):
+        row = dict(row, **MODEL_OPTIONS)
         print(json.dumps(row), flush=True)
         if args.out:
             with open(args.out, "a") as f:

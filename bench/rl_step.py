@@ -11,6 +11,7 @@ its vocabulary decode to nothing.
     python bench/rl_step.py --size 1.7b --steps 3
     python bench/rl_step.py --size tiny --steps 2     # CPU smoke run
     python bench/rl_step.py --size 1.7b --steps 3 --pack   # packed rows (algorithm.pack_rows)
+    python bench/rl_step.py --size 1.7b --steps 3 --pack --remat dots_attention_saveable --lm-head-dtype compute
 
 Prints the per-step `time/*` metrics of the last step (compiles are in the first).
 """
@@ -64,6 +65,8 @@ def main() -> None:
     p.add_argument("--work-dir", default=None)
     p.add_argument("--pack", action="store_true",
                    help="algorithm.pack_rows: rows of 4096 tokens, micro-batches of 8192 tokens")
+    p.add_argument("--remat", default="full", help="model.remat")
+    p.add_argument("--lm-head-dtype", default="param", choices=["param", "compute"], help="model.lm_head_dtype")
     args = p.parse_args()
 
     import jax
@@ -76,7 +79,8 @@ def main() -> None:
     on_gpu = jax.default_backend() == "gpu"
     overrides = [
         f"output_dir={os.path.join(work, 'run')}", f"model.path={model_dir}", f"model.tokenizer_path={tok_dir}",
-        f"model.compute_dtype={'bfloat16' if on_gpu else 'float32'}", "model.remat=full",
+        f"model.compute_dtype={'bfloat16' if on_gpu else 'float32'}", f"model.remat={args.remat}",
+        f"model.lm_head_dtype={args.lm_head_dtype}",
         f"rollout.cache_dtype={'bfloat16' if on_gpu else 'float32'}",
         f"rollout.max_concurrent={args.prompts * args.group}", f"rollout.max_new_tokens_per_turn={args.new_tokens}",
         f"rollout.max_sequence_length={max(1024, 2 * args.new_tokens)}", "rollout.steps_per_dispatch=32",

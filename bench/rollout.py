@@ -30,6 +30,17 @@ a stop), their product `ratio_if_steps_ran_at_raw_speed` (the ceiling this workl
 allows with this dispatch length), and `step_efficiency` = ratio / that ceiling (what
 prefills, host work and longer contexts cost per dispatched step).
 
+Diagnostics: `--warmup` calls `Driver.warmup()` first (every prefill shape and the decode
+dispatch compiled, reported as `warmup_*`), and with `--no-untimed` skips the untimed pass,
+so `shapes_compiled_in_timed_passes` shows what warm-up missed. `--call-times` adds a pass
+after the timed ones in which every engine call is run to completion before the next
+(`CallTimes`; slower, reported apart as `diag_*`): wall time per prefill call and per decode
+dispatch, their share, prefill tokens real and computed (padding included), compiles.
+`steady_*` is the decoded tokens/s over the part of the timed pass in which new episodes
+still waited for a slot, `full_pool_*` over the part in which at least as many episodes
+were unfinished as there are slots (the pool can be kept full, as with partial rollouts; no
+ragged tail), next to the whole-pass number, which the issue's targets are read against.
+
 Other workloads: `--header N` starts every group's prompt with the same N tokens (a system
 prompt or few-shot header; with `--prefix-cache` the driver keeps their pages and later
 groups reuse them: `prefix_cache_hit_tokens`); `--max-length` and `--kv-fraction` size the
@@ -75,11 +86,12 @@ async def _rollout(driver, args, vocab: int, seed: int) -> dict:
                 pending = rng.integers(0, vocab, args.observation).tolist()
         finally:
             session.close()
+            peak["unfinished"] -= 1
         return sampled
 
     header = np.random.default_rng(0).integers(0, vocab, args.header).tolist()  # the same in every pass
     prompts = [header + rng.integers(0, vocab, args.prompt).tolist() for _ in range(args.groups)]
-    peak = {"pages": 0, "slots": 0}
+    peak = {"pages": 0, "slots": 0, "unfinished": args.groups * args.group_size}
     sampling = asyncio.ensure_future(_sample_peaks(driver, peak))
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(episode(prompts[i // args.group_size], i)
@@ -88,15 +100,100 @@ async def _rollout(driver, args, vocab: int, seed: int) -> dict:
     sampling.cancel()
     page_tokens = driver.engine.page_size
     return {"sampled_tokens": sum(counts), "seconds": seconds, "peak_kv_held_tokens": peak["pages"] * page_tokens,
-            "peak_decoding_sequences": peak["slots"]}
+            "peak_decoding_sequences": peak["slots"], **_steady(peak, "steady"), **_steady(peak, "full_pool")}
 
 
 async def _sample_peaks(driver, peak: dict) -> None:
-    """Track the most KV pages held and sequences decoding at once (sampled every 20 ms)."""
+    """Track the most KV pages held and sequences decoding at once, and two steady-state windows
+    (sampled every 20 ms; `_steady`): from the first decoded token while new episodes still
+    wait for a slot ("steady"), and while at least as many episodes are unfinished as there
+    are slots ("full_pool": admission can keep every slot busy; for multi-turn episodes, which
+    are all admitted early, the better measure)."""
+    dispatcher = driver._dispatcher
+    slots = driver.engine.max_concurrent_decodes
     while True:
         peak["pages"] = max(peak["pages"], driver.pages_in_use())
         peak["slots"] = max(peak["slots"], len(driver._sched.slots))
+        try:
+            feeding = any(p.new_episode for p in list(driver._sched.waiting))
+        except RuntimeError:  # the rollout thread changed the queue meanwhile: next sample
+            feeding = True
+        now, kept = time.perf_counter(), dispatcher.kept_tokens
+        if kept > peak.setdefault("kept0", kept):
+            for name, inside in (("steady", feeding), ("full_pool", peak["unfinished"] >= slots)):
+                if inside:
+                    peak.setdefault(name, [now, kept])
+                    peak[name][2:] = [now, kept]
         await asyncio.sleep(0.02)
+
+
+def _steady(peak: dict, name: str) -> dict:
+    """Decoded tokens/s over the window ``name`` of `_sample_peaks` (the pool kept full but for
+    turn gaps): what a trainer that keeps the pool full (partial rollouts, large steps) sees,
+    without the ragged tail of a finite batch. Counts decoded tokens only (not the first token
+    of each turn, which its prefill samples). None when the window is under 0.1 s."""
+    window = peak.get(name)
+    if window is None or len(window) < 4 or window[2] - window[0] < 0.1:
+        return {f"{name}_tokens_per_s": None, f"{name}_window_s": None}
+    return {f"{name}_tokens_per_s": round((window[3] - window[1]) / (window[2] - window[0])),
+            f"{name}_window_s": round(window[2] - window[0], 2)}
+
+
+class CallTimes:
+    """Diagnostic: every prefill and decode call of the engine run to completion before the next
+    (so the pass is slower than a timed one and is reported apart), with its wall time from call
+    to result, and each prefill call's real and padded tokens; programs compiled in the pass."""
+
+    def __init__(self, engine):
+        import jax
+
+        self.engine, self.jax = engine, jax
+        self.calls = {"prefill": [], "decode": []}
+        self.tokens = {"real": 0, "padded": 0}
+        self._prefill, self._generate = engine.prefill_insert, engine.generate
+        self._compiled = len(engine._paged_prefill_fns) + len(engine._generate_fns)
+        engine.prefill_insert, engine.generate = self.prefill_insert, self.generate
+
+    def prefill_insert(self, params, state, rows, **kw):
+        self.tokens["real"] += sum(len(r.tokens) for r in rows)
+        self.tokens["padded"] += _padded_tokens(self.engine, rows, kw.get("row_cap"))
+        return self._timed("prefill", self._prefill, params, state, rows, **kw)
+
+    def generate(self, params, state, **kw):
+        return self._timed("decode", self._generate, params, state, **kw)
+
+    def _timed(self, kind, fn, *args, **kw):
+        t0 = time.perf_counter()
+        out = self.jax.block_until_ready(fn(*args, **kw))
+        self.calls[kind].append(time.perf_counter() - t0)
+        return out
+
+    def report(self, wall: float) -> dict:
+        engine = self.engine
+        del engine.prefill_insert, engine.generate  # the bound methods again
+        pre, dec = self.calls["prefill"], self.calls["decode"]
+        return {
+            "diag_wall_s": round(wall, 2), "diag_prefill_calls": len(pre), "diag_prefill_s": round(sum(pre), 2),
+            "diag_prefill_ms_mean": round(1e3 * sum(pre) / max(len(pre), 1), 2),
+            "diag_decode_calls": len(dec), "diag_decode_s": round(sum(dec), 2),
+            "diag_decode_ms_mean": round(1e3 * sum(dec) / max(len(dec), 1), 2),
+            "diag_prefill_share": round(sum(pre) / max(sum(pre) + sum(dec), 1e-9), 3),
+            "diag_prefill_real_tokens": self.tokens["real"], "diag_prefill_padded_tokens": self.tokens["padded"],
+            "diag_compiled": len(engine._paged_prefill_fns) + len(engine._generate_fns) - self._compiled,
+        }
+
+
+def _padded_tokens(engine, rows, row_cap) -> int:
+    """Tokens the prefill call computes for ``rows`` (padding included)."""
+    if hasattr(engine, "prefill_shape"):
+        R, C, _ = engine.prefill_shape(rows, row_cap)
+        return R * C
+    from agentrl_jax.rollout.state import prefill_bucket  # the layout of one row per sequence (older trees)
+
+    most = max(sum(r.shard == d for r in rows) for d in range(engine.num_shards))
+    per_shard = 1 << (2 * -(-max(most - 1, 0).bit_length() // 2))
+    T = prefill_bucket(max(len(r.tokens) for r in rows), engine._min_bucket, engine.max_prefill_length)
+    return engine.num_shards * per_shard * T
 
 
 def _raw_decode(engine, params, args, vocab: int) -> float:
@@ -162,9 +259,18 @@ def main(argv=None) -> None:
     parser.add_argument("--timed-passes", type=int, default=2,
                         help="passes after the untimed one (the last is reported); 0: report the untimed one")
     parser.add_argument("--no-raw", action="store_true", help="skip the raw-decode baseline")
+    parser.add_argument("--warmup", action="store_true",
+                        help="Driver.warmup() before the first pass (compiles every prefill shape; reported)")
+    parser.add_argument("--no-untimed", action="store_true",
+                        help="with --warmup: no untimed pass (the timed ones then show what warm-up left to compile)")
+    parser.add_argument("--call-times", action="store_true",
+                        help="one more pass after the timed ones, blocking on every engine call: device time per "
+                             "call kind, prefill tokens real / padded, compiles (reported as diag_*)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: a < 1 min smoke run")
     parser.add_argument("--json", help="also write the result to this JSON file")
     args = parser.parse_args(argv)
+    if args.no_untimed and not (args.warmup and args.timed_passes > 0):
+        parser.error("--no-untimed needs --warmup and --timed-passes >= 1")
     if args.tiny:
         args.size, args.groups, args.group_size, args.prompt, args.turns = "tiny", 2, 2, 16, 2
         args.turn_tokens, args.observation, args.steps_per_dispatch, args.page_size = 16, 4, 4, 8
@@ -193,17 +299,26 @@ def main(argv=None) -> None:
     async def run():
         async with Driver(engine, model, steps_per_dispatch=args.steps_per_dispatch,
                           prefix_cache=args.prefix_cache) as driver:
+            warmup = {}
+            if args.warmup:
+                warmup = {f"warmup_{k}": round(v, 1) if k == "seconds" else v for k, v in (await driver.warmup()).items()}
             before = driver.stats()
-            warm = await _rollout(driver, args, vocab, seed=1)
             shapes = len(engine._paged_prefill_fns) + len(engine._generate_fns)
+            warm = {"seconds": 0.0} if args.no_untimed else await _rollout(driver, args, vocab, seed=1)
+            if not args.no_untimed:
+                shapes = len(engine._paged_prefill_fns) + len(engine._generate_fns)
             passes = [warm]
             for seed in range(2, 2 + args.timed_passes):
                 before = driver.stats()
                 passes.append(await _rollout(driver, args, vocab, seed=seed))
             after = driver.stats()
-            counters = {**{k: after.get(k, 0) - before.get(k, 0) for k in ("preemptions", "evictions", "shared_prefills", "split_groups")},
-                        "shapes_compiled_in_timed_passes": len(engine._paged_prefill_fns) + len(engine._generate_fns)
-                        - shapes, **_occupancy(before, after, slots, args.steps_per_dispatch),
+            timed_compiles = len(engine._paged_prefill_fns) + len(engine._generate_fns) - shapes
+            if args.call_times:  # after the timed passes, so it does not change them
+                times = CallTimes(engine)
+                diag = await _rollout(driver, args, vocab, seed=2 + args.timed_passes)
+                warmup.update(times.report(diag["seconds"]))
+            counters = {**warmup, **{k: after.get(k, 0) - before.get(k, 0) for k in ("preemptions", "evictions", "shared_prefills", "split_groups")},
+                        "shapes_compiled_in_timed_passes": timed_compiles, **_occupancy(before, after, slots, args.steps_per_dispatch),
                         **{k: after[k] - before.get(k, 0) for k in ("prefix_cache_hits", "prefix_cache_hit_tokens")
                            if k in after}}
         return warm, passes, counters
@@ -220,6 +335,10 @@ def main(argv=None) -> None:
         "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size,
         "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": raw and round(raw),
         "ratio": raw and round(rate / raw, 3), "ratio_if_steps_ran_at_raw_speed": round(bound, 3),
+        "steady_tokens_per_s": timed["steady_tokens_per_s"], "steady_window_s": timed["steady_window_s"],
+        "steady_ratio": raw and timed["steady_tokens_per_s"] and round(timed["steady_tokens_per_s"] / raw, 3),
+        "full_pool_tokens_per_s": timed["full_pool_tokens_per_s"], "full_pool_window_s": timed["full_pool_window_s"],
+        "full_pool_ratio": raw and timed["full_pool_tokens_per_s"] and round(timed["full_pool_tokens_per_s"] / raw, 3),
         "step_efficiency": raw and round(rate / raw / max(bound, 1e-9), 3),
         "header": args.header, "prefix_cache": args.prefix_cache, "max_target_length": engine.max_target_length,
         "warmup_s": round(warm["seconds"], 1), "timed_s": round(timed["seconds"], 2),

@@ -79,10 +79,11 @@ def make_batch(rows: int, seq: int, vocab: int, seed: int = 0):
     return ids, mask, adv
 
 
-def bench_jax(cfg: DecoderConfig, rows: int, seq: int, steps: int, param_dtype, remat: str,
-              attention: str | None = None, chunk_size: int = 2048) -> dict:
+def build_update(cfg: DecoderConfig, rows: int, seq: int, param_dtype, remat: str,
+                 attention: str | None = None, chunk_size: int = 2048, lm_head_dtype: str = "param"):
+    """``(step, state, batch, normalizer)``: the jitted update of this benchmark and its inputs."""
     model = Decoder(cfg, dtype=jnp.bfloat16, param_dtype=param_dtype, remat=remat, attention_impl=attention,
-                    rngs=nnx.Rngs(0))
+                    lm_head_dtype=lm_head_dtype, rngs=nnx.Rngs(0))
     graphdef, params = split_params(model)
     del model
     ids, mask, adv = make_batch(rows, seq, cfg.vocab_size)
@@ -105,7 +106,12 @@ def bench_jax(cfg: DecoderConfig, rows: int, seq: int, steps: int, param_dtype, 
                           num_micro_batches=1, num_sequences=None),
         donate_argnums=(0,),
     )
-    z = global_normalizer(batch["loss_mask"], "token-mean")
+    return step, state, batch, global_normalizer(batch["loss_mask"], "token-mean")
+
+
+def bench_jax(cfg: DecoderConfig, rows: int, seq: int, steps: int, param_dtype, remat: str,
+              attention: str | None = None, chunk_size: int = 2048, lm_head_dtype: str = "param") -> dict:
+    step, state, batch, z = build_update(cfg, rows, seq, param_dtype, remat, attention, chunk_size, lm_head_dtype)
     t0 = time.perf_counter()
     state, metrics = step(state, batch, z)
     jax.block_until_ready(metrics["loss"])
@@ -183,7 +189,8 @@ def _run_worker(kind: str, size: str, rows: int, remat: str, args) -> dict:
 
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--sizes", size, "--seq", str(args.seq),
            "--rows", str(rows), "--steps", str(args.steps), "--param-dtype", args.param_dtype,
-           "--remat", remat, "--attention", args.attention, "--chunk-size", str(args.chunk_size)]
+           "--remat", remat, "--attention", args.attention, "--chunk-size", str(args.chunk_size),
+           "--lm-head-dtype", args.lm_head_dtype]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -200,6 +207,9 @@ def main() -> None:
     p.add_argument("--param-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--remat", default="full", help=f"comma-separated list of {REMAT_POLICIES}")
     p.add_argument("--chunk-size", type=int, default=2048, help="tokens per logprob chunk")
+    p.add_argument("--lm-head-dtype", default="param", choices=["param", "compute"],
+                   help="model.lm_head_dtype: the logits matmul reads the embedding as stored (param: "
+                        "float32) or in the compute dtype (compute: bfloat16)")
     p.add_argument("--worker-timeout", type=float, default=600, help="seconds per measurement")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "splash"])
@@ -217,7 +227,8 @@ def main() -> None:
         if args.worker == "jax":
             pdt = jnp.float32 if args.param_dtype == "float32" else jnp.bfloat16
             impl = None if args.attention == "auto" else args.attention
-            result = bench_jax(cfg, int(args.rows), args.seq, args.steps, pdt, args.remat, impl, args.chunk_size)
+            result = bench_jax(cfg, int(args.rows), args.seq, args.steps, pdt, args.remat, impl, args.chunk_size,
+                               args.lm_head_dtype)
         else:
             result = bench_torch(cfg, int(args.rows), args.seq, args.steps, args.param_dtype)
         print("RESULT " + json.dumps(result))
@@ -255,7 +266,8 @@ def _measure(size: str, cfg: DecoderConfig, rows: int, remats: list[str], peak: 
     out = []
     for remat in remats:
         row = {"size": size, "seq": args.seq, "rows": rows, "param_dtype": args.param_dtype, "remat": remat,
-               "attention": args.attention, "chunk_size": args.chunk_size, **torch_row}
+               "attention": args.attention, "chunk_size": args.chunk_size,
+               "lm_head_dtype": args.lm_head_dtype, **torch_row}
         try:
             j = _run_worker("jax", size, rows, remat, args)
             row.update(jax_step_s=j["step_s"], jax_tokens_per_s=tokens / j["step_s"], jax_compile_s=j["compile_s"],

@@ -45,13 +45,17 @@ class ModelConfig(_Section):
     param_dtype: DType = _f("float32", "Dtype of the trained params (optimizer master copy).")
     reference_dtype: DType = _f("bfloat16", "Dtype of the frozen reference params.")
     attention_impl: Literal["auto", "xla", "cudnn", "splash"] = _f(
-        "auto", "Training attention: 'cudnn' (GPU, bfloat16) or 'xla' through jax.nn.dot_product_attention, "
-        "'splash' the TPU splash kernel with segment ids (TPU only); auto: cudnn on GPU in bfloat16, splash "
-        "on TPU, else JAX's choice."
+        "auto", "jax.nn.dot_product_attention implementation; auto: cuDNN on GPUs in bfloat16, splash on TPUs, "
+        "else JAX's pick; splash: Pallas splash attention with segment ids for the trainer's forwards, TPU only "
+        "(refused on other backends; checked only in Pallas's interpreter so far; models/splash.py)."
     )
     remat: Literal["none", "full", "dots_saveable", "attention_saveable", "dots_attention_saveable"] = _f(
         "full", "Rematerialization policy per layer (what the backward pass keeps instead of recomputing; "
         "docs/benchmarks.md, 'Train step', compares them).")
+    lm_head_dtype: Literal["param", "compute"] = _f(
+        "param", "Inputs of the logits matmul (trainer and engine alike; float32 logits either way): the output "
+        "embedding as stored (param) or cast to compute_dtype like every other weight (compute: +7% tokens/s "
+        "on the 1.7B update on an H200 with float32 params and bfloat16 compute; docs/benchmarks.md, 'Train step').")
     scratch: ScratchModelConfig = _section(ScratchModelConfig, "Tiny from-scratch model (when path is empty).")
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"doc": (
         "Variables every chat-template render gets (prompts, appended tool messages, SFT records), e.g. "
@@ -201,6 +205,10 @@ class AlgorithmConfig(_Section):
                               "bucketed).")
     micro_batch_tokens: int = _f(0, "pack_rows: token budget of one forward/backward (a whole number of rows; "
                                  "0: the whole minibatch at once).")
+    logprob_chunk_tokens: int = _f(
+        1024, "Tokens per chunk of the chunked logprobs (every forward and the update): the largest float32 "
+        "logits buffer is [chunk, vocab] (0.6 MB per token at a 152k vocabulary), and larger chunks mean fewer, "
+        "larger lm-head matmuls (8192: +0.7 MFU points on the 1.7B update; docs/benchmarks.md 'Train step').")
     correction: Literal["none", "tis", "mis", "icepop"] = _f(
         "none", "Off-policy correction of the old/rollout discrepancy (seeds/003)."
     )
@@ -234,6 +242,7 @@ class AlgorithmConfig(_Section):
         _require(self.micro_batch_size >= 0, self._path("micro_batch_size"), "must be >= 0")
         _require(self.pack_row_tokens >= 1, self._path("pack_row_tokens"), "must be >= 1")
         _require(self.micro_batch_tokens >= 0, self._path("micro_batch_tokens"), "must be >= 0")
+        _require(self.logprob_chunk_tokens >= 1, self._path("logprob_chunk_tokens"), "must be >= 1")
         _require(
             self.correction_floor < 1 < self.correction_cap,
             "algorithm.correction_floor/correction_cap",

@@ -39,12 +39,7 @@ from agentrl_jax.models.layers import (
     swiglu,
 )
 from agentrl_jax.models.remat import REMAT_POLICIES, remat_layer
-from agentrl_jax.models.splash import (
-    SPLASH_IMPLS,
-    check_backend,
-    splash_attention,
-    splash_segment_ids,
-)
+from agentrl_jax.models.splash import splash_packed_attention
 from agentrl_jax.sharding import (
     DEFAULT_RULES,
     MESH_AXES,
@@ -53,7 +48,8 @@ from agentrl_jax.sharding import (
     logical_to_spec,
 )
 
-ATTENTION_IMPLS = ("xla", "cudnn", *SPLASH_IMPLS, None)
+ATTENTION_IMPLS = ("xla", "cudnn", "splash", None)
+LM_HEAD_DTYPES = ("param", "compute")
 
 
 def layer_param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
@@ -143,10 +139,9 @@ class Decoder(nnx.Module):
       dtype: compute dtype (activations; weights are cast to it at use).
       param_dtype: storage dtype of the weights.
       attention_impl: "xla", "cudnn" or None (JAX picks), passed to
-        ``jax.nn.dot_product_attention``; or "splash": every forward without a KV cache
-        runs the TPU splash kernel (``models.splash``; TPU backends only) and cached
-        prefill keeps JAX's choice. "splash_interpret" is the same kernel in Pallas
-        interpret mode, for tests off TPU.
+        ``jax.nn.dot_product_attention``; or "splash": Pallas splash attention (TPU; Pallas's
+        interpreter elsewhere) for packed and right-padded rows without a cache
+        (``models.splash``), XLA for the rest.
       remat: "none", "full" (recompute each layer in the backward pass), "dots_saveable"
         (keep matmul outputs), "attention_saveable" (keep only the fused attention's output
         and softmax statistics, cuDNN's or splash's, so the backward pass never reruns the
@@ -155,9 +150,14 @@ class Decoder(nnx.Module):
       activation_rules: logical-axis rules for activation sharding constraints (batch over
         the data axes, heads over tensor), applied only while a mesh with axes
         (data, fsdp, tensor) is set with ``jax.set_mesh``; None disables them.
-      mesh: the (data, fsdp, tensor) mesh the params live on, for the splash kernel's
+      mesh: the (data, fsdp, tensor) mesh the params live on, for splash attention's
         ``shard_map`` when no mesh is set with ``jax.set_mesh`` (the trainer's jits set
         none, and XLA cannot partition a Pallas TPU kernel); unused by other attentions.
+      lm_head_dtype: "param": the logits matmul reads the output embedding as stored;
+        "compute": cast to ``dtype`` first, like every other weight of the model. The logits
+        are float32 either way (float32 accumulation). With float32 params and bfloat16
+        activations, "param" makes the lm head a float32 matmul (TF32 on GPUs, half the bf16
+        rate; 6.5% of the 1.7B update's step time, docs/benchmarks.md "Train step").
       rngs: initializer randomness.
     """
 
@@ -170,6 +170,7 @@ class Decoder(nnx.Module):
         attention_impl: str | None = None,
         remat: str = "none",
         activation_rules: Rules | None = DEFAULT_RULES,
+        lm_head_dtype: str = "param",
         mesh: Mesh | None = None,
         rngs: nnx.Rngs | None = None,
     ):
@@ -177,9 +178,10 @@ class Decoder(nnx.Module):
             raise ValueError(
                 f"Decoder: attention_impl must be one of {ATTENTION_IMPLS}, got {attention_impl!r}"
             )
-        check_backend(attention_impl)
         if remat not in REMAT_POLICIES:
             raise ValueError(f"Decoder: remat must be one of {REMAT_POLICIES}, got {remat!r}")
+        if lm_head_dtype not in LM_HEAD_DTYPES:
+            raise ValueError(f"Decoder: lm_head_dtype must be one of {LM_HEAD_DTYPES}, got {lm_head_dtype!r}")
         rngs = nnx.Rngs(0) if rngs is None else rngs
         self.config = config
         self.dtype = dtype
@@ -187,6 +189,7 @@ class Decoder(nnx.Module):
         self.attention_impl = attention_impl
         self.remat = remat
         self.activation_rules = activation_rules
+        self.lm_head_dtype = lm_head_dtype
         self.mesh = mesh
         specs = param_specs(config)
         init = tuple((name, shape, kind) for name, (shape, _, kind) in specs.items())
@@ -232,8 +235,7 @@ class Decoder(nnx.Module):
           max_segments: static bound on segments per row of packed ``segment_ids``. With
             ``attention_impl="cudnn"`` it selects cuDNN's packed flash-attention kernel
             (no ``[B, T, T]`` mask; ``layers.packed_attention``). 1 (every row one segment
-            followed by padding) runs the mask-free ``lengths`` path on any backend. With
-            ``attention_impl="splash"`` every row runs the splash kernel, whatever the bound.
+            followed by padding) runs the mask-free ``lengths`` path on any backend.
           cache: a ``KVCache`` with k, v ``[L, B, S, KV, K]``, or None.
           cache_index: ``[B]`` int32 write offsets; required with ``cache``.
 
@@ -252,25 +254,17 @@ class Decoder(nnx.Module):
         constrain = functools.partial(_constrain, rules=self.activation_rules)
         hidden = constrain(hidden, ("batch", "sequence", "embed"))
         layer_weights = self.layers.stacked(cfg)
-        splash = self.attention_impl in SPLASH_IMPLS
         block = functools.partial(
             _decoder_block,
             config=cfg,
             dtype=self.dtype,
-            implementation=None if splash else self.attention_impl,
+            implementation=self.attention_impl,
             constrain=constrain,
             positions=positions,
+            rules=self.activation_rules,
+            mesh=self.mesh,
         )
-        if cache is None and splash:
-            ids = splash_segment_ids(B, T, segment_ids=segment_ids, attention_mask=attention_mask, lengths=lengths)
-            attend = functools.partial(splash_attention, segment_ids=ids, rules=self.activation_rules,
-                                       mesh=self.mesh, interpret=self.attention_impl == "splash_interpret")
-            body = remat_layer(
-                lambda h, w: (block(h, w, mask=None, kv_write=None, attend=attend)[0], None), self.remat
-            )
-            hidden, _ = jax.lax.scan(body, hidden, layer_weights)
-            new_cache = None
-        elif cache is None and lengths is not None:
+        if cache is None and lengths is not None:
             if segment_ids is not None or attention_mask is not None:
                 raise ValueError("Decoder: pass either lengths or segment_ids/attention_mask, not both")
             chex.assert_shape(lengths, (B,))
@@ -279,9 +273,10 @@ class Decoder(nnx.Module):
             )
             hidden, _ = jax.lax.scan(body, hidden, layer_weights)
             new_cache = None
-        elif cache is None and segment_ids is not None and max_segments and self.attention_impl == "cudnn":
+        elif cache is None and segment_ids is not None and max_segments and self.attention_impl in ("cudnn", "splash"):
             if attention_mask is not None:
-                raise ValueError("Decoder: the packed cuDNN path takes segment_ids (0 = padding), not attention_mask")
+                raise ValueError("Decoder: the packed cuDNN/splash path takes segment_ids (0 = padding), "
+                                 "not attention_mask")
             packed = (segment_ids, max_segments)
             body = remat_layer(
                 lambda h, w: (block(h, w, mask=None, kv_write=None, packed=packed)[0], None), self.remat
@@ -323,10 +318,18 @@ class Decoder(nnx.Module):
         return hidden, new_cache
 
     def output_embedding(self) -> tuple[jax.Array, str]:
-        """``(table, "vd")``: tied embedding ``[V, D]``; ``(kernel, "dv")``: lm_head ``[D, V]``."""
+        """``(table, "vd")``: tied embedding ``[V, D]``; ``(kernel, "dv")``: lm_head ``[D, V]``.
+
+        In the compute dtype with ``lm_head_dtype="compute"`` (the cast is inside the caller's
+        jit, so the gradient reaches the stored params in their own dtype).
+        """
         if self.config.tie_word_embeddings:
-            return self.embed[...], "vd"
-        return self.lm_head[...], "dv"
+            table, layout = self.embed[...], "vd"
+        else:
+            table, layout = self.lm_head[...], "dv"
+        if self.lm_head_dtype == "compute":
+            table = table.astype(self.dtype)
+        return table, layout
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 ``[B, T, V]`` logits of ``[B, T, D]`` hidden states (small inputs only)."""
@@ -348,7 +351,8 @@ def _decoder_block(
     kv_write,
     lengths: jax.Array | None = None,
     packed: tuple[jax.Array, int] | None = None,
-    attend=None,
+    rules: Rules | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, Any]:
     """One pre-norm block: ``h + Attn(RMSNorm(h))``, then ``h + SwiGLU(RMSNorm(h))``.
 
@@ -357,9 +361,9 @@ def _decoder_block(
       kv_write: None, or ``(k, v) -> (keys, values, cache_state)`` that stores the new
         ``[B, T, KV, K]`` keys/values in the cache and returns the layer's whole
         ``[B, S, KV, K]`` keys and values plus the updated cache.
-      packed: ``(segment_ids, max_segments)`` for cuDNN's packed kernel, or None.
-      attend: None, or ``(q, k, v) -> out`` that replaces the attention (the splash kernel
-        with its segment ids bound).
+      packed: ``(segment_ids, max_segments)`` for cuDNN's or splash's packed kernel, or None.
+      rules: the activation rules (where splash attention finds the mesh placement).
+      mesh: the decoder's mesh, for splash attention when no mesh is set.
 
     Returns:
       ``(h [B, T, D], cache_state or None)``.
@@ -383,12 +387,16 @@ def _decoder_block(
     if kv_write is not None:
         k, v, cache_state = kv_write(k, v)
         k, v = k.astype(dtype), v.astype(dtype)
-    if attend is not None:
-        out = attend(q, k, v)
+    if implementation == "splash" and kv_write is None and (packed is not None or mask is None):
+        # packed rows, or right-padded rows as one segment each (id 0 after the row's length)
+        ids = packed[0] if packed is not None else (
+            jnp.arange(h.shape[1])[None, :] < (h.shape[1] if lengths is None else lengths[:, None])
+        ).astype(jnp.int32)
+        out = splash_packed_attention(q, k, v, ids, rules=rules, mesh=mesh)
     elif packed is not None:
         out = packed_attention(q, k, v, *packed)
     else:
-        out = attention(q, k, v, mask, implementation, lengths=lengths)
+        out = attention(q, k, v, mask, None if implementation == "splash" else implementation, lengths=lengths)
     h = h + jnp.einsum("bthk,hkd->btd", out, cast["wo"])
     x = rms_norm(h, cast["mlp_norm"], eps)
     h = h + swiglu(x, cast["w_gate"], cast["w_up"], cast["w_down"])

@@ -271,6 +271,7 @@ def load_hf_params(
     compute_dtype=None,
     attention_impl: str | None = None,
     remat: str = "none",
+    lm_head_dtype: str = "param",
 ) -> tuple[DecoderConfig, nnx.GraphDef, nnx.State]:
     """Read config.json and the safetensors of ``path`` into ``(config, graphdef, params)``.
 
@@ -279,8 +280,8 @@ def load_hf_params(
       dtype: storage dtype of the params on device.
       mesh: shard the params on this mesh by their logical axes (None: default device).
       rules: the logical-axis rule table (params, and the decoder's activation constraints).
-      compute_dtype, attention_impl, remat: passed to :class:`Decoder` (compute dtype
-        defaults to ``dtype``).
+      compute_dtype, attention_impl, remat, lm_head_dtype: passed to :class:`Decoder`
+        (compute dtype defaults to ``dtype``).
 
     Raises:
       CheckpointError: missing / unexpected tensor or a shape mismatch.
@@ -298,6 +299,7 @@ def load_hf_params(
             attention_impl=attention_impl,
             remat=remat,
             activation_rules=rules,
+            lm_head_dtype=lm_head_dtype,
             mesh=mesh,
         )
     )
@@ -332,6 +334,7 @@ def load_hf_checkpoint(
     compute_dtype=None,
     attention_impl: str | None = None,
     remat: str = "none",
+    lm_head_dtype: str = "param",
 ) -> Decoder:
     """A :class:`Decoder` with the weights of the HF directory ``path`` (:func:`load_hf_params`)."""
     _, graphdef, params = load_hf_params(
@@ -342,6 +345,7 @@ def load_hf_checkpoint(
         compute_dtype=compute_dtype,
         attention_impl=attention_impl,
         remat=remat,
+        lm_head_dtype=lm_head_dtype,
     )
     return nnx.merge(graphdef, params)
 

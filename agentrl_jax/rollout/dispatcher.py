@@ -54,6 +54,8 @@ class Dispatcher:
         self.steps = steps
         self.state = None
         self.sched = Scheduler(engine, steps, budget)
+        self.budget = budget
+        self.row_cap = max(budget // engine.prefill_row_tokens, 1)  # packed rows per shard a tick can fill
         # the last decode dispatch, read one tick later: (results, {slot: (track, admission)}, params version)
         self.in_flight: tuple[Any, dict, int] | None = None
         # sequences whose slot was freed this tick before their last dispatch is read (`_retire_known_ends`)
@@ -73,6 +75,16 @@ class Dispatcher:
         for session in self.sched.sessions:
             session.pages, session.shard = [], None
         self.sched.sessions.clear()
+
+    def warmup(self) -> dict[str, float]:
+        """Compile every prefill shape and the decode dispatch now (`Engine.warmup`); idle only."""
+        if not self.idle:
+            raise RuntimeError("Driver.warmup: requests are in flight; warm up before the first one")
+        if self.state is None:
+            self._prepare([])
+        self.state, stats = self.engine.warmup(self.params, self.state, token_budget=self.budget,
+                                               num_steps=self.steps)
+        return stats
 
     def stats(self) -> dict[str, float]:
         """Decode occupancy and KV pages (see `Driver.stats`)."""
@@ -125,7 +137,7 @@ class Dispatcher:
         if sched.waiting and not (update is not None and not update_done):
             rows, admitted = sched.plan_prefill(resolved)
         if rows:
-            self.state, first = self.engine.prefill_insert(self.params, self.state, rows)
+            self.state, first = self.engine.prefill_insert(self.params, self.state, rows, row_cap=self.row_cap)
         previous, self.in_flight = self.in_flight, None
         if sched.slots:  # queued before the host reads anything: the device never waits on the host
             self.state, generated = self.engine.generate(self.params, self.state, num_steps=self.steps)

@@ -12,6 +12,10 @@ counted in `preemptions`), one N-step decode dispatch queued before the previous
 results are read, and the stop checks (`stops.StopMatcher` detokenizes only when a token
 can complete a stop string).
 
+Warm-up (`Driver.warmup`): the prefill calls take a closed set of shapes fixed by the
+engine and the token budget (`Engine.prefill_shapes`); warm-up compiles them and the decode
+dispatch before the first request, so no tick compiles.
+
 Multi-turn (`Session`): when a turn ends, the session takes over the slot's pages (no
 copy) and the slot is freed. The next turn's `generate(observation_ids, session=s)`
 prefills only [last sampled token] + observation into the session's own pages. A session
@@ -188,6 +192,22 @@ class Driver:
         self._ensure_running()
         self._wakeup.set()
         await done
+
+    async def warmup(self) -> dict[str, float]:
+        """Compile (or load from the persistent cache) every program the driver's ticks run, now.
+
+        The prefill shapes are a closed set fixed by the engine and `prefill_token_budget`
+        (`Engine.prefill_shapes`), so after this no tick compiles: a first rollout step, or
+        a timed one, runs at speed. Call it before the first request (it raises while
+        requests are in flight).
+
+        Returns:
+          ``{"prefill_shapes", "decode_shapes", "seconds"}``.
+        """
+        self._check_alive()
+        if self._inbox or (self._task is not None and not self._task.done() and not self._dispatcher.idle):
+            raise RuntimeError("Driver.warmup: requests are in flight; warm up before the first one")
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._dispatcher.warmup)
 
     def release_cache(self) -> None:
         """Free the decode state (the KV pages) once the driver is idle; the next request re-creates it.

@@ -33,7 +33,8 @@ The model runs through `agentrl_jax.models.decode.forward`, not the trainer's la
 `load_params` re-lays the weights out once per update (`rollout.weights`; `DecodeParams`:
 one dict per layer, fused QKV and gate/up). The traced bodies live next to their inputs:
 `decode_step` (generate), `paged_prefill` (prefill_insert), `dense_prefix` (the JetStream
-prefill / insert / extract methods, mixed into this class). A decode step's attention
+prefill / insert / extract methods, mixed into this class), `prefill_api` (`prefill_insert`,
+its closed set of compiled shapes and `warmup`, mixed in too). A decode step's attention
 reads only filled entries: the pages of a window of the first W entries (W bucketed by
 `attend_bucket`, a few compiles) with the "xla" attention, or each slot's own entries with
 our Pallas GPU kernel ("pallas", the default on GPU), which also finishes the QKV
@@ -41,8 +42,9 @@ projection, applies QK-norm and RoPE and writes the cache.
 
 All state is sharded on the mesh with the inference rule table (kv heads over `tensor`,
 slots and pages over the data axes, weights with tensor parallelism only) and is donated
-through every jitted call. Prompt chunks are padded to power-of-two buckets; slot
-indices, lengths, page tables and sampling parameters are arrays, so none of them
+through every jitted call. The Driver's prefill calls take one of a closed set of shapes
+(`paged_prefill`), compiled at `warmup`; JetStream's prompt chunks are padded to
+power-of-two buckets; slot indices, lengths, page tables and sampling parameters are arrays, so none of them
 recompiles anything.
 """
 
@@ -58,24 +60,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from agentrl_jax.models import Decoder, split_params
 from agentrl_jax.models.decode import DecodeParams
 from agentrl_jax.rollout.compile_cache import use_compilation_cache
 from agentrl_jax.rollout.decode_step import choose_decode_attention, generate_steps
 from agentrl_jax.rollout.dense_prefix import DensePrefixAPI
-from agentrl_jax.rollout.paged_prefill import PrefillRow, pack_rows, prefill_insert_step
 from agentrl_jax.rollout.pages import MemoryPlan, PageAllocator, pages_for, plan_memory
+from agentrl_jax.rollout.prefill_api import PagedPrefillAPI
 from agentrl_jax.rollout.result_tokens import ResultTokens
-from agentrl_jax.rollout.sampling import SlotSampling
 from agentrl_jax.rollout.slot_table import SlotTable
 from agentrl_jax.rollout.state import (
     DecodeState,
     attend_bucket,
     decode_state_shardings,
     init_decode_state,
-    prefill_bucket,
 )
 from agentrl_jax.rollout.weights import EngineWeights
 from agentrl_jax.sharding import Rules, inference_rules, logical_to_spec, make_mesh
@@ -85,7 +85,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MEMORY_FRACTION = 0.8  # of the free device memory, for the KV pool, when nothing else is set
 
 
-class Engine(DensePrefixAPI):
+class Engine(DensePrefixAPI, PagedPrefillAPI):
     """Slot-based decoding of a `Decoder` over a paged KV cache on a mesh.
 
     Args:
@@ -94,7 +94,11 @@ class Engine(DensePrefixAPI):
       max_concurrent_decodes: S, the number of decode slots.
       max_target_length: M, the longest sequence (prompt + every turn + generated).
       max_prefill_length: the largest prompt chunk one prefill takes.
-      min_prefill_bucket: the smallest padded prefill length.
+      min_prefill_bucket: the smallest padded prefill length (JetStream `prefill`).
+      prefill_row_tokens: C, the width of a packed row of `prefill_insert` (the Driver's
+        path): a sequence's new tokens are cut into pieces of C (at most
+        ``max_prefill_length``), so it pads less than C tokens and the compiled shapes stay
+        few (`paged_prefill`).
       cache_dtype: dtype of the KV cache (default: the model's compute dtype).
       rules: logical-axis rule table (default: `inference_rules()`).
       attend_granule: the "xla" decode attention reads a window of the first W entries of
@@ -128,6 +132,7 @@ class Engine(DensePrefixAPI):
         max_target_length: int = 1024,
         max_prefill_length: int = 512,
         min_prefill_bucket: int = 16,
+        prefill_row_tokens: int = 64,
         cache_dtype: Any = None,
         rules: Rules | None = None,
         attend_granule: int = 256,
@@ -140,6 +145,7 @@ class Engine(DensePrefixAPI):
     ):
         _check_sizes(max_concurrent_decodes=max_concurrent_decodes, max_target_length=max_target_length,
                      max_prefill_length=max_prefill_length, min_prefill_bucket=min_prefill_bucket,
+                     prefill_row_tokens=prefill_row_tokens,
                      attend_granule=attend_granule, page_size=page_size, num_pages=num_pages,
                      kv_cache_bytes=kv_cache_bytes, kv_cache_memory_fraction=kv_cache_memory_fraction)
         if compilation_cache_dir:
@@ -158,6 +164,7 @@ class Engine(DensePrefixAPI):
         self.table_width = pages_for(max_target_length, page_size)
         self._max_prefill = max_prefill_length
         self._min_bucket = min(min_prefill_bucket, max_prefill_length)
+        self.prefill_row_tokens = min(prefill_row_tokens, max_prefill_length)
         self.cache_dtype = cache_dtype if cache_dtype is not None else model.dtype
         # the pool's pages are split over the data axes exactly like the slots
         self._rows_spec = logical_to_spec(("slots",), self._rules, shape=(self._slots,), mesh=self._mesh)[0]
@@ -166,7 +173,8 @@ class Engine(DensePrefixAPI):
         self.num_shards = math.prod(self._mesh.shape[a] for a in rows_axes)
         self._slots_per_shard = self._slots // self.num_shards
         self._budget = (num_pages, kv_cache_bytes, kv_cache_memory_fraction)
-        self._weights = EngineWeights(self.config, abstract, self._mesh, self._rules, model.param_dtype)
+        output_dtype = model.dtype if model.lm_head_dtype == "compute" else None
+        self._weights = EngineWeights(self.config, abstract, self._mesh, self._rules, model.param_dtype, output_dtype)
         self.param_shardings = self._weights.param_shardings
         self.decode_param_shardings = self._weights.decode_param_shardings
         self.memory_plan: MemoryPlan | None = None
@@ -175,6 +183,7 @@ class Engine(DensePrefixAPI):
         self._generate_fns: dict[tuple[int | None, int], Any] = {}
         self._prefill_fns: dict[tuple, Any] = {}
         self._paged_prefill_fns: dict[tuple, Any] = {}
+        self._copy_fns: dict[int, Any] = {}
         self._insert_fns: dict[int, Any] = {}
         self._extract_fns: dict[int, Any] = {}
         self.slots: SlotTable | None = None
@@ -306,57 +315,6 @@ class Engine(DensePrefixAPI):
         self.release_slot(slot)
         return None if decode_state is None else self._sync(decode_state)
 
-    # ---- batched prefill straight into pages (the Driver's path) -----------------------
-
-    def prefill_insert(
-        self, params: DecodeParams, decode_state: DecodeState, rows: Sequence[PrefillRow]
-    ) -> tuple[DecodeState, ResultTokens]:
-        """Prefill several sequences' new tokens into their pages and fill decode slots, in one call.
-
-        Row r writes the KV of ``rows[r].tokens`` at entries ``[start, start + len)`` of its
-        pages (earlier entries, e.g. a session's previous turns or a shared prompt, are read,
-        not recomputed); then its ``copies`` duplicate pages (copy-on-write of a group's last
-        partial page); then each admission samples its first token from the row's last
-        position (or takes its forced token) and fills its slot. See `paged_prefill`.
-
-        Returns:
-          the new decode state and `ResultTokens` with one row per admission, in order
-          (valid = 0 for forced tokens).
-        """
-        if not rows:
-            raise ValueError("prefill_insert: no rows")
-        P = self.page_size
-        reach = max(r.start + len(r.tokens) for r in rows)
-        window = min(pages_for(attend_bucket(reach, self.max_target_length, self._attend_granule), P),
-                     self.table_width)
-        packed = pack_rows(
-            rows, num_shards=self.num_shards, num_slots=self._slots, slots_per_shard=self._slots_per_shard,
-            pages_per_shard=self.memory_plan.pages_per_shard, page_size=P,
-            tokens_bucket=prefill_bucket(max(len(r.tokens) for r in rows), self._min_bucket, self._max_prefill),
-            window=window, max_prefill=self._max_prefill, max_length=self.max_target_length,
-        )
-        for m, a in enumerate(packed.admitted):
-            self.slots.assign(a.slot, a.pages, int(packed.adm_length[m]))
-        decode_state = self._sync(decode_state)
-        key = (packed.tokens.shape, window, packed.adm_row.shape[0], packed.copy_src.shape[0])
-        if key not in self._paged_prefill_fns:
-            step = functools.partial(
-                prefill_insert_step, config=self.config, dtype=self._dtype, page_size=P,
-                cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh,
-            )
-            self._paged_prefill_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None))
-        by_row = NamedSharding(self._mesh, PartitionSpec(self._rows_spec))
-        by_row2 = NamedSharding(self._mesh, PartitionSpec(self._rows_spec, None))
-        placed = jax.device_put(
-            (packed.tokens, packed.tables, packed.starts, packed.lengths), (by_row2, by_row2, by_row, by_row)
-        )
-        # host arrays go to the jitted call as they are: it transfers them in one go (an eager
-        # jnp.asarray per array cost more host time than the transfers)
-        return self._paged_prefill_fns[key](
-            params, decode_state, *placed, packed.adm_row, packed.adm_slot, packed.adm_key, packed.adm_generated,
-            packed.adm_forced, packed.adm_length, SlotSampling(*packed.sampling), packed.copy_src, packed.copy_dst,
-        )
-
     # ---- generate ---------------------------------------------------------------------
 
     def generate(
@@ -391,7 +349,11 @@ class Engine(DensePrefixAPI):
             attend_len = self.attend_window(decode_state, steps)
         elif not 0 < attend_len <= self.max_target_length:
             raise ValueError(f"generate: attend_len={attend_len} must be in [1, {self.max_target_length}]")
-        decode_state = self._sync(decode_state)
+        out = self._dispatch(params, self._sync(decode_state), num_steps, attend_len)
+        self.slots.advance(steps)
+        return out
+
+    def _dispatch(self, params: DecodeParams, decode_state: DecodeState, num_steps: int | None, attend_len: int):
         key = (num_steps, attend_len)
         if key not in self._generate_fns:
             step = functools.partial(
@@ -404,9 +366,7 @@ class Engine(DensePrefixAPI):
                 donate_argnums=(1,),
                 out_shardings=(self.state_shardings, None),
             )
-        out = self._generate_fns[key](params, decode_state)
-        self.slots.advance(steps)
-        return out
+        return self._generate_fns[key](params, decode_state)
 
     def attend_window(self, decode_state: DecodeState | None = None, num_steps: int = 1) -> int:
         """The "xla" attention window W for `num_steps` steps (see `generate`): whole pages

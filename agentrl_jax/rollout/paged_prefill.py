@@ -2,10 +2,20 @@
 
 `Engine.prefill_insert` takes `PrefillRow`s (one per sequence: its new tokens, where they
 start, its pages) and `Admission`s (the decode slots to fill from a row's last position).
-`pack_rows` lays them out as fixed, bucketed arrays (rows per data shard, tokens,
-attention window in pages; admissions and page copies are padded to the slot count), each row in the data shard that owns
-its pages so the prefill's attention and cache writes stay on its devices;
-`prefill_insert_step` is the traced body.
+`pack_rows` lays them out as fixed arrays, each row in the data shard that owns its pages
+so the prefill's attention and cache writes stay on its devices; `prefill_insert_step` is
+the traced body.
+
+The compiled shapes are a small closed set, so a run can compile them all at warm-up
+(`Engine.warmup`) and never during its work: every sequence's tokens are cut into pieces
+of one fixed width C (``row_tokens``), each piece one packed row that reads the
+sequence's page table; the rows per shard are a power of two up to the driver's token
+budget / C (`rows_bucket`), and the attention window a power of two of pages from a
+floor up to the table (`window_pages`). Admissions and page copies are padded to the
+slot count. Pieces of one sequence in one call are exact: each layer writes every row's
+keys and values into the pages before any row attends, and a piece's queries see only
+entries up to their own position. A sequence wastes less than C padded tokens, where a
+layout of one row per sequence padded every row to the longest one's bucket.
 """
 
 from __future__ import annotations
@@ -69,12 +79,13 @@ class PrefillRow:
 
 @dataclasses.dataclass
 class PackedRows:
-    """`pack_rows`' arrays: R = D x rows-per-shard rows of T tokens, M admissions, C copies."""
+    """`pack_rows`' arrays: R = D x rows-per-shard rows of C tokens (the row width), M admissions,
+    and page copies padded to the slot count."""
 
-    tokens: np.ndarray  # [R, T]
+    tokens: np.ndarray  # [R, C]
     tables: np.ndarray  # [R, window] local page ids
     starts: np.ndarray  # [R]
-    lengths: np.ndarray  # [R] new tokens per row (1 for padding rows)
+    lengths: np.ndarray  # [R] real tokens per row (1 for padding rows)
     adm_row: np.ndarray  # [M]
     adm_slot: np.ndarray  # [M], S for padding (dropped)
     adm_key: np.ndarray  # [M, 2]
@@ -82,44 +93,63 @@ class PackedRows:
     adm_forced: np.ndarray  # [M], -1 = sample
     adm_length: np.ndarray  # [M] the slot's length after the prefill
     sampling: tuple[np.ndarray, np.ndarray, np.ndarray]  # temperature, top_k, top_p [M]
-    copy_src: np.ndarray  # [C] global page ids
-    copy_dst: np.ndarray  # [C]
+    copy_src: np.ndarray  # [max(S, copies)] global page ids
+    copy_dst: np.ndarray  # [max(S, copies)]
     admitted: list[Admission]
+    num_copies: int = 0  # real pairs at the front of copy_src / copy_dst
+
+
+def rows_bucket(rows: int, cap: int | None = None) -> int:
+    """Packed rows per shard for ``rows`` pieces: the next power of two, or ``cap`` (the
+    driver's token budget / C) when that is smaller and still holds them."""
+    bucket = 1 << max(rows - 1, 0).bit_length()
+    return min(bucket, cap) if cap is not None and rows <= cap else bucket
+
+
+def window_pages(reach: int, *, page_size: int, floor: int, table_width: int) -> int:
+    """The prefill's attention window in pages for rows reaching ``reach`` entries: a power of
+    two >= ``floor`` pages, at most the page table's width."""
+    need = max(pages_for(reach, page_size), floor, 1)
+    return min(1 << (need - 1).bit_length(), table_width)
 
 
 def pack_rows(
     rows: Sequence[PrefillRow], *, num_shards: int, num_slots: int, slots_per_shard: int, pages_per_shard: int,
-    page_size: int, tokens_bucket: int, window: int, max_prefill: int, max_length: int,
+    page_size: int, row_tokens: int, row_cap: int | None, window: int, max_prefill: int, max_length: int,
 ) -> PackedRows:
-    """Lay the rows out in bucketed arrays, each row in its shard's block of rows."""
-    per_shard = [[r for r in rows if r.shard == d] for d in range(num_shards)]
-    most = max(len(x) for x in per_shard)
-    rows_per_shard = 1 << (2 * -(-max(most - 1, 0).bit_length() // 2))  # powers of 4: few compiled shapes
+    """Cut the rows into pieces of ``row_tokens`` and lay them out in their shards' blocks of rows."""
+    for r in rows:
+        n = len(r.tokens)
+        if not 1 <= n <= max_prefill:
+            raise ValueError(f"prefill_insert: {n} tokens in a row; 1 to max_prefill_length={max_prefill}")
+        if r.start + n >= max_length or len(r.pages) < pages_for(r.start + n, page_size):
+            raise ValueError(
+                f"prefill_insert: a row of {r.start} + {n} tokens with {len(r.pages)} pages of {page_size} "
+                f"(max_target_length={max_length})"
+            )
+    C = row_tokens
+    pieces = [[(r, at) for r in rows if r.shard == d for at in range(0, len(r.tokens), C)] for d in range(num_shards)]
+    rows_per_shard = rows_bucket(max(len(x) for x in pieces), row_cap)
     R = num_shards * rows_per_shard
-    tokens = np.zeros((R, tokens_bucket), np.int32)
+    tokens = np.zeros((R, C), np.int32)
     tables = np.full((R, window), TRASH_PAGE, np.int32)
     starts, lengths = np.zeros((R,), np.int32), np.ones((R,), np.int32)
-    index = {id(r): d * rows_per_shard + j for d in range(num_shards) for j, r in enumerate(per_shard[d])}
-    admitted = [(index[id(r)], a) for r in rows for a in r.admissions]  # results in the caller's order
+    last = {}  # id(row) -> its last piece's packed row (where its admissions sample)
+    for d in range(num_shards):
+        for j, (r, at) in enumerate(pieces[d]):
+            i, piece = d * rows_per_shard + j, r.tokens[at:at + C]
+            tokens[i, : len(piece)], starts[i], lengths[i] = piece, r.start + at, len(piece)
+            tables[i, : min(len(r.pages), window)] = r.pages[:window]
+            last[id(r)] = i
+    admitted = [(last[id(r)], a) for r in rows for a in r.admissions]  # results in the caller's order
     M = max(num_slots, len(admitted))  # fixed: one compiled shape fewer per prefill call
     out = PackedRows(
         tokens, tables, starts, lengths, np.zeros((M,), np.int32), np.full((M,), num_slots, np.int32),
         np.zeros((M, 2), np.uint32), np.zeros((M,), np.int32), np.full((M,), -1, np.int32), np.zeros((M,), np.int32),
         (np.zeros((M,), np.float32), np.zeros((M,), np.int32), np.ones((M,), np.float32)),
         *_copies(rows, pages_per_shard, num_slots), admitted=[a for _, a in admitted],
+        num_copies=sum(len(r.copies) for r in rows),
     )
-    for d in range(num_shards):
-        for j, r in enumerate(per_shard[d]):
-            i, n = d * rows_per_shard + j, len(r.tokens)
-            if not 1 <= n <= max_prefill:
-                raise ValueError(f"prefill_insert: {n} tokens in a row; 1 to max_prefill_length={max_prefill}")
-            if r.start + n >= max_length or len(r.pages) < pages_for(r.start + n, page_size):
-                raise ValueError(
-                    f"prefill_insert: a row of {r.start} + {n} tokens with {len(r.pages)} pages of {page_size} "
-                    f"(max_target_length={max_length})"
-                )
-            tokens[i, :n], starts[i], lengths[i] = r.tokens, r.start, n
-            tables[i, : min(len(r.pages), window)] = r.pages[:window]
     for m, (i, a) in enumerate(admitted):
         if a.slot // slots_per_shard != i // rows_per_shard:
             raise ValueError(f"prefill_insert: slot {a.slot} is not in the shard of its row's pages")
@@ -128,6 +158,20 @@ def pack_rows(
         for field, value in zip(out.sampling, (a.sampling.temperature, a.sampling.top_k, a.sampling.top_p)):
             field[m] = value
     return out
+
+
+def empty_pack(*, rows: int, row_tokens: int, window: int, num_slots: int) -> PackedRows:
+    """A pack of padding rows only (no admission, page copies of the trash page onto itself): the
+    arrays a warm-up call compiles with. Its rows write only the trash page."""
+    M = num_slots
+    return PackedRows(
+        np.zeros((rows, row_tokens), np.int32), np.full((rows, window), TRASH_PAGE, np.int32),
+        np.zeros((rows,), np.int32), np.ones((rows,), np.int32), np.zeros((M,), np.int32),
+        np.full((M,), num_slots, np.int32), np.zeros((M, 2), np.uint32), np.zeros((M,), np.int32),
+        np.full((M,), -1, np.int32), np.zeros((M,), np.int32),
+        (np.zeros((M,), np.float32), np.zeros((M,), np.int32), np.ones((M,), np.float32)),
+        np.zeros((M,), np.int32), np.zeros((M,), np.int32), admitted=[],
+    )
 
 
 def _copies(rows: Sequence[PrefillRow], pages_per_shard: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -139,16 +183,27 @@ def _copies(rows: Sequence[PrefillRow], pages_per_shard: int, size: int) -> tupl
     return src, dst  # padding copies the trash page of shard 0 onto itself
 
 
+def copy_pages(state: DecodeState, copy_src, copy_dst) -> DecodeState:
+    """Traced body of the page copies after a prefill (copy-on-write of a group's last partial page).
+
+    A call of its own: inside the prefill program, the copies' gather and scatter on a pool
+    that the layers' attention also read made XLA copy every layer's whole pool (twice) to
+    keep the reads ordered, a cost that grew with the KV budget, not with the tokens
+    prefilled. Alone, the scatter updates the donated pool in place.
+    """
+    return state.replace(cache=state.cache.map(lambda pool: pool.at[copy_dst].set(pool[copy_src])))
+
+
 def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, lengths, adm_row, adm_slot, adm_key,
-                        adm_generated, adm_forced, adm_length, sampling: SlotSampling, copy_src, copy_dst, *,
+                        adm_generated, adm_forced, adm_length, sampling: SlotSampling, *,
                         config, dtype, page_size, cache_spec, mesh):
-    """Traced body of `Engine.prefill_insert`: write the rows' KV, copy pages, sample, fill slots."""
+    """Traced body of `Engine.prefill_insert`: write the rows' KV, sample, fill slots (the page
+    copies follow in `copy_pages`)."""
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     hidden, cache = forward(
         params, tokens, positions, state.cache, starts, config=config, attend_len=tables.shape[1] * page_size,
         dtype=dtype, page_table=tables, cache_spec=cache_spec, mesh=mesh,
     )
-    cache = cache.map(lambda pool: pool.at[copy_dst].set(pool[copy_src]))
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
     logits = next_token_logits(last[adm_row], *params.output_embedding())
     sampled, log_prob, truncated = sample(logits, step_keys(adm_key, adm_generated), sampling)

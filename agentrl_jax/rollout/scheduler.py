@@ -4,7 +4,9 @@ decoding, KV work waiting for prefill, sessions between turns).
 
 Host-side bookkeeping only (no device calls); `driver.Driver` runs it inside its tick.
 
-- Waiting work is prefilled under a token budget, in arrival order while half the pool or
+- Waiting work is prefilled under a token budget (in packed tokens: each sequence's chunk
+  rounded up to whole rows of the engine's `prefill_row_tokens`, so a tick's call is
+  one of the shapes `Engine.warmup` compiled), in arrival order while half the pool or
   more is free, else episodes under way (a session's next turn, a resumed sequence) before
   new ones; a group takes the slots that are free and the rest follows
   (`Scheduler.split_group`).
@@ -169,7 +171,7 @@ class Scheduler:
 
     def plan_prefill(self, resolved: list) -> tuple[list[PrefillRow], list[Sequence]]:
         """This tick's prefill rows under the token budget, and the sequences they admit to slots."""
-        engine, P = self.engine, self.engine.page_size
+        engine, P, C = self.engine, self.engine.page_size, self.engine.prefill_row_tokens
         budget = self.budget
         free_slots = {d: [s for s in engine.shard_slots(d) if s not in self.slots] for d in range(engine.num_shards)}
         rows, admitted, finished, offers = [], [], [], []
@@ -184,7 +186,10 @@ class Scheduler:
             if self.cache is not None and not pending.pages and pending.done == 0:
                 self.reuse_cached(pending)
             remaining = len(pending.tokens) - pending.done
-            chunk = min(remaining, engine.max_prefill_length, budget)
+            # the budget counts packed tokens: a chunk takes whole rows of C (`paged_prefill`)
+            chunk = min(remaining, engine.max_prefill_length, budget // C * C)
+            if chunk == 0:
+                break
             final = chunk == remaining
             G = len(pending.sequences)
             shard = pending.shard
@@ -210,7 +215,7 @@ class Scheduler:
             # a session's later turns hold decoded KV in their pages; its first turn holds only its prompt's
             if self.cache is not None and (pending.session is None or not pending.session.started):
                 offers.append((shard, pending.tokens, list(pending.pages), end))
-            budget -= chunk
+            budget -= -(-chunk // C) * C
             if final:
                 if take < G:
                     self.split_group(pending, take)

@@ -30,15 +30,23 @@ class EngineWeights:
       mesh: the engine's mesh.
       rules: the inference rule table.
       param_dtype: the default dtype of floating leaves.
+      output_dtype: dtype of the output embedding (the tied ``embed`` or ``lm_head``) after
+        any ``load`` cast, or None for the load dtype: the decoder's compute dtype when the
+        model runs its logits matmul in it (``Decoder(lm_head_dtype="compute")``), so the
+        engine's logprobs are the trainer's. The tied table's lookup casts to the compute dtype
+        anyway, so storing it there changes no input embedding.
 
     Attributes:
       param_shardings: the trainer-layout params in the inference sharding.
       decode_param_shardings: the `DecodeParams` sharding.
     """
 
-    def __init__(self, config: DecoderConfig, abstract: nnx.State, mesh: Mesh, rules: Rules, param_dtype: Any):
+    def __init__(self, config: DecoderConfig, abstract: nnx.State, mesh: Mesh, rules: Rules, param_dtype: Any,
+                 output_dtype: Any = None):
         self._mesh = mesh
         self._param_dtype = param_dtype
+        self._output_dtype = output_dtype
+        self._output_name = "embed" if config.tie_word_embeddings else "lm_head"
         self.param_shardings = param_shardings(abstract, mesh, rules)
         layout = jax.eval_shape(functools.partial(to_decode_params, config), abstract)
         self.decode_param_shardings = tree_shardings(decode_params_axes(config), mesh, rules, shapes=layout)
@@ -53,14 +61,17 @@ class EngineWeights:
             params = nnx.state(params, nnx.Param)
         dtype = dtype if dtype is not None else self._param_dtype
 
-        def cast(x):
-            return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype else x
+        output_dtype = self._output_dtype if self._output_dtype is not None else dtype
+
+        def cast(path, x):
+            to = output_dtype if getattr(path[0], "key", getattr(path[0], "name", None)) == self._output_name else dtype
+            return x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != to else x
 
         if isinstance(params, DecodeParams):
-            return jax.device_put(jax.tree.map(cast, params), self.decode_param_shardings)
-        return self._to_decode_params(self._place(params, cast, dtype))
+            return jax.device_put(jax.tree.map_with_path(cast, params), self.decode_param_shardings)
+        return self._to_decode_params(self._place(params, cast, (dtype, output_dtype)))
 
-    def _place(self, params: nnx.State, cast, dtype) -> nnx.State:
+    def _place(self, params: nnx.State, cast, dtype: tuple) -> nnx.State:
         """``params`` cast and in the inference sharding.
 
         Arrays already on the engine's devices are resharded by a jitted identity with
@@ -72,8 +83,10 @@ class EngineWeights:
         mesh_devices = set(self._mesh.devices.flat)
         leaves = jax.tree.leaves(params)
         if leaves and all(isinstance(x, jax.Array) and set(x.sharding.device_set) == mesh_devices for x in leaves):
-            key = jnp.dtype(dtype)
+            key = tuple(jnp.dtype(d) for d in dtype)
             if key not in self._reshard:
-                self._reshard[key] = jax.jit(lambda tree: jax.tree.map(cast, tree), out_shardings=self.param_shardings)
+                self._reshard[key] = jax.jit(
+                    lambda tree: jax.tree.map_with_path(cast, tree), out_shardings=self.param_shardings
+                )
             return self._reshard[key](params)
-        return jax.device_put(jax.tree.map(cast, params), self.param_shardings)
+        return jax.device_put(jax.tree.map_with_path(cast, params), self.param_shardings)

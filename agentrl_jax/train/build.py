@@ -113,7 +113,7 @@ def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, dr
         teacher_graphdef, teacher_params = split_params(load_hf_checkpoint(
             h.teacher_path, dtype=DTYPES[h.teacher_dtype], compute_dtype=DTYPES[m.compute_dtype], mesh=mesh,
             rules=DEFAULT_RULES, attention_impl=attention_implementation(m.attention_impl, m.compute_dtype),
-            remat="none"))
+            remat="none", lm_head_dtype=m.lm_head_dtype))
         teacher = Teacher(teacher_graphdef, "checkpoint", frozen=teacher_params)
     elif h.mode != "none" and h.teacher == "reference":
         teacher = Teacher(graphdef, "reference", frozen=frozen(h.teacher_dtype))

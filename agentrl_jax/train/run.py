@@ -156,7 +156,7 @@ def _load_policy(config: Config, model_path: str, mesh: Mesh):
     return load_hf_checkpoint(model_path, dtype=DTYPES[m.param_dtype], compute_dtype=DTYPES[m.compute_dtype],
                               mesh=mesh, rules=DEFAULT_RULES,
                               attention_impl=attention_implementation(m.attention_impl, m.compute_dtype),
-                              remat=m.remat)
+                              remat=m.remat, lm_head_dtype=m.lm_head_dtype)
 
 
 class _Job:

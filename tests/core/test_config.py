@@ -136,6 +136,20 @@ def test_loss_hparams_from_the_command_line():
         apply_overrides(Config(), ['algorithm.loss_hparams=[["a", 1], ["a", 2]]'])
 
 
+def test_update_speed_choices_reach_the_trainer():
+    """``algorithm.logprob_chunk_tokens`` sets the update's logprob chunks; ``model.lm_head_dtype``
+    is 'param' or 'compute' (docs/benchmarks.md, 'Train step')."""
+    from agentrl_jax.train.rl import loss_settings
+
+    c = apply_overrides(Config(), ["algorithm.logprob_chunk_tokens=8192", "model.lm_head_dtype=compute"])
+    assert loss_settings(c).chunk_size == 8192 and c.model.lm_head_dtype == "compute"
+    assert loss_settings(Config()).chunk_size == 1024
+    with pytest.raises(ConfigError, match=r"algorithm.logprob_chunk_tokens: must be >= 1"):
+        apply_overrides(Config(), ["algorithm.logprob_chunk_tokens=0"])
+    with pytest.raises(ConfigError, match=r"model.lm_head_dtype: got 'bfloat16'"):
+        apply_overrides(Config(), ["model.lm_head_dtype=bfloat16"])
+
+
 def test_cudnn_attention_needs_16_bit_compute():
     with pytest.raises(ConfigError, match=r"model.attention_impl: 'cudnn' needs model.compute_dtype='bfloat16'"):
         apply_overrides(Config(), ["model.attention_impl=cudnn", "model.compute_dtype=float32"])

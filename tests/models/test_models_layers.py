@@ -163,10 +163,13 @@ def test_cudnn_packed_decoder_gradients_match_padded_rows():
         assert np.linalg.norm(a - b) <= 3e-2 * np.linalg.norm(b) + 1e-6
 
 
+_CUDNN_CONFIG = DecoderConfig(architecture="qwen3", vocab_size=64, hidden_size=128, intermediate_size=256,
+                              num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
+
+
 def _cudnn_decoder(remat="full"):
-    cfg = DecoderConfig(architecture="qwen3", vocab_size=64, hidden_size=128, intermediate_size=256, num_layers=2,
-                        num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
-    return split_params(Decoder(cfg, dtype=jnp.bfloat16, attention_impl="cudnn", remat=remat, rngs=nnx.Rngs(0)))
+    return split_params(Decoder(_CUDNN_CONFIG, dtype=jnp.bfloat16, attention_impl="cudnn", remat=remat,
+                                rngs=nnx.Rngs(0)))
 
 
 def _hidden_sum_grad(graphdef, **kwargs):
@@ -219,6 +222,41 @@ def test_cudnn_attention_remat_policies_skip_the_recomputed_flash_forward(remat,
     for a, b in zip(jax.tree.leaves(grad(params, ids, jnp.asarray(segments))), jax.tree.leaves(want), strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.linalg.norm(a - b) <= 1e-2 * np.linalg.norm(b) + 1e-6
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="cuDNN's packed kernel needs a CUDA GPU (Hopper+)")
+def test_cudnn_packed_sft_update_matches_the_segment_mask():
+    """``run_sft`` on a bf16 cuDNN decoder packs conversations several to a row and runs cuDNN's
+    packed kernel (the batch's segment bound > 1); its update equals the same batch's update
+    through XLA attention with the segment mask (same params), to bf16 accuracy."""
+    import functools
+
+    import optax
+
+    from agentrl_jax.losses import global_normalizer
+    from agentrl_jax.train.batch import TokenRecord, build_batch
+    from agentrl_jax.train.sft import batch_arrays, run_sft, sft_settings
+    from agentrl_jax.train.step import init_train_state, update_step
+
+    graphdef, params = _cudnn_decoder()
+    xla_graphdef, _ = split_params(Decoder(_CUDNN_CONFIG, dtype=jnp.bfloat16,
+                                           attention_impl="xla", rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    records = [TokenRecord(rng.integers(1, 64, n).tolist(), [0] * 8 + [1] * (n - 8), [0.0] * n, [-1] * n,
+                           [0.0] * 8 + [1.0] * (n - 8)) for n in (100, 30, 120, 60, 90, 40)]
+    opt = optax.sgd(0.1)
+    got, _ = run_sft(init_train_state(jax.tree.map(jnp.copy, params), opt, 0), graphdef=graphdef, optimizer=opt,
+                     records=records, steps=1, batch_size=len(records), row_length=256, seed=0)
+    batch = build_batch(records, pack=True, row_length=256)
+    assert int(np.max(batch.segment_ids)) > 1  # several conversations per row: the packed kernel ran
+    step = jax.jit(functools.partial(update_step, graphdef=xla_graphdef, optimizer=opt, settings=sft_settings(),
+                                     num_micro_batches=1, num_sequences=len(records)))
+    want, _ = step(init_train_state(jax.tree.map(jnp.copy, params), opt, 0), batch_arrays(batch),
+                   global_normalizer(jnp.asarray(batch.loss_mask), "token-mean"))
+    for new, ref, old in zip(jax.tree.leaves(got.params), jax.tree.leaves(want.params), jax.tree.leaves(params),
+                             strict=True):
+        a, b = np.asarray(new, np.float32) - np.asarray(old, np.float32), np.asarray(ref, np.float32) - np.asarray(old)
+        assert np.linalg.norm(a - b) <= 3e-2 * np.linalg.norm(b) + 1e-7
 
 
 CONFIG = DecoderConfig(

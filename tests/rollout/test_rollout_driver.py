@@ -230,9 +230,9 @@ def test_a_next_turn_sent_at_once_is_prefilled_in_the_next_tick(tiny_model):
     calls = []
     prefill_insert, generate = engine.prefill_insert, engine.generate
 
-    def logged_prefill(params, state, rows):
+    def logged_prefill(params, state, rows, **kwargs):
         calls.append(("prefill", [r.tokens.tolist() for r in rows]))
-        return prefill_insert(params, state, rows)
+        return prefill_insert(params, state, rows, **kwargs)
 
     def logged_generate(*args, **kwargs):
         calls.append(("generate", None))

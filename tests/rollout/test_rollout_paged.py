@@ -73,8 +73,10 @@ def trainer_logprobs(model, prompt, generated):
 @pytest.mark.parametrize("page_size", [3, 5])
 def test_paged_decoding_equals_teacher_forcing(tiny_model, page_size):
     """prefill_insert into pages of 3 / 5 tokens, then 3 dispatches of 4 steps: greedy tokens are
-    the teacher-forced argmax, logprobs the trainer's within 1e-5 (float32)."""
-    engine = one_device_engine(tiny_model, page_size=page_size)
+    the teacher-forced argmax, logprobs the trainer's within 1e-5 (float32). With pages of 3 the
+    7-token prompt is cut into packed rows of 4 tokens (`prefill_row_tokens`): two pieces of one
+    sequence in one call."""
+    engine = one_device_engine(tiny_model, page_size=page_size, prefill_row_tokens=4 if page_size == 3 else 64)
     params = engine.load_params(tiny_model)
     state = engine.init_decode_state()
     pages = engine.pages.alloc(0, 3)  # 7 prompt tokens (+ room) over 3 pages

@@ -98,6 +98,7 @@ def loss_settings(config: Config) -> LossSettings:
         correction_hparams=tuple(sorted(correction_hparams.items())),
         packed=a.pack_rows,
         max_segments=MAX_SEGMENTS if a.pack_rows else 0,
+        chunk_size=a.logprob_chunk_tokens,
     )
 
 
@@ -169,7 +170,7 @@ class RL:
         if "logprobs" not in self._compiled:
             self._compiled["logprobs"] = jax.jit(
                 functools.partial(forward_logprobs, temperature=self.config.rollout.temperature,
-                                  packed=self.settings.packed),
+                                  packed=self.settings.packed, chunk_size=self.settings.chunk_size),
                 static_argnums=(0,), static_argnames=("max_segments",))
         fn = self._compiled["logprobs"]
         a = self.config.algorithm

@@ -1,0 +1,168 @@
+"""The Driver's prefill path of the `Engine` (the `PagedPrefillAPI` mixin): `prefill_insert`
+writes a tick's new tokens straight into KV pages and fills decode slots in one call, over a
+closed set of compiled shapes (`prefill_shapes`) that `warmup` compiles before a run; the
+packing and the traced bodies are in `paged_prefill`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from agentrl_jax.models.decode import DecodeParams
+from agentrl_jax.rollout.paged_prefill import (
+    PackedRows,
+    PrefillRow,
+    copy_pages,
+    empty_pack,
+    pack_rows,
+    prefill_insert_step,
+    rows_bucket,
+    window_pages,
+)
+from agentrl_jax.rollout.pages import pages_for
+from agentrl_jax.rollout.result_tokens import ResultTokens
+from agentrl_jax.rollout.sampling import SlotSampling
+from agentrl_jax.rollout.state import DecodeState, attend_bucket
+
+logger = logging.getLogger(__name__)
+
+
+class PagedPrefillAPI:
+    """`Engine` methods of the paged prefill (uses the engine's mesh, slots, pages and programs)."""
+
+    def prefill_insert(
+        self, params: DecodeParams, decode_state: DecodeState, rows: Sequence[PrefillRow], *,
+        row_cap: int | None = None,
+    ) -> tuple[DecodeState, ResultTokens]:
+        """Prefill several sequences' new tokens into their pages and fill decode slots, in one call.
+
+        Row r writes the KV of ``rows[r].tokens`` at entries ``[start, start + len)`` of its
+        pages (earlier entries, e.g. a session's previous turns or a shared prompt, are read,
+        not recomputed); then its ``copies`` duplicate pages (copy-on-write of a group's last
+        partial page; a second, small call: `paged_prefill.copy_pages`); then each admission samples its first token from the row's last
+        position (or takes its forced token) and fills its slot. See `paged_prefill`.
+        ``row_cap``: packed rows per shard that the caller's token budget allows (the driver's
+        budget / `prefill_row_tokens`): a call with fewer pieces pads up to at most this many.
+
+        Returns:
+          the new decode state and `ResultTokens` with one row per admission, in order
+          (valid = 0 for forced tokens).
+        """
+        if not rows:
+            raise ValueError("prefill_insert: no rows")
+        packed = self._pack(rows, row_cap)
+        for m, a in enumerate(packed.admitted):
+            self.slots.assign(a.slot, a.pages, int(packed.adm_length[m]))
+        return self._run_prefill(params, self._sync(decode_state), packed)
+
+    def _pack(self, rows: Sequence[PrefillRow], row_cap: int | None) -> PackedRows:
+        reach = max(r.start + len(r.tokens) for r in rows)
+        return pack_rows(
+            rows, num_shards=self.num_shards, num_slots=self._slots, slots_per_shard=self._slots_per_shard,
+            pages_per_shard=self.memory_plan.pages_per_shard, page_size=self.page_size,
+            row_tokens=self.prefill_row_tokens, row_cap=row_cap, window=self._prefill_window(reach),
+            max_prefill=self._max_prefill, max_length=self.max_target_length,
+        )
+
+    def prefill_shape(self, rows: Sequence[PrefillRow], row_cap: int | None = None) -> tuple[int, int, int]:
+        """``(packed rows, row width C, window pages)`` of the `prefill_insert` call for ``rows``."""
+        pieces = [sum(-(-len(r.tokens) // self.prefill_row_tokens) for r in rows if r.shard == d)
+                  for d in range(self.num_shards)]
+        reach = max(r.start + len(r.tokens) for r in rows)
+        return (self.num_shards * rows_bucket(max(pieces), row_cap), self.prefill_row_tokens,
+                self._prefill_window(reach))
+
+    def prefill_shapes(self, token_budget: int) -> list[tuple[int, int, int]]:
+        """Every ``(packed rows, C, window pages)`` a driver with this prefill token budget per tick
+        meets: the closed set `warmup` compiles (rows per shard: powers of two up to budget / C)."""
+        cap = max(token_budget // self.prefill_row_tokens, 1)
+        per_shard = sorted({rows_bucket(n, cap) for n in range(1, cap + 1)})
+        windows, w = [], self._prefill_window(1)
+        while True:
+            windows.append(w)
+            if w >= self.table_width:
+                break
+            w = self._prefill_window(2 * w * self.page_size)
+        return [(self.num_shards * r, self.prefill_row_tokens, w) for r in per_shard for w in windows]
+
+    def _prefill_window(self, reach: int) -> int:
+        """Prefill attention window in pages: a power of two from 4 x attend_granule entries up."""
+        return window_pages(reach, page_size=self.page_size, floor=pages_for(4 * self._attend_granule, self.page_size),
+                            table_width=self.table_width)
+
+    def _run_prefill(self, params: DecodeParams, decode_state: DecodeState, packed: PackedRows):
+        fn, args = self._prefill_call(params, decode_state, packed)
+        decode_state, first = fn(*args)
+        if packed.num_copies or not packed.admitted:  # (no admission: a warm-up call compiles the copies too)
+            key = packed.copy_src.shape[0]
+            if key not in self._copy_fns:
+                self._copy_fns[key] = jax.jit(copy_pages, donate_argnums=(0,), out_shardings=self.state_shardings)
+            decode_state = self._copy_fns[key](decode_state, packed.copy_src, packed.copy_dst)
+        return decode_state, first
+
+    def _prefill_call(self, params: DecodeParams, decode_state: DecodeState, packed: PackedRows) -> tuple[Any, tuple]:
+        """The jitted prefill program for ``packed``'s shape and its arguments."""
+        key = (packed.tokens.shape, packed.tables.shape[1], packed.adm_row.shape[0])
+        if key not in self._paged_prefill_fns:
+            step = functools.partial(
+                prefill_insert_step, config=self.config, dtype=self._dtype, page_size=self.page_size,
+                cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh,
+            )
+            self._paged_prefill_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None))
+        by_row = NamedSharding(self._mesh, PartitionSpec(self._rows_spec))
+        by_row2 = NamedSharding(self._mesh, PartitionSpec(self._rows_spec, None))
+        placed = jax.device_put(
+            (packed.tokens, packed.tables, packed.starts, packed.lengths), (by_row2, by_row2, by_row, by_row)
+        )
+        # host arrays go to the jitted call as they are: it transfers them in one go (an eager
+        # jnp.asarray per array cost more host time than the transfers)
+        return self._paged_prefill_fns[key], (
+            params, decode_state, *placed, packed.adm_row, packed.adm_slot, packed.adm_key, packed.adm_generated,
+            packed.adm_forced, packed.adm_length, SlotSampling(*packed.sampling),
+        )
+
+    def warmup(self, params: DecodeParams, decode_state: DecodeState, *, token_budget: int,
+               num_steps: int | None) -> tuple[DecodeState, dict[str, float]]:
+        """Compile now every program a driver with this prefill budget and dispatch length runs.
+
+        Runs each shape of `prefill_shapes` once with padding rows only (they write the trash
+        page; no slot changes), one ``num_steps`` decode dispatch ("pallas": the only decode
+        program; "xla": one per attention window, each run once) while no slot is live, and
+        the batched slot frees of every size.
+        With a persistent compilation cache the programs are loaded, not compiled, on restart.
+
+        Returns:
+          the decode state and ``{"prefill_shapes", "decode_shapes", "seconds"}``.
+        """
+        if self.slots.live_slots():
+            raise RuntimeError("Engine.warmup: slots are live; warm up before the first request")
+        started = time.perf_counter()
+        for rows, width, window in self.prefill_shapes(token_budget):
+            packed = empty_pack(rows=rows, row_tokens=width, window=window, num_slots=self._slots)
+            decode_state, _ = self._run_prefill(params, self._sync(decode_state), packed)
+        steps = 1 if num_steps is None else num_steps
+        lengths = [self.table_width * self.page_size] if self.decode_attention == "pallas" else sorted(
+            {min(pages_for(attend_bucket(n, self.max_target_length, self._attend_granule), self.page_size),
+                 self.table_width) * self.page_size for n in range(steps, self.max_target_length + steps + 1)})
+        for attend_len in lengths:  # no slot is live: every slot writes the trash page
+            decode_state, _ = self._dispatch(params, self._sync(decode_state), num_steps, attend_len)
+        frees = 1
+        while True:  # the batched slot frees, padded to powers of two (`SlotTable`; slot S: dropped)
+            decode_state = self._deactivate(decode_state, np.full((frees,), self._slots, np.int32))
+            if frees >= self._slots:
+                break
+            frees *= 2
+        jax.block_until_ready(decode_state)
+        stats = {"prefill_shapes": len(self.prefill_shapes(token_budget)), "decode_shapes": len(lengths),
+                 "seconds": time.perf_counter() - started}
+        logger.info("rollout warm-up: %d prefill and %d decode programs in %.1f s", stats["prefill_shapes"],
+                    stats["decode_shapes"], stats["seconds"])
+        return decode_state, stats
