@@ -76,8 +76,8 @@ MODEL_OPTIONS = {"remat": "full", "lm_head_dtype": "param"}
 
 
 def _model(cfg: DecoderConfig, attention: str | None):
-    on_gpu = jax.default_backend() == "gpu"
-    model = Decoder(cfg, dtype=jnp.bfloat16 if on_gpu else jnp.float32, attention_impl=attention,
+    on_accelerator = jax.default_backend() in ("gpu", "tpu")
+    model = Decoder(cfg, dtype=jnp.bfloat16 if on_accelerator else jnp.float32, attention_impl=attention,
                     rngs=nnx.Rngs(0), **MODEL_OPTIONS)
     return split_params(model)
 
@@ -208,11 +208,11 @@ def main() -> None:
     p.add_argument("--remat", default="full", help="model.remat of every model")
     p.add_argument("--lm-head-dtype", default="param", choices=["param", "compute"], help="model.lm_head_dtype")
     p.add_argument("--masked-packed", action="store_true",
-                   help="packed rows through the segment mask instead of cuDNN's packed kernel")
+                   help="packed rows through the segment mask instead of cuDNN's packed kernel (GPU)")
     args = p.parse_args()
     MODEL_OPTIONS.update(remat=args.remat, lm_head_dtype=args.lm_head_dtype)
-    on_gpu = jax.default_backend() == "gpu"
-    attention = "cudnn" if on_gpu else "xla"
+    # the fused kernel of each accelerator (train.build.attention_implementation's "auto")
+    attention = {"gpu": "cudnn", "tpu": "splash"}.get(jax.default_backend(), "xla")
     cfg = DecoderConfig(architecture="qwen3", qk_norm=True, rope_theta=1e6, **SHAPES[args.size])
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  shape {args.size}  {MODEL_OPTIONS}",
           flush=True)

@@ -212,7 +212,7 @@ def main() -> None:
                         "float32) or in the compute dtype (compute: bfloat16)")
     p.add_argument("--worker-timeout", type=float, default=600, help="seconds per measurement")
     p.add_argument("--no-torch", action="store_true")
-    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"])
+    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn", "splash"])
     p.add_argument("--tiny", action="store_true", help="tiny shape, short sequence: a CPU smoke run")
     p.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -45,9 +45,9 @@ class ModelConfig(_Section):
     param_dtype: DType = _f("float32", "Dtype of the trained params (optimizer master copy).")
     reference_dtype: DType = _f("bfloat16", "Dtype of the frozen reference params.")
     attention_impl: Literal["auto", "xla", "cudnn", "splash"] = _f(
-        "auto", "jax.nn.dot_product_attention implementation; auto: cuDNN on GPUs in bfloat16, else JAX's pick; "
-        "splash: Pallas splash attention with segment ids for the trainer's forwards on TPU (checked only in "
-        "Pallas's interpreter so far; models/splash.py)."
+        "auto", "jax.nn.dot_product_attention implementation; auto: cuDNN on GPUs in bfloat16, splash on TPUs, "
+        "else JAX's pick; splash: Pallas splash attention with segment ids for the trainer's forwards, TPU only "
+        "(refused on other backends; checked only in Pallas's interpreter so far; models/splash.py)."
     )
     remat: Literal["none", "full", "dots_saveable", "attention_saveable", "dots_attention_saveable"] = _f(
         "full", "Rematerialization policy per layer (what the backward pass keeps instead of recomputing; "

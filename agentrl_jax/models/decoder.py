@@ -143,12 +143,16 @@ class Decoder(nnx.Module):
         interpreter elsewhere) for packed and right-padded rows without a cache
         (``models.splash``), XLA for the rest.
       remat: "none", "full" (recompute each layer in the backward pass), "dots_saveable"
-        (keep matmul outputs), "attention_saveable" (keep only cuDNN's fused attention
-        output and softmax statistics, so the backward pass never reruns the flash forward)
+        (keep matmul outputs), "attention_saveable" (keep only the fused attention's output
+        and softmax statistics, cuDNN's or splash's, so the backward pass never reruns the
+        flash forward)
         or "dots_attention_saveable" (both: only elementwise work is recomputed).
       activation_rules: logical-axis rules for activation sharding constraints (batch over
         the data axes, heads over tensor), applied only while a mesh with axes
         (data, fsdp, tensor) is set with ``jax.set_mesh``; None disables them.
+      mesh: the (data, fsdp, tensor) mesh the params live on, for splash attention's
+        ``shard_map`` when no mesh is set with ``jax.set_mesh`` (the trainer's jits set
+        none, and XLA cannot partition a Pallas TPU kernel); unused by other attentions.
       lm_head_dtype: "param": the logits matmul reads the output embedding as stored;
         "compute": cast to ``dtype`` first, like every other weight of the model. The logits
         are float32 either way (float32 accumulation). With float32 params and bfloat16
@@ -167,6 +171,7 @@ class Decoder(nnx.Module):
         remat: str = "none",
         activation_rules: Rules | None = DEFAULT_RULES,
         lm_head_dtype: str = "param",
+        mesh: Mesh | None = None,
         rngs: nnx.Rngs | None = None,
     ):
         if attention_impl not in ATTENTION_IMPLS:
@@ -185,6 +190,7 @@ class Decoder(nnx.Module):
         self.remat = remat
         self.activation_rules = activation_rules
         self.lm_head_dtype = lm_head_dtype
+        self.mesh = mesh
         specs = param_specs(config)
         init = tuple((name, shape, kind) for name, (shape, _, kind) in specs.items())
         values = _init_values(rngs.params(), init, jnp.dtype(param_dtype))
@@ -256,6 +262,7 @@ class Decoder(nnx.Module):
             constrain=constrain,
             positions=positions,
             rules=self.activation_rules,
+            mesh=self.mesh,
         )
         if cache is None and lengths is not None:
             if segment_ids is not None or attention_mask is not None:
@@ -345,6 +352,7 @@ def _decoder_block(
     lengths: jax.Array | None = None,
     packed: tuple[jax.Array, int] | None = None,
     rules: Rules | None = None,
+    mesh: Mesh | None = None,
 ) -> tuple[jax.Array, Any]:
     """One pre-norm block: ``h + Attn(RMSNorm(h))``, then ``h + SwiGLU(RMSNorm(h))``.
 
@@ -355,6 +363,7 @@ def _decoder_block(
         ``[B, S, KV, K]`` keys and values plus the updated cache.
       packed: ``(segment_ids, max_segments)`` for cuDNN's or splash's packed kernel, or None.
       rules: the activation rules (where splash attention finds the mesh placement).
+      mesh: the decoder's mesh, for splash attention when no mesh is set.
 
     Returns:
       ``(h [B, T, D], cache_state or None)``.
@@ -383,7 +392,7 @@ def _decoder_block(
         ids = packed[0] if packed is not None else (
             jnp.arange(h.shape[1])[None, :] < (h.shape[1] if lengths is None else lengths[:, None])
         ).astype(jnp.int32)
-        out = splash_packed_attention(q, k, v, ids, rules=rules)
+        out = splash_packed_attention(q, k, v, ids, rules=rules, mesh=mesh)
     elif packed is not None:
         out = packed_attention(q, k, v, *packed)
     else:

@@ -300,6 +300,7 @@ def load_hf_params(
             remat=remat,
             activation_rules=rules,
             lm_head_dtype=lm_head_dtype,
+            mesh=mesh,
         )
     )
     graphdef, abstract_params = split_params(abstract)

@@ -9,7 +9,11 @@ Off TPU the kernel runs in Pallas's interpreter, which is how the tests check it
 XLA segment mask (values and gradients); it has not run on a TPU in this repository yet.
 Under a (data, fsdp, tensor) mesh it runs per shard (``shard_map``: batch over the data
 axes, heads over tensor, as the decoder's activation rules place them), since XLA cannot
-partition a Pallas kernel.
+partition a Pallas kernel. The mesh is the one set with ``jax.set_mesh``, else the decoder's
+own (``Decoder(mesh=...)``; the trainer's jits set none). Rows whose length is not a
+multiple of 128 are padded for the kernel. The kernel names its saved residuals (output,
+logsumexp) ``RESIDUAL_NAME``, which the "attention_saveable" remat policies keep
+(``models/remat.py``).
 
 Dimension letters: B batch, T tokens, H query heads, KV kv heads, G = H / KV, K head dim.
 """
@@ -20,11 +24,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from agentrl_jax.sharding import DEFAULT_RULES, MESH_AXES, Rules, logical_to_spec
 
 BLOCKS = (512, 256, 128)  # kernel block sizes tried, largest first (TPU lanes: multiples of 128)
+# The name the kernel gives its saved residuals, kept by remat's "attention_saveable" policies.
+RESIDUAL_NAME = "splash_attention_residuals"
 
 
 def _block(length: int) -> int:
@@ -49,7 +55,8 @@ def _local(q, k, v, segment_ids, *, interpret: bool):
                                   block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block,
                                   block_kv_dq=block)
     mask = mask_lib.MultiHeadMask([mask_lib.CausalMask((T, T)) for _ in range(G)])
-    kernel = kernel_lib.make_splash_mqa_single_device(mask=mask, block_sizes=sizes, interpret=interpret)
+    kernel = kernel_lib.make_splash_mqa_single_device(mask=mask, block_sizes=sizes, interpret=interpret,
+                                                      residual_checkpoint_name=RESIDUAL_NAME)
     scale = jnp.asarray(K ** -0.5, q.dtype)
     q_heads = (q * scale).reshape(B, T, KV, G, K).transpose(0, 2, 3, 1, 4)  # head h = kv * G + g
     k_heads, v_heads = (x.transpose(0, 2, 1, 3) for x in (k, v))  # [B, KV, T, K]
@@ -70,6 +77,7 @@ def splash_packed_attention(
     *,
     interpret: bool | None = None,
     rules: Rules | None = DEFAULT_RULES,
+    mesh: Mesh | None = None,
 ) -> jax.Array:
     """Causal attention within segments (ids 1, 2, ...; 0 = padding) on the splash kernel.
 
@@ -77,19 +85,27 @@ def splash_packed_attention(
     their outputs are set to 0, as on the cuDNN path (``layers.packed_attention``).
 
     Args:
-      q: ``[B, T, H, K]``; k, v: ``[B, T, KV, K]``; T a multiple of 128.
+      q: ``[B, T, H, K]``; k, v: ``[B, T, KV, K]`` (T is padded to a multiple of 128 for
+        the kernel: causality keeps the padding out of every real query's view).
       segment_ids: ``[B, T]`` int.
       interpret: run in Pallas's interpreter (default: off TPU).
       rules: the logical-axis rules that place batch and heads when a mesh is set.
+      mesh: the (data, fsdp, tensor) mesh when none is set with ``jax.set_mesh``.
 
     Returns:
       ``[B, T, H, K]``.
     """
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
+    length = q.shape[1]
+    padded = -(-length // BLOCKS[-1]) * BLOCKS[-1]
+    if padded != length:  # padding tokens (id 0) after the row: no earlier query sees them
+        q, k, v = (jnp.pad(x, ((0, 0), (0, padded - length), (0, 0), (0, 0))) for x in (q, k, v))
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, padded - length)))
     segment_ids = segment_ids.astype(jnp.int32)
     local = functools.partial(_local, interpret=interpret)
-    mesh = jax.sharding.get_abstract_mesh()
+    context = jax.sharding.get_abstract_mesh()
+    mesh = context if mesh is None or not context.empty else mesh
     if rules is None or mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
         out = local(q, k, v, segment_ids)
     else:
@@ -101,4 +117,5 @@ def splash_packed_attention(
         ids_spec = spec(("batch", "sequence"), shape=segment_ids.shape)
         out = jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, ids_spec), out_specs=q_spec,
                             check_vma=False)(q, k, v, segment_ids)
-    return jnp.where((segment_ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+    out = jnp.where((segment_ids > 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+    return out[:, :length]

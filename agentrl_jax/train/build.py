@@ -30,16 +30,31 @@ _SHAPE_FIELDS = ("architecture", "vocab_size", "hidden_size", "intermediate_size
                  "num_kv_heads", "head_dim", "tie_word_embeddings", "attention_bias", "qk_norm")
 
 
-def attention_implementation(setting: str, compute_dtype: str) -> str | None:
-    """``model.attention_impl`` -> the decoder's: "auto" is cuDNN on GPU in bf16, else JAX's choice.
+def attention_implementation(setting: str, compute_dtype: str, backend: str | None = None) -> str | None:
+    """``model.attention_impl`` -> the decoder's: "auto" is cuDNN on GPU in bf16, the splash
+    kernel on TPU, else JAX's choice.
 
     JAX's own choice (None) keeps the XLA kernel on GPU for the trainer's causal attention,
     2x slower than cuDNN's fused kernel at the 1.7B shape (docs/benchmarks.md). cuDNN's
-    fused attention takes only 16-bit inputs, so float32 compute stays on XLA.
+    fused attention takes only 16-bit inputs, so float32 compute stays on XLA. On TPU JAX's
+    choice is XLA with a ``[B, 1, T, T]`` mask for packed rows; the splash kernel
+    (``models.splash``) takes segment ids instead.
+
+    Args:
+      backend: the JAX backend (default ``jax.default_backend()``).
+
+    Raises:
+      ConfigError: "splash" off TPU (the kernel would run in Pallas interpret mode).
     """
+    backend = jax.default_backend() if backend is None else backend
+    if setting == "splash" and backend != "tpu":
+        raise ConfigError(f"model.attention_impl: 'splash' is a TPU kernel and the JAX backend is {backend!r} "
+                          "(it would run in Pallas interpret mode, far too slow to train); use 'auto' or 'xla'")
     if setting != "auto":
         return setting
-    return "cudnn" if jax.default_backend() == "gpu" and compute_dtype == "bfloat16" else None
+    if backend == "tpu":
+        return "splash"
+    return "cudnn" if backend == "gpu" and compute_dtype == "bfloat16" else None
 
 
 def build_rl(config: Config, *, roles: Roles, tokenizer, driver, env_factory, train_tasks: list[dict],
