@@ -115,6 +115,11 @@ class RolloutConfig(_Section):
         False, "Keep full KV pages of finished prompts and reuse them for later sequences with the same leading "
         "tokens (repeated system prompts, a task's prompt in later steps); emptied by every weight update."
     )
+    warmup: Literal["auto", "on", "off"] = _f(
+        "auto", "Compile every rollout program (the closed set of prefill shapes, the decode dispatch, the slot "
+        "frees) before the first rollout, so no step compiles mid-rollout ('auto': on for GPU/TPU engines, off "
+        "on CPU, where a run meets only a few of the shapes)."
+    )
     compilation_cache_dir: str = _f(
         "", "JAX persistent compilation cache directory ('~' expanded), so a restarted run does not compile the "
         "rollout (or anything else) again ('': off)."

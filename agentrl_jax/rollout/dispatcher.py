@@ -84,7 +84,7 @@ class Dispatcher:
             self._prepare([])
         self.state, stats = self.engine.warmup(self.params, self.state, token_budget=self.budget,
                                                num_steps=self.steps)
-        return stats
+        return {**stats, "programs": self.engine.compiled_programs()}
 
     def stats(self) -> dict[str, float]:
         """Decode occupancy and KV pages (see `Driver.stats`)."""
@@ -96,7 +96,7 @@ class Dispatcher:
             "slot_occupancy": self.live_slot_steps / slot_steps if slot_steps else 0.0,
             "kept_token_fraction": self.kept_tokens / self.live_slot_steps if self.live_slot_steps else 0.0,
             "preemptions": sched.preemptions, "evictions": sched.evictions, "shared_prefills": sched.shared_prefills,
-            "split_groups": sched.split_groups,
+            "split_groups": sched.split_groups, "compiled_programs": engine.compiled_programs(),
         }
         if sched.cache is not None:
             out.update(prefix_cache_pages=len(sched.cache), prefix_cache_hits=sched.cache.hits,

@@ -202,7 +202,8 @@ class Driver:
         requests are in flight).
 
         Returns:
-          ``{"prefill_shapes", "decode_shapes", "seconds"}``.
+          ``{"prefill_shapes", "decode_shapes", "seconds", "programs"}`` (programs: the engine's
+          compiled count after warm-up, `Engine.compiled_programs`).
         """
         self._check_alive()
         if self._inbox or (self._task is not None and not self._task.done() and not self._dispatcher.idle):
@@ -250,7 +251,8 @@ class Driver:
         - the counts behind them: ``decode_dispatches``, ``live_slot_steps``, ``kept_tokens``
           (decoded tokens only; a request's first token comes from its prefill); and
           ``preemptions``, ``evictions``, ``shared_prefills``, ``split_groups`` (groups admitted over
-          several ticks because fewer slots than samples were free), ``busy_seconds``, ``idle_seconds``.
+          several ticks because fewer slots than samples were free), ``busy_seconds``, ``idle_seconds``;
+          ``compiled_programs`` (`Engine.compiled_programs`: constant after `warmup`).
         - With a decode state: ``kv_pool_tokens`` / ``kv_pool_bytes_per_device`` (reserved by the
           budget), ``kv_held_tokens`` (pages held by slots, sessions and prefills x page size) and
           ``kv_written_tokens`` (cache entries they hold; a page shared by a group counts once per

@@ -254,6 +254,15 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         self.memory_plan = plan
         return plan
 
+    def compiled_programs(self) -> int:
+        """Programs the paged rollout path has compiled so far: prefill shapes, page copies, decode
+        dispatches and slot frees. It stays constant after `warmup` when warm-up covered every
+        shape a run meets (``rollout/engine/compiled_programs`` in the trainer's metrics)."""
+        fns = [*self._paged_prefill_fns.values(), *self._copy_fns.values(), *self._generate_fns.values()]
+        if self.memory_plan is not None:
+            fns.append(self._deactivate)
+        return sum(fn._cache_size() for fn in fns)
+
     def init_decode_state(self) -> DecodeState:
         """All slots free and every page free, materialized directly in the decode-state sharding.
 

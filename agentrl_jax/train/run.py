@@ -172,6 +172,7 @@ class _Job:
                              max_target_length=config.rollout.max_sequence_length,
                              max_prefill_length=config.rollout.max_prompt_length,
                              cache_dtype=DTYPES[config.rollout.cache_dtype], **config.rollout.engine_kwargs())
+        self.engine_mesh = engine_mesh
         self.engine_params = lambda p: multihost.local_replica(p, mesh, engine_mesh)
 
     async def run(self, env_factory, train_tasks, eval_tasks) -> tuple[dict[str, Any], LoopResult]:
@@ -188,6 +189,8 @@ class _Job:
             finished = start.restored is not None and "end" in results and start.step == c.total_steps
             if start.restored is not None and not finished:
                 results.pop("end", None)  # a finished run's, continued to a larger total_steps
+            if not finished and _warmup_wanted(r.warmup, self.engine_mesh):
+                results["rollout_warmup"] = await driver.warmup()  # no rollout step compiles after this
             # The frozen models come from the policy RL started from (the loaded checkpoint, or the
             # post-SFT policy), never the trained state; a finished run needs none of them.
             roles = Roles(self.graphdef) if finished else build_roles(
@@ -248,6 +251,12 @@ class _Job:
             state = init_train_state(self.params, optimizer, c.seed)
             await driver.update_params(self.engine_params(self.params), 0)
         return _Start(None, state, 0, 0, self.params, None)
+
+
+def _warmup_wanted(setting: str, engine_mesh) -> bool:
+    """``rollout.warmup``: "auto" warms up on accelerators only; a CPU run meets few of the shapes,
+    and compiling all of them would cost it more than it saves."""
+    return setting == "on" or (setting == "auto" and engine_mesh.devices.flat[0].platform != "cpu")
 
 
 @dataclasses.dataclass

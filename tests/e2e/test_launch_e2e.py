@@ -61,7 +61,8 @@ def _metrics(out_dir):
 @pytest.fixture(scope="module")
 def two_step_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "run"
-    proc = _launch(out, "total_steps=2", "checkpoint.resume=false", *FROZEN_MODELS)
+    # rollout.warmup=on: CPU's "auto" skips the warm-up; here it is checked on the sharded engine
+    proc = _launch(out, "total_steps=2", "checkpoint.resume=false", "rollout.warmup=on", *FROZEN_MODELS)
     return out, proc
 
 
@@ -79,6 +80,9 @@ def test_demo_command_trains_two_steps_on_a_2x2x2_mesh(two_step_run):
         assert m["update_norm"] > 0  # params changed (the entropy term always has a gradient)
         assert m["logprob_gap_train_infer"] < 1e-4  # engine and trainer logprobs agree
         assert m["rollout/sampled_tokens"] > 0
+        # no rollout (start evaluation, steps) compiled a program the warm-up did not
+        assert m["rollout/engine/compiled_programs"] == results["rollout_warmup"]["programs"]
+    assert results["rollout_warmup"]["prefill_shapes"] >= 1
     from agentrl_jax.train.metrics import read_tensorboard
 
     tb = read_tensorboard(out / "metrics")

@@ -28,9 +28,7 @@ def one_device_engine(tiny_model, **kw):
 
 
 def programs(engine) -> int:
-    compiled = [*engine._paged_prefill_fns.values(), *engine._copy_fns.values(), *engine._generate_fns.values(),
-                engine._deactivate]
-    return sum(fn._cache_size() for fn in compiled)
+    return engine.compiled_programs()
 
 
 async def workload(driver, seed: int):
