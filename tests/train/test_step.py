@@ -37,8 +37,11 @@ def _batch(n=8, seed=0):
     return arrays
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                                         "seq-mean-token-sum-norm"])
+# Micro-batching in every aggregation mode is checked at the loss level in
+# tests/losses/test_losses_aggregation.py; through the whole update the sequence-sum modes run with -m slow.
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean",
+                                         pytest.param("seq-mean-token-sum", marks=pytest.mark.slow),
+                                         pytest.param("seq-mean-token-sum-norm", marks=pytest.mark.slow)])
 def test_micro_batched_update_equals_full_batch(aggregation):
     graphdef, params = _tiny()
     batch = _batch()
