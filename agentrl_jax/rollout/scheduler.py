@@ -36,6 +36,10 @@ from agentrl_jax.rollout.tracks import Pending, Sequence, Session
 
 __all__ = ["Pending", "Scheduler", "Sequence", "Session"]
 
+# Free fraction of the page pool at or below which episodes under way are prefilled before new
+# ones (above it: arrival order). Swept on CPU in docs/benchmarks.md ("Agentic rollout").
+TIGHT_FREE_FRACTION = 0.5
+
 
 class Scheduler:
     """The driver's page and slot policy (host side; the driver runs it inside its tick).
@@ -175,11 +179,11 @@ class Scheduler:
         budget = self.budget
         free_slots = {d: [s for s in engine.shard_slots(d) if s not in self.slots] for d in range(engine.num_shards)}
         rows, admitted, finished, offers = [], [], [], []
-        # with half of the pool or less free, episodes under way (a session's next turn, a resumed
+        # with TIGHT_FREE_FRACTION (half) of the pool or less free, episodes under way (a session's next turn, a resumed
         # sequence) go before new ones: finishing episodes frees pages, starting new ones takes them; with
         # plenty free, arrival order (new episodes started early shorten the pass's ragged tail)
-        tight = sum(engine.pages.num_free(d) for d in range(engine.num_shards)) * 2 <= (
-            engine.pages.usable_pages * engine.num_shards)
+        tight = sum(engine.pages.num_free(d) for d in range(engine.num_shards)) <= (
+            TIGHT_FREE_FRACTION * engine.pages.usable_pages * engine.num_shards)
         for pending in sorted(self.waiting, key=lambda p: p.new_episode) if tight else list(self.waiting):
             if budget <= 0:
                 break
