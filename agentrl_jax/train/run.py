@@ -189,8 +189,6 @@ class _Job:
             finished = start.restored is not None and "end" in results and start.step == c.total_steps
             if start.restored is not None and not finished:
                 results.pop("end", None)  # a finished run's, continued to a larger total_steps
-            if not finished and _warmup_wanted(r.warmup, self.engine_mesh):
-                results["rollout_warmup"] = await driver.warmup()  # no rollout step compiles after this
             # The frozen models come from the policy RL started from (the loaded checkpoint, or the
             # post-SFT policy), never the trained state; a finished run needs none of them.
             roles = Roles(self.graphdef) if finished else build_roles(
@@ -198,6 +196,9 @@ class _Job:
                 start_step=start.step, policy_params=start.state.params)
             if start.restored is not None and roles.teacher is not None:
                 roles.teacher.restore(self.checkpointer, start.step)  # a lagged teacher's snapshot / EMA
+            if not finished and _warmup_wanted(r.warmup, self.engine_mesh):
+                # After the frozen models are placed: warm-up builds the KV pool, sized from the free memory.
+                results["rollout_warmup"] = await driver.warmup()  # no rollout step compiles after this
             del self.params, start.initial_params  # the frozen copies are made; the trained policy is the state
             rl = build_rl(c, roles=roles, tokenizer=self.tokenizer, driver=driver, env_factory=env_factory,
                           train_tasks=train_tasks, eval_tasks=eval_tasks, writer=self.writer,
