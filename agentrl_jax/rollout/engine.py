@@ -261,7 +261,8 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         fns = [*self._paged_prefill_fns.values(), *self._copy_fns.values(), *self._generate_fns.values()]
         if self.memory_plan is not None:
             fns.append(self._deactivate)
-        return sum(fn._cache_size() for fn in fns)
+        # a jitted function's count of compiled signatures (private in jax; one per function if it goes)
+        return sum(fn._cache_size() if hasattr(fn, "_cache_size") else 1 for fn in fns)
 
     def init_decode_state(self) -> DecodeState:
         """All slots free and every page free, materialized directly in the decode-state sharding.
