@@ -6,10 +6,10 @@ Host-side bookkeeping only (no device calls); `driver.Driver` runs it inside its
 
 - Waiting work is prefilled under a token budget (in packed tokens: each sequence's chunk
   rounded up to whole rows of the engine's `prefill_row_tokens`, so a tick's call is
-  one of the shapes `Engine.warmup` compiled), in arrival order while half the pool or
-  more is free, else episodes under way (a session's next turn, a resumed sequence) before
-  new ones; a group takes the slots that are free and the rest follows
-  (`Scheduler.split_group`).
+  one of the shapes `Engine.warmup` compiled), in arrival order while more than
+  `TIGHT_FREE_FRACTION` (half) of the pool is free, else episodes under way (a session's
+  next turn, a resumed sequence) before new ones; a group takes the slots that are free and
+  the rest follows (`Scheduler.split_group`).
 - Out of pages: the prefix cache gives pages back first, then idle sessions (their next
   turn re-prefills the history), then the newest decoding sequence is preempted (it is
   re-prefilled later from its kept tokens, exactly). A new episode never evicts a session
@@ -179,9 +179,9 @@ class Scheduler:
         budget = self.budget
         free_slots = {d: [s for s in engine.shard_slots(d) if s not in self.slots] for d in range(engine.num_shards)}
         rows, admitted, finished, offers = [], [], [], []
-        # with TIGHT_FREE_FRACTION (half) of the pool or less free, episodes under way (a session's next turn, a resumed
-        # sequence) go before new ones: finishing episodes frees pages, starting new ones takes them; with
-        # plenty free, arrival order (new episodes started early shorten the pass's ragged tail)
+        # with TIGHT_FREE_FRACTION (half) of the pool or less free, episodes under way (a session's next
+        # turn, a resumed sequence) go before new ones: finishing episodes frees pages, starting new ones
+        # takes them; with more free, arrival order (new episodes started early shorten the ragged tail)
         tight = sum(engine.pages.num_free(d) for d in range(engine.num_shards)) <= (
             TIGHT_FREE_FRACTION * engine.pages.usable_pages * engine.num_shards)
         for pending in sorted(self.waiting, key=lambda p: p.new_episode) if tight else list(self.waiting):
