@@ -355,6 +355,7 @@ def _sft(config, graphdef, params, tokenizer, conversations, writer, mesh, *, to
         seed=config.seed,
         metrics_writer=writer,
         mesh=mesh,
+        chunk_size=config.algorithm.logprob_chunk_tokens,
     )
     if history:
         logger.info("SFT: %d steps, loss %.4f -> %.4f", len(history), history[0]["sft/loss"], history[-1]["sft/loss"])

@@ -134,12 +134,14 @@ def run_sft(
     metrics_writer: Any = None,
     log_prefix: str = "sft/",
     mesh: Any = None,
+    chunk_size: int = 1024,
 ) -> tuple[TrainState, list[dict[str, float]]]:
     """SFT for ``steps`` updates on shuffled batches of ``batch_size`` conversations.
 
     Rows are packed to ``row_length`` and the row count is rounded to a power of two so
     the update compiles for few shapes; attention runs on the fused packed path for the
-    batch's segment bound (``train.packing.segment_bound``).
+    batch's segment bound (``train.packing.segment_bound``). ``chunk_size``: tokens per
+    logprob chunk (``algorithm.logprob_chunk_tokens``).
     """
     if not records:
         raise ValueError("run_sft: no SFT records")
@@ -164,7 +166,7 @@ def run_sft(
                     update_step,
                     graphdef=graphdef,
                     optimizer=optimizer,
-                    settings=sft_settings(max_segments=key[1]),
+                    settings=sft_settings(chunk_size, max_segments=key[1]),
                     num_micro_batches=1,
                     num_sequences=len(chosen),
                 ),
