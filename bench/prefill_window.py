@@ -3,12 +3,20 @@
 
 A multi-turn rollout's prefill calls cost ~18 ms each on an H200 for ~270 real tokens,
 whatever they compute (docs/benchmarks.md, "Where a tick's time goes"). This script runs
-every shape the driver's token budget allows (`Engine.prefill_shapes`), with padding rows
-(they write the trash page), and prints the median wall time per call, so the cost can be
-read against rows and window on any device:
+every shape the driver's token budget allows (`Engine.prefill_shapes`) with every row a
+real piece that fills the window (its own pages, ``C`` new tokens at the window's end, no
+admission), and prints the median wall time per call, so the cost can be read against rows
+and window on any device (``--padding``: padding rows instead, which write nothing; what
+`Engine.warmup` runs):
 
     python bench/prefill_window.py --size tiny            # CPU: the tiny Qwen3
     python bench/prefill_window.py --size 1.7b            # GPU
+    python bench/prefill_window.py --size 1.7b --shapes 8x32,16x80 --profile /tmp/pw   # + device kernels
+
+``--profile DIR`` traces ``--calls`` more calls of each shape with ``jax.profiler`` and
+reduces the trace to a table of device milliseconds per call by HLO instruction
+(`profile_step`'s summary), written to ``DIR/<rows>x<window>.txt``; on CPU the trace has no
+device plane and the table is empty.
 """
 
 from __future__ import annotations
@@ -30,6 +38,10 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--token-budget", type=int, default=1024, help="the driver's prefill tokens per tick")
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--shapes", help="only these, as ROWSxWINDOW_PAGES,... (default: every warm-up shape)")
+    parser.add_argument("--profile", help="trace each shape's calls and write a kernel table per shape here")
+    parser.add_argument("--top", type=int, default=25, help="ops in each profile table")
+    parser.add_argument("--padding", action="store_true", help="padding rows (warm-up's calls), not real pieces")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
 
@@ -48,8 +60,16 @@ def main() -> None:
     params, state = engine.load_params(model), engine.init_decode_state()
     print(f"device: {jax.devices()[0].device_kind} x1  jax {jax.__version__}  size {args.size}")
     rows = []
-    for n, width, window in engine.prefill_shapes(args.token_budget):
-        packed = empty_pack(rows=n, row_tokens=width, window=window, num_slots=args.slots)
+    shapes = engine.prefill_shapes(args.token_budget)
+    if args.shapes:
+        wanted = {tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")}
+        shapes = [s for s in shapes if (s[0], s[2]) in wanted]
+        if len(shapes) != len(wanted):
+            known = ",".join(f"{n}x{w}" for n, _, w in engine.prefill_shapes(args.token_budget))
+            raise SystemExit(f"--shapes {args.shapes}: not all in the warm-up set ({known})")
+    for n, width, window in shapes:
+        packed = (empty_pack(rows=n, row_tokens=width, window=window, num_slots=args.slots) if args.padding
+                  else _full_rows(engine, n, width, window))
         times = []
         for _ in range(args.calls + 1):  # the first compiles
             t0 = time.perf_counter()
@@ -58,11 +78,62 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         row = {"rows": n, "row_tokens": width, "window_pages": window,
                "ms_per_call": round(1e3 * float(np.median(times[1:])), 2)}
+        if args.profile:
+            row.update(_profile(engine, params, state, packed, args, f"{n}x{window}"))
+            state = row.pop("state")
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def _full_rows(engine, n: int, width: int, window: int):
+    """``n`` rows of ``width`` new tokens each ending at its ``window``'s last entry, each with
+    its own pages (shard 0), packed as `Engine.prefill_insert` packs them (no admission)."""
+    import numpy as np
+
+    from agentrl_jax.rollout.paged_prefill import PrefillRow
+
+    P = engine.page_size
+    reach = min(window * P, engine.max_target_length - 1)
+    first = 1  # page 0 is the trash page
+    if first + n * window > engine.memory_plan.pages_per_shard:
+        raise SystemExit(f"{n} rows x {window} pages do not fit the pool of {engine.memory_plan.pages_per_shard}")
+    rng = np.random.default_rng(0)
+    rows = [PrefillRow(shard=0, pages=list(range(first + i * window, first + (i + 1) * window)), start=reach - width,
+                       tokens=rng.integers(1, engine.config.vocab_size, width).astype(np.int32)) for i in range(n)]
+    packed = engine._pack(rows, row_cap=n)
+    assert packed.tokens.shape[0] == n and packed.tables.shape[1] == window, (packed.tokens.shape, packed.tables.shape)
+    return packed
+
+
+def _profile(engine, params, state, packed, args, name: str) -> dict:
+    """Trace ``args.calls`` prefill calls of one shape; write the kernel table; device ms per call."""
+    import jax
+
+    from profile_step import device_kernels, parse_hlo, render, summarize
+
+    fn, call_args = engine._prefill_call(params, engine._sync(state), packed)
+    hlo_ops = parse_hlo(fn.lower(*call_args).compile().as_text())
+    trace_dir = os.path.join(args.profile, f"trace_{name}")
+    times = []
+    with jax.profiler.trace(trace_dir):
+        for _ in range(args.calls):
+            t0 = time.perf_counter()
+            state, _ = engine._run_prefill(params, state, packed)
+            jax.block_until_ready(state)
+            times.append(time.perf_counter() - t0)
+    kernels, _ = device_kernels(trace_dir)
+    wall = sorted(times)[len(times) // 2]
+    summary = summarize(kernels, hlo_ops, args.calls, wall, args.top)
+    header = f"{jax.devices()[0].device_kind}: prefill call {name} (rows x window pages), size {args.size}"
+    with open(os.path.join(args.profile, f"{name}.txt"), "w") as f:
+        f.write(render(summary, header))
+    print(render(summary, header), flush=True)
+    return {"state": state, "traced_ms_per_call": round(1e3 * wall, 2),
+            "device_ms_per_call": round(summary["device_busy_ms_per_step"], 2),
+            "kernels_per_call": len(kernels) // max(args.calls, 1)}
 
 
 if __name__ == "__main__":

@@ -202,6 +202,7 @@ def forward(
     cache_spec: PartitionSpec | None = None,
     mesh: Mesh | None = None,
     page_table: jax.Array | None = None,
+    write_len: jax.Array | None = None,
 ) -> tuple[jax.Array, LayerCache]:
     """Final hidden states of ``[B, T]`` new tokens and the cache with their keys/values.
 
@@ -224,6 +225,10 @@ def forward(
       page_table: ``[B, T]`` int32 local page ids: the cache buffers are then pools of pages
         ``[N, KV, P, K]`` and row b's entry t lives at entry ``t % P`` of page
         ``page_table[b, t // P]`` (`paged_xla_attend_and_write`); ``attend_len <= T * P``.
+      write_len: ``[B]`` int32, with a page table: row b's real tokens; the keys/values of its
+        padding tokens (``t >= write_len[b]``) are not written anywhere, and the real ones,
+        which the caller guarantees land on distinct entries, are scattered as unique indices.
+        The padding tokens' hidden states are then meaningless.
 
     Returns:
       ``(hidden [B, T, D] in dtype, new cache)``.
@@ -277,7 +282,10 @@ def forward(
         if page_table is None:
             window = functools.partial(xla_attend_and_write, attend_len=attend_len, dtype=dtype)
         else:
-            window = functools.partial(paged_xla_attend_and_write, attend_len=attend_len, dtype=dtype)
+            if write_len is not None:  # padding tokens write nowhere: mark them past the write window
+                write_pos = jnp.where(jnp.arange(T)[None, :] < write_len[:, None], write_pos, -1)
+            window = functools.partial(paged_xla_attend_and_write, attend_len=attend_len, dtype=dtype,
+                                       unique_writes=write_len is not None)
             if sharded:  # the pool's pages are split like the rows: gathers and scatters stay local
                 window = jax.shard_map(
                     window, mesh=mesh, check_vma=False, out_specs=out_specs,
@@ -389,12 +397,19 @@ def xla_attend_and_write(write_pos, visible, qkv, k_cache, v_cache, *, attend_le
     return grouped_attention(q, *window, visible), k_cache, v_cache
 
 
-def paged_xla_attend_and_write(write_pos, qkv, k_pool, v_pool, page_table, *, attend_len, dtype):
+def paged_xla_attend_and_write(write_pos, qkv, k_pool, v_pool, page_table, *, attend_len, dtype,
+                               unique_writes: bool = False):
     """`xla_attend_and_write` over a pool of pages: scatter the new keys/values through the page
     table, gather each row's first ``ceil(attend_len / P)`` pages into a window, attend.
 
+    With ``unique_writes`` the tokens at ``write_pos < 0`` (padding) are dropped rather than
+    sent to the trash page, and the rest are scattered as unique indices. XLA's GPU scatter
+    otherwise has to allow for colliding writes (the trash page takes every padding token's),
+    which cost a call ~2-5 ms at the 1.7B shape, more than the keys' and values' bytes
+    (docs/benchmarks.md). The queries of dropped tokens still attend (their outputs are not used).
+
     Args:
-      write_pos: ``[B, T]`` cache index of each new token.
+      write_pos: ``[B, T]`` cache index of each new token (with ``unique_writes``, < 0: not written).
       qkv: ``[B, T, KV, G + 2, K]``.
       k_pool, v_pool: ``[N, KV, P, K]`` pages (local to this shard).
       page_table: ``[B, Tp]`` int32 page ids; entries past a row's pages point at the trash
@@ -408,11 +423,15 @@ def paged_xla_attend_and_write(write_pos, qkv, k_pool, v_pool, page_table, *, at
     P, Tp = k_pool.shape[2], page_table.shape[1]
     q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
     index = write_pos // P
-    page = jnp.take_along_axis(page_table, jnp.minimum(index, Tp - 1), axis=1)
-    page = jnp.where(index < Tp, page, TRASH_PAGE)  # [B, T]
+    page = jnp.take_along_axis(page_table, jnp.clip(index, 0, Tp - 1), axis=1)
     offset = write_pos % P
-    k_pool = k_pool.at[page, :, offset].set(k.astype(k_pool.dtype))
-    v_pool = v_pool.at[page, :, offset].set(v.astype(v_pool.dtype))
+    if unique_writes:  # padding and writes past the table: an index past the pool, dropped
+        page = jnp.where((write_pos >= 0) & (index < Tp), page, k_pool.shape[0])
+        write = dict(mode="drop", unique_indices=True)
+    else:
+        page, write = jnp.where(index < Tp, page, TRASH_PAGE), {}  # [B, T]
+    k_pool = k_pool.at[page, :, offset].set(k.astype(k_pool.dtype), **write)
+    v_pool = v_pool.at[page, :, offset].set(v.astype(v_pool.dtype), **write)
     n = -(-attend_len // P)
     pages = page_table[:, :n]
 

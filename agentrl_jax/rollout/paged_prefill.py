@@ -85,7 +85,7 @@ class PackedRows:
     tokens: np.ndarray  # [R, C]
     tables: np.ndarray  # [R, window] local page ids
     starts: np.ndarray  # [R]
-    lengths: np.ndarray  # [R] real tokens per row (1 for padding rows)
+    lengths: np.ndarray  # [R] real tokens per row (0 for padding rows: they write nothing)
     adm_row: np.ndarray  # [M]
     adm_slot: np.ndarray  # [M], S for padding (dropped)
     adm_key: np.ndarray  # [M, 2]
@@ -133,7 +133,7 @@ def pack_rows(
     R = num_shards * rows_per_shard
     tokens = np.zeros((R, C), np.int32)
     tables = np.full((R, window), TRASH_PAGE, np.int32)
-    starts, lengths = np.zeros((R,), np.int32), np.ones((R,), np.int32)
+    starts, lengths = np.zeros((R,), np.int32), np.zeros((R,), np.int32)
     last = {}  # id(row) -> its last piece's packed row (where its admissions sample)
     for d in range(num_shards):
         for j, (r, at) in enumerate(pieces[d]):
@@ -162,11 +162,11 @@ def pack_rows(
 
 def empty_pack(*, rows: int, row_tokens: int, window: int, num_slots: int) -> PackedRows:
     """A pack of padding rows only (no admission, page copies of the trash page onto itself): the
-    arrays a warm-up call compiles with. Its rows write only the trash page."""
+    arrays a warm-up call compiles with. Its rows write nothing."""
     M = num_slots
     return PackedRows(
         np.zeros((rows, row_tokens), np.int32), np.full((rows, window), TRASH_PAGE, np.int32),
-        np.zeros((rows,), np.int32), np.ones((rows,), np.int32), np.zeros((M,), np.int32),
+        np.zeros((rows,), np.int32), np.zeros((rows,), np.int32), np.zeros((M,), np.int32),
         np.full((M,), num_slots, np.int32), np.zeros((M, 2), np.uint32), np.zeros((M,), np.int32),
         np.full((M,), -1, np.int32), np.zeros((M,), np.int32),
         (np.zeros((M,), np.float32), np.zeros((M,), np.int32), np.ones((M,), np.float32)),
@@ -202,9 +202,9 @@ def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, leng
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     hidden, cache = forward(
         params, tokens, positions, state.cache, starts, config=config, attend_len=tables.shape[1] * page_size,
-        dtype=dtype, page_table=tables, cache_spec=cache_spec, mesh=mesh,
+        dtype=dtype, page_table=tables, cache_spec=cache_spec, mesh=mesh, write_len=lengths,
     )
-    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [R, D]
+    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]  # [R, D]
     logits = next_token_logits(last[adm_row], *params.output_embedding())
     sampled, log_prob, truncated = sample(logits, step_keys(adm_key, adm_generated), sampling)
     forced = adm_forced >= 0
