@@ -121,3 +121,25 @@ def test_prefill_program_writes_the_pool_in_place(tiny_model):
     pool_type = f"{pool.dtype.name[0]}{pool.dtype.itemsize * 8}[{','.join(map(str, pool.shape))}]"
     copies = [line for line in hlo.splitlines() if pool_type in line and " copy(" in line]
     assert not copies, copies[:2]
+
+
+def test_padding_rows_and_copies_write_nothing(tiny_model):
+    """Padding rows and padding page copies leave every page alone, the trash page included, and
+    the real writes and copies still land. (They used to write the trash page: colliding writes,
+    which XLA's GPU scatter serializes; the writes are now declared unique, which only holds if
+    padding writes nowhere.)"""
+    engine = one_device_engine(tiny_model, page_size=5, prefill_row_tokens=3)
+    params, state = engine.load_params(tiny_model), engine.init_decode_state()
+    src, dst = engine.pages.alloc(0, 2), engine.pages.alloc(0, 1)
+    row = PrefillRow(0, src, 0, np.arange(1, 8, dtype=np.int32), copies=[(src[1], dst[0])])
+    packed = engine._pack([row], row_cap=4)  # three pieces, one padding row, padding copies
+    assert packed.tokens.shape[0] == 4 and packed.copy_dst.size > 1
+    before = [np.asarray(x) for x in state.cache.k + state.cache.v]
+    state, _ = engine._run_prefill(params, state, packed)
+    after = [np.asarray(x) for x in state.cache.k + state.cache.v]
+    written = set(src) | set(dst)
+    for b, a in zip(before, after, strict=True):
+        untouched = [p for p in range(b.shape[0]) if p not in written]
+        np.testing.assert_array_equal(a[untouched], b[untouched])  # the trash page (0) among them
+        assert np.abs(a[src[0]]).sum() > 0
+        np.testing.assert_array_equal(a[dst[0]], a[src[1]])  # the copy-on-write landed
