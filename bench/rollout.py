@@ -250,6 +250,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tool-latency", type=float, default=0.0)
     parser.add_argument("--steps-per-dispatch", type=int, default=16)
     parser.add_argument("--page-size", type=int, default=32)
+    parser.add_argument("--row-tokens", type=int, default=64, help="Engine(prefill_row_tokens=): prefill piece width")
     parser.add_argument("--header", type=int, default=0,
                         help="tokens of a header (system prompt / few-shot) shared by every group's prompt")
     parser.add_argument("--prefix-cache", action="store_true", help="Driver(prefix_cache=True)")
@@ -294,7 +295,8 @@ def main(argv=None) -> None:
         parser.error(f"--max-length={args.max_length} is shorter than the workload's longest sequence ({longest})")
     engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=slots,
                     max_target_length=args.max_length or longest, max_prefill_length=max(min(prompt, 2048), 16),
-                    cache_dtype=dtype, page_size=args.page_size, kv_cache_memory_fraction=args.kv_fraction)
+                    cache_dtype=dtype, page_size=args.page_size, kv_cache_memory_fraction=args.kv_fraction,
+                    prefill_row_tokens=args.row_tokens)
 
     async def run():
         async with Driver(engine, model, steps_per_dispatch=args.steps_per_dispatch,
@@ -332,7 +334,7 @@ def main(argv=None) -> None:
     row = {
         "device": jax.devices()[0].device_kind, "size": args.size, "episodes": episodes, "slots": slots,
         "turns": args.turns,
-        "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size,
+        "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size, "row_tokens": engine.prefill_row_tokens,
         "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": raw and round(raw),
         "ratio": raw and round(rate / raw, 3), "ratio_if_steps_ran_at_raw_speed": round(bound, 3),
         "steady_tokens_per_s": timed["steady_tokens_per_s"], "steady_window_s": timed["steady_window_s"],
