@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--reps", type=int, default=28)
     parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--block-k", type=int, default=kernel.BLOCK_K, help="the first setting's block_k")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="CPU: tiny shapes, interpreted")
     parser.add_argument("--json")
@@ -91,7 +92,7 @@ def main() -> None:
         args.rows, args.tokens, args.windows, args.reps, args.trials = 2, 8, "2", 1, 1
         shape = dict(kv=2, g=2, k=16, page_size=8, dtype=jnp.float32)
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}", flush=True)
-    settings = [dict(block_q=kernel.BLOCK_Q, block_k=kernel.BLOCK_K, num_warps=kernel.NUM_WARPS,
+    settings = [dict(block_q=kernel.BLOCK_Q, block_k=args.block_k, num_warps=kernel.NUM_WARPS,
                      num_stages=kernel.NUM_STAGES)]
     if args.sweep:
         settings += [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s)

@@ -16,9 +16,9 @@ online softmax (float32 logits, max, sum and accumulator) over blocks of ``block
 entries read through the page table, stopping at the row's own reach (``starts + lengths``,
 and no further than its block's last token), not the call's window; the dots run on tensor
 cores (``dot``) in the compute dtype. A key block is either part of one page (``block_k``
-divides P: one table lookup, a contiguous load) or gathered entry by entry (each entry's page
-looked up: any page size, so pages of 16 do not force blocks of 16), as the decode kernel
-(`decode_attention`) does.
+divides P, a power of two of blocks per page: one table lookup, a contiguous load) or
+gathered entry by entry (each entry's page looked up: any page size, so pages of 16 do not
+force blocks of 16), as the decode kernel (`decode_attention`) does.
 
 Query t of row r sees entries ``j <= starts[r] + t``. Queries past a row's length (padding
 tokens; every query of a row of length 0) see at most the row's real entries and their
@@ -66,15 +66,17 @@ def _kernel(q_ref, start_ref, length_ref, table_ref, k_ref, v_ref, o_ref, *, C, 
     reach = start + jnp.minimum(last_token + 1, length)  # entries [0, reach) hold what the block sees
     num_blocks = jnp.where(first_token < length, pl.cdiv(reach, block_k), 0)
     offsets = jnp.arange(block_k)
-    contiguous = page_size % block_k == 0
+    per_page = page_size // block_k  # key blocks per page when a block is part of one
+    # (shift and mask of the loop index: Triton's lowering of jnp's // and % on it failed, jax 0.11.2)
+    contiguous = page_size % block_k == 0 and per_page & (per_page - 1) == 0
     scale = 1.0 / math.sqrt(K)
     neg = jnp.float32(-1e30)  # finite: exp(neg - m) underflows to 0 without inf - inf
 
     def load(ref, i, valid):
         """Key block i's ``[block_k, K]`` entries of ``ref``, read through the page table."""
         if contiguous:  # part of one page
-            page = table_ref[jnp.minimum(i * block_k // page_size, Tp - 1)]
-            source = ref.at[page, pl.ds(i * block_k % page_size, block_k), :]
+            page = table_ref[jnp.minimum(lax.shift_right_logical(i, per_page.bit_length() - 1), Tp - 1)]
+            source = ref.at[page, pl.ds(lax.bitwise_and(i, per_page - 1) * block_k, block_k), :]
         else:  # each entry's page looked up
             index = i * block_k + offsets
             pages = plgpu.load(table_ref.at[jnp.minimum(index // page_size, Tp - 1)], mask=valid, other=0)

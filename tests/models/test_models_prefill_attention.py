@@ -49,7 +49,8 @@ def random_case(rng, *, R, C, KV, G, K, P, Tp, starts, lengths, dtype=np.float32
 
 
 @pytest.mark.parametrize("G,P,block_k", [
-    (1, 32, 16),  # a block inside a page (contiguous loads)
+    (1, 32, 16),  # two blocks per page (contiguous loads)
+    (2, 16, 16),  # a block per page
     (2, 8, 16),  # a block over two pages (gathered entry by entry)
     (4, 6, 16),  # pages of 6: no power of two, gathered
 ])
