@@ -27,17 +27,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from agentrl_jax.models import prefill_attention as kernel  # noqa: E402
-from agentrl_jax.models.decode import grouped_attention  # noqa: E402
+from agentrl_jax.models import prefill_attention as kernel
+from agentrl_jax.models.decode import grouped_attention
 
 
 def xla_attention(q, k_pool, v_pool, table, starts, lengths):
     """The XLA path's attention: gather every row's window of pages, mask, einsums."""
-    R, C, KV, G, K = q.shape
+    R, C, KV, _, K = q.shape
     W = table.shape[1] * k_pool.shape[2]
 
     def window(pool):
@@ -87,15 +87,15 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU: tiny shapes, interpreted")
     parser.add_argument("--json")
     args = parser.parse_args()
-    shape = dict(kv=8, g=2, k=128, page_size=args.page_size, dtype=jnp.bfloat16)
+    shape = {"kv": 8, "g": 2, "k": 128, "page_size": args.page_size, "dtype": jnp.bfloat16}
     if args.tiny:
         args.rows, args.tokens, args.windows, args.reps, args.trials = 2, 8, "2", 1, 1
-        shape = dict(kv=2, g=2, k=16, page_size=8, dtype=jnp.float32)
+        shape = {"kv": 2, "g": 2, "k": 16, "page_size": 8, "dtype": jnp.float32}
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}", flush=True)
-    settings = [dict(block_q=kernel.BLOCK_Q, block_k=args.block_k, num_warps=kernel.NUM_WARPS,
-                     num_stages=kernel.NUM_STAGES)]
+    settings = [{"block_q": kernel.BLOCK_Q, "block_k": args.block_k, "num_warps": kernel.NUM_WARPS,
+                 "num_stages": kernel.NUM_STAGES}]
     if args.sweep:
-        settings += [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
+        settings += [{"block_q": bq, "block_k": bk, "num_warps": w, "num_stages": s}
                      for bq, bk, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
     rows = []
     for window in map(int, args.windows.split(",")):

@@ -27,7 +27,9 @@ module is the rollout engine's forward instead:
   partial products and one kernel per layer (`decode_attention.decode_attention`) sums
   them, adds the bias, applies QK-norm and RoPE, writes the new key/value into the cache
   and attends over each row's own filled entries: no window, no scatter, no separate
-  normalization or split-K reduction kernels.
+  normalization or split-K reduction kernels. The paged prefill (a page table and
+  ``write_len``) may attend with ``prefill_attention="pallas"`` instead of XLA's window:
+  after the same scatter, `prefill_attention.prefill_attention` reads each row's own pages.
 
 Numerics follow `Decoder` (float32 RMSNorm statistics, float32 attention logits and
 softmax, the same RoPE), so decoding reproduces the trainer's forward.

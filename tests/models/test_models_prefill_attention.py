@@ -12,7 +12,12 @@ from flax import nnx
 from models_helpers import SMALL_QWEN3
 
 from agentrl_jax.models import Decoder, split_params
-from agentrl_jax.models.decode import LayerCache, forward, grouped_attention, to_decode_params
+from agentrl_jax.models.decode import (
+    LayerCache,
+    forward,
+    grouped_attention,
+    to_decode_params,
+)
 from agentrl_jax.models.prefill_attention import prefill_attention
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -21,7 +26,7 @@ ON_GPU = jax.default_backend() == "gpu"
 def numpy_reference(q, k_pool, v_pool, table, starts, lengths):
     """Query t < lengths[r] of row r over entries ``[0, starts[r] + t]`` of its pages, float64 softmax;
     the queries past a row's length are left zero (their outputs are unused)."""
-    R, C, KV, G, K = q.shape
+    R, _, KV, _, K = q.shape
     P = k_pool.shape[2]
     out = np.zeros(q.shape, np.float64)
     for r in range(R):
