@@ -12,6 +12,7 @@ and window on any device (``--padding``: padding rows instead, which write nothi
     python bench/prefill_window.py --size tiny            # CPU: the tiny Qwen3
     python bench/prefill_window.py --size 1.7b            # GPU
     python bench/prefill_window.py --size 1.7b --shapes 8x32,16x80 --profile /tmp/pw   # + device kernels
+    python bench/prefill_window.py --size 1.7b --prefill-attention xla   # the XLA attention (default: the engine's)
 
 ``--profile DIR`` traces ``--calls`` more calls of each shape with ``jax.profiler`` and
 reduces the trace to a table of device milliseconds per call by HLO instruction
@@ -42,6 +43,8 @@ def main() -> None:
     parser.add_argument("--profile", help="trace each shape's calls and write a kernel table per shape here")
     parser.add_argument("--top", type=int, default=25, help="ops in each profile table")
     parser.add_argument("--padding", action="store_true", help="padding rows (warm-up's calls), not real pieces")
+    parser.add_argument("--prefill-attention", choices=("xla", "pallas"),
+                        help="Engine(prefill_attention=...) (default: the engine's choice)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
 
@@ -56,9 +59,10 @@ def main() -> None:
     model, dtype = qwen3_model(args.size)
     engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=args.slots,
                     max_target_length=args.max_length, max_prefill_length=256, cache_dtype=dtype,
-                    page_size=args.page_size)
+                    page_size=args.page_size, prefill_attention=args.prefill_attention)
     params, state = engine.load_params(model), engine.init_decode_state()
-    print(f"device: {jax.devices()[0].device_kind} x1  jax {jax.__version__}  size {args.size}")
+    print(f"device: {jax.devices()[0].device_kind} x1  jax {jax.__version__}  size {args.size}  "
+          f"prefill attention {engine.prefill_attention}")
     rows = []
     shapes = engine.prefill_shapes(args.token_budget)
     if args.shapes:
@@ -76,7 +80,7 @@ def main() -> None:
             state, _ = engine._run_prefill(params, state, packed)
             jax.block_until_ready(state)
             times.append(time.perf_counter() - t0)
-        row = {"rows": n, "row_tokens": width, "window_pages": window,
+        row = {"rows": n, "row_tokens": width, "window_pages": window, "attention": engine.prefill_attention,
                "ms_per_call": round(1e3 * float(np.median(times[1:])), 2)}
         if args.profile:
             row.update(_profile(engine, params, state, packed, args, f"{n}x{window}"))

@@ -27,7 +27,9 @@ module is the rollout engine's forward instead:
   partial products and one kernel per layer (`decode_attention.decode_attention`) sums
   them, adds the bias, applies QK-norm and RoPE, writes the new key/value into the cache
   and attends over each row's own filled entries: no window, no scatter, no separate
-  normalization or split-K reduction kernels.
+  normalization or split-K reduction kernels. The paged prefill (a page table and
+  ``write_len``) may attend with ``prefill_attention="pallas"`` instead of XLA's window:
+  after the same scatter, `prefill_attention.prefill_attention` reads each row's own pages.
 
 Numerics follow `Decoder` (float32 RMSNorm statistics, float32 attention logits and
 softmax, the same RoPE), so decoding reproduces the trainer's forward.
@@ -52,6 +54,7 @@ from jax.sharding import Mesh, PartitionSpec
 from agentrl_jax.models.config import DecoderConfig
 from agentrl_jax.models.decode_attention import decode_attention
 from agentrl_jax.models.layers import apply_rope, rms_norm, rope_frequencies
+from agentrl_jax.models.prefill_attention import prefill_attention as prefill_attention_kernel
 
 ATTENTION_IMPLS = ("xla", "pallas")
 LAYER_CACHE_AXES: tuple[str, ...] = ("slots", "kv_heads", "cache_sequence", "head_dim")
@@ -203,6 +206,7 @@ def forward(
     mesh: Mesh | None = None,
     page_table: jax.Array | None = None,
     write_len: jax.Array | None = None,
+    prefill_attention: str = "xla",
 ) -> tuple[jax.Array, LayerCache]:
     """Final hidden states of ``[B, T]`` new tokens and the cache with their keys/values.
 
@@ -229,6 +233,9 @@ def forward(
         padding tokens (``t >= write_len[b]``) are not written anywhere, and the real ones,
         which the caller guarantees land on distinct entries, are scattered as unique indices.
         The padding tokens' hidden states are then meaningless.
+      prefill_attention: with a page table and ``write_len`` (the engine's prefill), "xla"
+        (`paged_xla_attend_and_write`: a gathered window and einsums) or "pallas" (the same
+        scatter, then `prefill_attention.prefill_attention` reads each row's own entries).
 
     Returns:
       ``(hidden [B, T, D] in dtype, new cache)``.
@@ -241,6 +248,10 @@ def forward(
         raise ValueError(f"forward: attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
     if attention == "pallas" and T != 1:
         raise ValueError(f"forward: the pallas decode attention takes one token per row, got T={T}")
+    if prefill_attention not in ATTENTION_IMPLS:
+        raise ValueError(f"forward: prefill_attention must be one of {ATTENTION_IMPLS}, got {prefill_attention!r}")
+    if prefill_attention == "pallas" and (page_table is None or write_len is None or attention != "xla"):
+        raise ValueError("forward: prefill_attention='pallas' needs a page_table and write_len (the paged prefill)")
     capacity = cache.max_len if page_table is None else page_table.shape[1] * cache.k[0].shape[2]
     if not 0 < attend_len <= capacity:
         raise ValueError(f"forward: attend_len={attend_len} must be in [1, {capacity}]")
@@ -286,11 +297,15 @@ def forward(
                 write_pos = jnp.where(jnp.arange(T)[None, :] < write_len[:, None], write_pos, -1)
             window = functools.partial(paged_xla_attend_and_write, attend_len=attend_len, dtype=dtype,
                                        unique_writes=write_len is not None)
+            row_args = ()  # per-row arguments after the page table
+            if prefill_attention == "pallas":
+                window = functools.partial(paged_pallas_attend_and_write, dtype=dtype)
+                row_args = (write_index, write_len)
             if sharded:  # the pool's pages are split like the rows: gathers and scatters stay local
                 window = jax.shard_map(
                     window, mesh=mesh, check_vma=False, out_specs=out_specs,
                     in_specs=(PartitionSpec(rows, None), PartitionSpec(rows, None, heads), cache_spec, cache_spec,
-                              PartitionSpec(rows, None)),
+                              PartitionSpec(rows, None)) + (per_row,) * len(row_args),
                 )
 
         def attend_fn(x, w, k_cache, v_cache):
@@ -302,7 +317,7 @@ def forward(
             if page_table is None:
                 visible = jnp.arange(attend_len)[None, None, :] <= write_pos[:, :, None]  # [B, T, W]
                 return window(write_pos, visible, qkv, k_cache, v_cache)
-            return window(write_pos, qkv, k_cache, v_cache, page_table)
+            return window(write_pos, qkv, k_cache, v_cache, page_table, *row_args)
     layer = functools.partial(_layer, config=config, dtype=dtype, attend_and_write=attend_fn)
     hidden = jnp.take(params.embed, tokens, axis=0).astype(dtype)
     new_k, new_v = [], []
@@ -420,8 +435,24 @@ def paged_xla_attend_and_write(write_pos, qkv, k_pool, v_pool, page_table, *, at
     """
     B, T, KV, R, K = qkv.shape
     G = R - 2
+    P = k_pool.shape[2]
+    k_pool, v_pool = paged_write(write_pos, qkv, k_pool, v_pool, page_table, unique_writes=unique_writes)
+    n = -(-attend_len // P)
+    pages = page_table[:, :n]
+
+    def window(pool):  # [B, n, KV, P, K] -> [B, KV, n * P, K]
+        return pool[pages].transpose(0, 2, 1, 3, 4).reshape(B, KV, n * P, K).astype(dtype)
+
+    visible = jnp.arange(n * P)[None, None, :] <= write_pos[:, :, None]
+    return grouped_attention(qkv[:, :, :, :G], window(k_pool), window(v_pool), visible), k_pool, v_pool
+
+
+def paged_write(write_pos, qkv, k_pool, v_pool, page_table, *, unique_writes: bool = False):
+    """The keys/values rows of ``qkv`` scattered through the page table (`paged_xla_attend_and_write`'s
+    write): ``(k_pool, v_pool)``."""
+    G = qkv.shape[3] - 2
     P, Tp = k_pool.shape[2], page_table.shape[1]
-    q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
+    k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
     index = write_pos // P
     page = jnp.take_along_axis(page_table, jnp.clip(index, 0, Tp - 1), axis=1)
     offset = write_pos % P
@@ -432,14 +463,26 @@ def paged_xla_attend_and_write(write_pos, qkv, k_pool, v_pool, page_table, *, at
         page, write = jnp.where(index < Tp, page, TRASH_PAGE), {}  # [B, T]
     k_pool = k_pool.at[page, :, offset].set(k.astype(k_pool.dtype), **write)
     v_pool = v_pool.at[page, :, offset].set(v.astype(v_pool.dtype), **write)
-    n = -(-attend_len // P)
-    pages = page_table[:, :n]
+    return k_pool, v_pool
 
-    def window(pool):  # [B, n, KV, P, K] -> [B, KV, n * P, K]
-        return pool[pages].transpose(0, 2, 1, 3, 4).reshape(B, KV, n * P, K).astype(dtype)
 
-    visible = jnp.arange(n * P)[None, None, :] <= write_pos[:, :, None]
-    return grouped_attention(q, window(k_pool), window(v_pool), visible), k_pool, v_pool
+def paged_pallas_attend_and_write(write_pos, qkv, k_pool, v_pool, page_table, starts, lengths, *, dtype):
+    """`paged_xla_attend_and_write` with the attention in `prefill_attention.prefill_attention`: the
+    same scatter (padding dropped, unique indices), then the kernel reads each row's own entries
+    ``[0, starts + lengths)`` from the pool (no window copy, no score matrix).
+
+    Args:
+      write_pos: ``[B, T]`` cache index of each new token (< 0: padding, not written).
+      qkv, k_pool, v_pool, page_table: as `paged_xla_attend_and_write`.
+      starts, lengths: ``[B]`` each row's first entry and real tokens.
+
+    Returns:
+      ``(out [B, T, KV, G, K] in dtype, k_pool, v_pool)``.
+    """
+    G = qkv.shape[3] - 2
+    k_pool, v_pool = paged_write(write_pos, qkv, k_pool, v_pool, page_table, unique_writes=True)
+    out = prefill_attention_kernel(qkv[:, :, :, :G].astype(dtype), k_pool, v_pool, page_table, starts, lengths)
+    return out, k_pool, v_pool
 
 
 TRASH_PAGE = 0  # see rollout.pages: the page every write that must go nowhere lands on

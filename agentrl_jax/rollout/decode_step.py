@@ -1,5 +1,5 @@
 """The traced body of `Engine.generate` (one decode step for every slot, or N of them in a loop),
-and the choice of its attention.
+and the choice of its attention (and of the paged prefill's).
 
 Each step feeds every slot's last token at its length, writes its k/v through the slot's
 page table, samples the next token with the slot's key and sampling parameters (exact
@@ -64,6 +64,17 @@ def generate_steps(params, state: DecodeState, *, num_steps: int | None, **step_
 
     state, buffers = jax.lax.fori_loop(0, num_steps, body, (state, buffers))
     return state, ResultTokens.pack(*buffers)
+
+
+def choose_prefill_attention(requested: str | None, model: Decoder, mesh: Mesh, page_size: int) -> str:
+    """The paged prefill's attention: ``requested``, or by default "pallas" (the kernel of
+    `models.prefill_attention`) where the decode default is "pallas" (GPU, a 16-bit compute
+    dtype, a power-of-two head dim), else "xla" (see `Engine`'s ``prefill_attention``)."""
+    if requested is None:
+        requested = choose_decode_attention(None, model, mesh, page_size)
+    if requested not in DECODE_ATTENTION:
+        raise ValueError(f"Engine: prefill_attention must be one of {DECODE_ATTENTION}, got {requested!r}")
+    return requested
 
 
 def choose_decode_attention(requested: str | None, model: Decoder, mesh: Mesh, page_size: int) -> str:

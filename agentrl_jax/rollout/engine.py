@@ -65,7 +65,7 @@ from jax.sharding import Mesh
 from agentrl_jax.models import Decoder, split_params
 from agentrl_jax.models.decode import DecodeParams
 from agentrl_jax.rollout.compile_cache import use_compilation_cache
-from agentrl_jax.rollout.decode_step import choose_decode_attention, generate_steps
+from agentrl_jax.rollout.decode_step import choose_decode_attention, choose_prefill_attention, generate_steps
 from agentrl_jax.rollout.dense_prefix import DensePrefixAPI
 from agentrl_jax.rollout.pages import MemoryPlan, PageAllocator, pages_for, plan_memory
 from agentrl_jax.rollout.prefill_api import PagedPrefillAPI
@@ -110,6 +110,10 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         tests). Default: "pallas" on GPU meshes with a 16-bit compute dtype, a power-of-two
         head dim and page size >= 16, else "xla" (the kernel's float32 dots would run in
         TF32, loosening the engine/trainer logprob match).
+      prefill_attention: the `prefill_insert` attention: "xla" (each row gathers the call's
+        window of pages; einsums) or "pallas" (the Pallas GPU kernel of
+        `models.prefill_attention`, run per shard, which reads each row's own entries through
+        its page table; interpreted off GPU). Default: "pallas" where the decode default is.
       page_size: P, tokens per KV page.
       num_pages: usable pages over all shards (overrides the byte budget; tests).
       kv_cache_bytes: pool bytes per device.
@@ -137,6 +141,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         rules: Rules | None = None,
         attend_granule: int = 256,
         decode_attention: str | None = None,
+        prefill_attention: str | None = None,
         page_size: int = 32,
         num_pages: int | None = None,
         kv_cache_bytes: int | None = None,
@@ -152,6 +157,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
             use_compilation_cache(compilation_cache_dir)
         self._mesh = mesh if mesh is not None else make_mesh({"data": -1})
         decode_attention = choose_decode_attention(decode_attention, model, self._mesh, page_size)
+        self.prefill_attention = choose_prefill_attention(prefill_attention, model, self._mesh, page_size)
         self.config = model.config
         _, abstract = split_params(model)
         self._dtype = model.dtype

@@ -206,13 +206,14 @@ def copy_pages(state: DecodeState, copy_src, copy_dst) -> DecodeState:
 
 def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, lengths, adm_row, adm_slot, adm_key,
                         adm_generated, adm_forced, adm_length, sampling: SlotSampling, *,
-                        config, dtype, page_size, cache_spec, mesh):
+                        config, dtype, page_size, cache_spec, mesh, attention="xla"):
     """Traced body of `Engine.prefill_insert`: write the rows' KV, sample, fill slots (the page
-    copies follow in `copy_pages`)."""
+    copies follow in `copy_pages`); ``attention``: `forward`'s ``prefill_attention``."""
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     hidden, cache = forward(
         params, tokens, positions, state.cache, starts, config=config, attend_len=tables.shape[1] * page_size,
         dtype=dtype, page_table=tables, cache_spec=cache_spec, mesh=mesh, write_len=lengths,
+        prefill_attention=attention,
     )
     last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]  # [R, D]
     logits = next_token_logits(last[adm_row], *params.output_embedding())

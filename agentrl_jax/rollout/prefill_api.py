@@ -114,7 +114,7 @@ class PagedPrefillAPI:
         if key not in self._paged_prefill_fns:
             step = functools.partial(
                 prefill_insert_step, config=self.config, dtype=self._dtype, page_size=self.page_size,
-                cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh,
+                cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh, attention=self.prefill_attention,
             )
             self._paged_prefill_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None))
         by_row = NamedSharding(self._mesh, PartitionSpec(self._rows_spec))

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.gpu  # also run on a CUDA GPU: see the `gpu` marker in 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [3, 17, 42, 8, 99, 5, 60]  # 7 tokens: page sizes 3 and 5 divide neither it nor 4-step turns
 ONE_DEVICE = dict(mesh=None)
+LOGP_ATOL = 2e-2 if jax.default_backend() == "gpu" else 1e-5  # the Pallas kernels' float32 dots: TF32 on GPU
 
 
 def one_device_engine(tiny_model, **kw):
@@ -183,6 +184,55 @@ def test_session_keeps_its_pages_and_equals_prefill_from_scratch(paged, tiny_mod
     assert turn2.token_ids == scratch.token_ids
     np.testing.assert_allclose(turn2.logprobs, scratch.logprobs, atol=1e-5)
     assert used == 0
+
+
+def test_pallas_prefill_attention_first_tokens_equal_teacher_forcing():
+    """The prefill attention kernel (`models.prefill_attention`, interpreted here) in
+    `prefill_insert`: a 7-token prompt cut into pieces of 4 (pages of 3), then the next 5 tokens
+    at entry 7 (mid-page) in a second call; each call's admitted first token is the
+    teacher-forced argmax and its logprob the trainer's (on GPU within TF32's error: float32 dots
+    run on the tensor cores there)."""
+    model = make_model(0, head_dim=16)  # the Triton kernel's head dim: a power of two >= 16
+    engine = one_device_engine(model, page_size=3, prefill_row_tokens=4, prefill_attention="pallas")
+    params, state = engine.load_params(model), engine.init_decode_state()
+    pages = engine.pages.alloc(0, 4)
+    history = PROMPT + [70, 71, 72, 73, 74]
+    for start, end, slot in ((0, 7, 0), (7, 12, 1)):
+        admission = Admission(slot, pages, np.asarray(request_key(0, slot)), 0, GREEDY)
+        engine.pages.incref(0, pages)  # the slot takes over a reference; the test keeps its own
+        row = PrefillRow(0, pages, start, np.asarray(history[start:end], np.int32), admissions=[admission])
+        state, first = engine.prefill_insert(params, state, [row])
+        want_token = greedy_reference(model, history[:end], 1)
+        assert int(first.tokens[0]) == want_token[0]
+        want_logp = trainer_logprobs(model, history[:end], want_token)
+        np.testing.assert_allclose(float(first.log_prob[0]), want_logp[0], atol=LOGP_ATOL)
+    with pytest.raises(ValueError, match="prefill_attention must be one of"):
+        one_device_engine(model, prefill_attention="triton")
+
+
+@pytest.mark.slow
+def test_pallas_prefill_attention_in_a_driver_session_equals_teacher_forcing():
+    """The driver with the prefill kernel (interpreted): a 7-token prompt cut into pieces of 4
+    in one call (pages of 3), then a session's next turn prefilled mid-page: greedy tokens are
+    the teacher-forced argmax and logprobs the trainer's, as with the XLA prefill."""
+    model = make_model(0, head_dim=16)
+    engine = one_device_engine(model, page_size=3, prefill_row_tokens=4, prefill_attention="pallas")
+    assert engine.prefill_attention == "pallas" and engine.decode_attention == "xla"
+    observation = [70, 71, 72, 73, 74]
+
+    async def run(driver):
+        session = driver.session()
+        turn1 = await driver.generate(PROMPT, GREEDY, max_new_tokens=4, session=session)
+        turn2 = await driver.generate(observation, GREEDY, max_new_tokens=3, session=session)
+        session.close()
+        return turn1, turn2
+
+    turn1, turn2 = drive(engine, model, run)
+    assert turn1.token_ids == greedy_reference(model, PROMPT, 4)
+    history = PROMPT + turn1.token_ids + observation
+    assert turn2.token_ids == greedy_reference(model, history, 3)
+    np.testing.assert_allclose(turn1.logprobs, trainer_logprobs(model, PROMPT, turn1.token_ids), atol=LOGP_ATOL)
+    np.testing.assert_allclose(turn2.logprobs, trainer_logprobs(model, history, turn2.token_ids), atol=LOGP_ATOL)
 
 
 @pytest.fixture(scope="module")
@@ -391,10 +441,12 @@ def test_pallas_paged_driver_matches_the_xla_one_on_gpu():
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
-def test_sharded_prefill_results_follow_the_callers_row_order(tiny_model):
+@pytest.mark.parametrize("prefill_attention", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_sharded_prefill_results_follow_the_callers_row_order(tiny_model, prefill_attention):
     """Rows given out of shard order (slots 5, 0, 1 over 4 shards of ('data', 'fsdp')): first tokens
-    and logprobs come back in the caller's order and equal one device's."""
-    kw = {**ENGINE_KW, "max_concurrent_decodes": 8, "page_size": 4}
+    and logprobs come back in the caller's order and equal one device's (the prefill kernel: run
+    per shard under shard_map)."""
+    kw = {**ENGINE_KW, "max_concurrent_decodes": 8, "page_size": 4, "prefill_attention": prefill_attention}
     spec = [(5, [40, 41, 42, 43, 44, 45, 46]), (0, [1, 2, 3, 4, 5]), (1, [9, 8, 7])]
 
     def first_tokens(engine):
