@@ -94,7 +94,11 @@ class PagedPrefillAPI:
         return [(self.num_shards * r, self.prefill_row_tokens, w) for r in per_shard for w in windows]
 
     def _prefill_window(self, reach: int) -> int:
-        """Prefill attention window in pages: a power of two from 4 x attend_granule entries up."""
+        """Prefill attention window in pages: a power of two from 4 x attend_granule entries up;
+        with the "pallas" prefill attention the whole table (the kernel reads each row's entries
+        up to its own reach, whatever the table's width, so one width means fewer programs)."""
+        if self.prefill_attention == "pallas":
+            return self.table_width
         return window_pages(reach, page_size=self.page_size, floor=pages_for(4 * self._attend_granule, self.page_size),
                             table_width=self.table_width)
 

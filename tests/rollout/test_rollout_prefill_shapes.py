@@ -70,6 +70,16 @@ def test_shape_buckets():
         32, 32, 64, 64, 80]
 
 
+def test_the_prefill_kernel_needs_one_window(tiny_model):
+    """The pallas prefill reads each row up to its own reach: its shapes are the row buckets at
+    the table's full width, a third of the XLA path's programs here (windows 16, 32, 64 pages)."""
+    kw = dict(page_size=4, max_target_length=256, max_prefill_length=64, prefill_row_tokens=16)
+    xla = one_device_engine(tiny_model, prefill_attention="xla", **kw).prefill_shapes(64)
+    kernel = one_device_engine(tiny_model, prefill_attention="pallas", **kw).prefill_shapes(64)
+    assert sorted({w for _, _, w in xla}) == [16, 32, 64]
+    assert kernel == [(r, 16, 64) for r in (1, 2, 4)]
+
+
 @pytest.mark.slow  # ~20 s on 2 CPU cores; pieces are also checked against teacher forcing in test_rollout_paged
 def test_pieces_of_a_row_equal_one_row_per_sequence(tiny_model):
     """The same driver workload with rows cut into pieces of 4 tokens and with one piece per
