@@ -28,6 +28,10 @@ module is the rollout engine's forward instead:
   them, adds the bias, applies QK-norm and RoPE, writes the new key/value into the cache
   and attends over each row's own filled entries: no window, no scatter, no separate
   normalization or split-K reduction kernels.
+  With ``attention="pallas_tpu"`` (one token per row on a paged cache, the engine's decode
+  step on TPU) the projection, QK-norm, RoPE and the page scatter are the XLA path's, then
+  a Pallas TPU kernel (`tpu_decode_attention.paged_decode_attention`) copies each row's
+  pages up to its own length from HBM and attends: no window, no gather.
 
 Numerics follow `Decoder` (float32 RMSNorm statistics, float32 attention logits and
 softmax, the same RoPE), so decoding reproduces the trainer's forward.
@@ -52,8 +56,9 @@ from jax.sharding import Mesh, PartitionSpec
 from agentrl_jax.models.config import DecoderConfig
 from agentrl_jax.models.decode_attention import decode_attention
 from agentrl_jax.models.layers import apply_rope, rms_norm, rope_frequencies
+from agentrl_jax.models.tpu_decode_attention import pages_per_block_for, paged_decode_attention
 
-ATTENTION_IMPLS = ("xla", "pallas")
+ATTENTION_IMPLS = ("xla", "pallas", "pallas_tpu")
 LAYER_CACHE_AXES: tuple[str, ...] = ("slots", "kv_heads", "cache_sequence", "head_dim")
 
 
@@ -217,7 +222,9 @@ def forward(
       attend_len: W, static; queries read cache entries ``[0, W)`` only, so every row must
         have ``write_index[b] + T <= W`` for its result to be exact (``W <= S``).
       dtype: compute dtype.
-      attention: "xla" (einsums) or "pallas" (GPU kernel; T must be 1).
+      attention: "xla" (einsums), "pallas" (GPU kernel; T must be 1) or "pallas_tpu" (the
+        XLA paged write, then the TPU kernel of `tpu_decode_attention`; T must be 1 and the
+        cache paged).
       cache_spec, mesh: on a mesh of several devices, the cache buffers' ``PartitionSpec``
         and the mesh: the kernel ("pallas") or, with a page table, the paged cache write and
         attention run per shard (`jax.shard_map`), rows and kv heads being independent and
@@ -239,8 +246,10 @@ def forward(
     chex.assert_shape(write_index, (B,))
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"forward: attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
-    if attention == "pallas" and T != 1:
-        raise ValueError(f"forward: the pallas decode attention takes one token per row, got T={T}")
+    if attention != "xla" and T != 1:
+        raise ValueError(f"forward: the {attention} decode attention takes one token per row, got T={T}")
+    if attention == "pallas_tpu" and page_table is None:
+        raise ValueError("forward: the pallas_tpu decode attention reads a paged cache; pass a page_table")
     capacity = cache.max_len if page_table is None else page_table.shape[1] * cache.k[0].shape[2]
     if not 0 < attend_len <= capacity:
         raise ValueError(f"forward: attend_len={attend_len} must be in [1, {capacity}]")
@@ -286,6 +295,9 @@ def forward(
                 write_pos = jnp.where(jnp.arange(T)[None, :] < write_len[:, None], write_pos, -1)
             window = functools.partial(paged_xla_attend_and_write, attend_len=attend_len, dtype=dtype,
                                        unique_writes=write_len is not None)
+            if attention == "pallas_tpu":  # the kernel reads each row's pages up to its own length
+                window = functools.partial(paged_tpu_attend_and_write,
+                                           pages_per_block=pages_per_block_for(page_table.shape[1]))
             if sharded:  # the pool's pages are split like the rows: gathers and scatters stay local
                 window = jax.shard_map(
                     window, mesh=mesh, check_vma=False, out_specs=out_specs,
@@ -509,3 +521,31 @@ def pallas_attend_and_write(
         page_table=page_table, block_k=block, chunks=chunks, method=PALLAS_METHOD, num_warps=PALLAS_WARPS, num_stages=PALLAS_STAGES,
     )
     return out[:, None], k_cache, v_cache
+
+
+def paged_tpu_attend_and_write(write_pos, qkv, k_pool, v_pool, page_table, *, pages_per_block):
+    """One token per row: scatter its key/value through the page table as
+    `paged_xla_attend_and_write` does, then `tpu_decode_attention.paged_decode_attention` over
+    each row's entries ``[0, write_pos[b]]`` read from the pools (no window, no gather).
+
+    Args:
+      write_pos: ``[B, 1]`` cache index of the new token (past the table: the trash page).
+      qkv: ``[B, 1, KV, G + 2, K]``.
+      k_pool, v_pool: ``[N, KV, P, K]`` pages (local to this shard).
+      page_table: ``[B, Tp]`` int32 page ids.
+      pages_per_block: pages per kernel DMA step (divides Tp).
+
+    Returns:
+      ``(out [B, 1, KV, G, K], k_pool, v_pool)``.
+    """
+    G = qkv.shape[3] - 2
+    P, Tp = k_pool.shape[2], page_table.shape[1]
+    q, k, v = qkv[:, 0, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
+    index = write_pos // P
+    page = jnp.take_along_axis(page_table, jnp.clip(index, 0, Tp - 1), axis=1)
+    page, offset = jnp.where(index < Tp, page, TRASH_PAGE), write_pos % P  # [B, 1]
+    k_pool = k_pool.at[page, :, offset].set(k.astype(k_pool.dtype))
+    v_pool = v_pool.at[page, :, offset].set(v.astype(v_pool.dtype))
+    lengths = jnp.minimum(write_pos[:, 0] + 1, Tp * P)
+    out = paged_decode_attention(q, k_pool, v_pool, lengths, page_table, pages_per_block=pages_per_block)
+    return out[:, None], k_pool, v_pool

@@ -27,6 +27,7 @@ from agentrl_jax.rollout.paged_prefill import (
     rows_bucket,
     window_pages,
 )
+from agentrl_jax.rollout.decode_step import KERNEL_ATTENTION
 from agentrl_jax.rollout.pages import pages_for
 from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.sampling import SlotSampling
@@ -149,7 +150,7 @@ class PagedPrefillAPI:
             packed = empty_pack(rows=rows, row_tokens=width, window=window, num_slots=self._slots)
             decode_state, _ = self._run_prefill(params, self._sync(decode_state), packed)
         steps = 1 if num_steps is None else num_steps
-        lengths = [self.table_width * self.page_size] if self.decode_attention == "pallas" else sorted(
+        lengths = [self.table_width * self.page_size] if self.decode_attention in KERNEL_ATTENTION else sorted(
             {min(pages_for(attend_bucket(n, self.max_target_length, self._attend_granule), self.page_size),
                  self.table_width) * self.page_size for n in range(steps, self.max_target_length + steps + 1)})
         for attend_len in lengths:  # no slot is live: every slot writes the trash page
