@@ -56,7 +56,10 @@ from jax.sharding import Mesh, PartitionSpec
 from agentrl_jax.models.config import DecoderConfig
 from agentrl_jax.models.decode_attention import decode_attention
 from agentrl_jax.models.layers import apply_rope, rms_norm, rope_frequencies
-from agentrl_jax.models.tpu_decode_attention import pages_per_block_for, paged_decode_attention
+from agentrl_jax.models.tpu_decode_attention import (
+    paged_decode_attention,
+    pages_per_block_for,
+)
 
 ATTENTION_IMPLS = ("xla", "pallas", "pallas_tpu")
 LAYER_CACHE_AXES: tuple[str, ...] = ("slots", "kv_heads", "cache_sequence", "head_dim")

@@ -65,7 +65,11 @@ from jax.sharding import Mesh
 from agentrl_jax.models import Decoder, split_params
 from agentrl_jax.models.decode import DecodeParams
 from agentrl_jax.rollout.compile_cache import use_compilation_cache
-from agentrl_jax.rollout.decode_step import KERNEL_ATTENTION, choose_decode_attention, generate_steps
+from agentrl_jax.rollout.decode_step import (
+    KERNEL_ATTENTION,
+    choose_decode_attention,
+    generate_steps,
+)
 from agentrl_jax.rollout.dense_prefix import DensePrefixAPI
 from agentrl_jax.rollout.pages import MemoryPlan, PageAllocator, pages_for, plan_memory
 from agentrl_jax.rollout.prefill_api import PagedPrefillAPI

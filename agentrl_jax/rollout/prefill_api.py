@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from agentrl_jax.models.decode import DecodeParams
+from agentrl_jax.rollout.decode_step import KERNEL_ATTENTION
 from agentrl_jax.rollout.paged_prefill import (
     PackedRows,
     PrefillRow,
@@ -27,7 +28,6 @@ from agentrl_jax.rollout.paged_prefill import (
     rows_bucket,
     window_pages,
 )
-from agentrl_jax.rollout.decode_step import KERNEL_ATTENTION
 from agentrl_jax.rollout.pages import pages_for
 from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.sampling import SlotSampling

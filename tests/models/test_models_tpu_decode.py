@@ -13,7 +13,11 @@ from models_helpers import SMALL_QWEN3
 
 from agentrl_jax.models import Decoder
 from agentrl_jax.models.decode import LayerCache, forward, to_decode_params
-from agentrl_jax.models.tpu_decode_attention import pages_per_block_for, paged_decode_attention, tpu_kernel_fits
+from agentrl_jax.models.tpu_decode_attention import (
+    paged_decode_attention,
+    pages_per_block_for,
+    tpu_kernel_fits,
+)
 from agentrl_jax.sharding import make_mesh
 
 P, TP, KV, K = 8, 4, 2, 16  # page size, table width, kv heads, head dim
@@ -49,7 +53,7 @@ def _inputs(G, dtype=np.float32, seed=0):
             pool[table[b, entries // P], :, entries % P] = rng.normal(size=(length, KV, K))
         table[b, -(-length // P):] = N + 7 if b % 2 else -3
     q = rng.normal(size=(B, KV, G, K)).astype(np.float32)
-    cast = lambda x: jnp.asarray(x).astype(dtype)  # noqa: E731
+    cast = lambda x: jnp.asarray(x).astype(dtype)
     return cast(q), cast(k_pool), cast(v_pool), table
 
 
