@@ -171,3 +171,18 @@ def test_sharded_forward_with_the_tpu_kernel_equals_one_device():
     got, _ = _decode_steps(cfg, params, stacked, jnp.asarray(local), lengths, tokens, attention="pallas_tpu",
                            mesh=mesh, cache_spec=spec)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,page_size,G", [(jnp.bfloat16, 32, 2), (jnp.float32, 16, 1)])
+def test_kernel_lowers_to_mosaic_for_a_tpu(dtype, page_size, G):
+    """Exported for a TPU target (an abstract TPU v5e device): Pallas's Mosaic lowering rules
+    accept the kernel at Qwen3-like shapes (scalar prefetch, DMAs, semaphores, the loop).
+    Mosaic's own compile (layouts, tiling) runs only in libtpu, on a TPU: not checked here."""
+    device = jax.sharding.AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
+    B, KV, N, Tp, K = 8, 4, 64, 16, 128
+    kernel = jax.jit(functools.partial(paged_decode_attention, pages_per_block=4, interpret=False))
+    shapes = [((B, KV, G, K), dtype), ((N, KV, page_size, K), dtype), ((N, KV, page_size, K), dtype),
+              ((B,), jnp.int32), ((B, Tp), jnp.int32)]
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        exported = jax.export.export(kernel, platforms=["tpu"])(*(jax.ShapeDtypeStruct(*s) for s in shapes))
+    assert "tpu_custom_call" in exported.mlir_module()
