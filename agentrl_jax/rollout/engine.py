@@ -108,16 +108,16 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
       attend_granule: the "xla" decode attention reads a window of the first W entries of
         every slot, W rounded up from the longest live slot (+ the dispatch's steps) in
         steps of at least this many entries (`attend_bucket`); each W compiles once.
-      decode_attention: "xla" (gather the window's pages, einsums) or "pallas" (the
-        backend's Pallas kernel, run per shard, which reads each slot's own entries through
-        its page table: on GPU `models.decode_attention`, elsewhere than on GPU and TPU run
-        interpreted, for tests; on a TPU mesh it becomes "pallas_tpu", the XLA page write
-        then `models.tpu_decode_attention`, which off TPU may be asked for by name and runs
-        in the TPU interpreter, for tests). Default: "pallas" on GPU meshes with a 16-bit
-        compute dtype, a power-of-two head dim and page size >= 16 (the kernel's float32
-        dots would run in TF32, loosening the engine/trainer logprob match), and on TPU
-        meshes with a head dim a multiple of 128 and a page a whole number of the cache
-        dtype's sublane tiles (`tpu_kernel_fits`), else "xla".
+      decode_attention: "xla" (gather the window's pages, einsums), "pallas" (the backend's
+        Pallas kernel, run per shard, which reads each slot's own entries through its page
+        table: on GPU `models.decode_attention`, interpreted off GPU and TPU, for tests; on a
+        TPU mesh "pallas_tpu") or "pallas_tpu" (the XLA page write, then the TPU kernel of
+        `models.tpu_decode_attention`; off TPU in the TPU interpreter, for tests). Default:
+        "pallas" on GPU meshes with a 16-bit compute dtype, a power-of-two head dim and page
+        size >= 16 (the kernel's float32 dots would run in TF32, loosening the
+        engine/trainer logprob match), and on TPU meshes with a head dim a multiple of 128
+        and a page a whole number of the cache dtype's sublane tiles (`tpu_kernel_fits`),
+        else "xla".
       page_size: P, tokens per KV page.
       num_pages: usable pages over all shards (overrides the byte budget; tests).
       kv_cache_bytes: pool bytes per device.
@@ -353,8 +353,8 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         With the "xla" attention every slot reads the pages of the first W entries, W =
         `attend_window` (from the host's length bounds: no device read). A caller may pass
         `attend_len` (any value >= that bound; smaller values give wrong results for the
-        longer slots). With a kernel ("pallas", "pallas_tpu") there is no window (the kernel stops at each slot's
-        length) and `attend_len` is ignored.
+        longer slots). With a kernel ("pallas", "pallas_tpu") there is no window (the kernel
+        stops at each slot's length) and `attend_len` is ignored.
         """
         if num_steps is not None and num_steps < 1:
             raise ValueError(f"generate: num_steps must be >= 1, got {num_steps}")
