@@ -30,6 +30,10 @@ module is the rollout engine's forward instead:
   normalization or split-K reduction kernels. The paged prefill (a page table and
   ``write_len``) may attend with ``prefill_attention="pallas"`` instead of XLA's window:
   after the same scatter, `prefill_attention.prefill_attention` reads each row's own pages.
+  With ``attention="pallas_tpu"`` (one token per row on a paged cache, the engine's decode
+  step on TPU) the projection, QK-norm, RoPE and the page scatter are the XLA path's, then
+  a Pallas TPU kernel (`tpu_decode_attention.paged_decode_attention`) copies each row's
+  pages up to its own length from HBM and attends: no window, no gather.
 
 Numerics follow `Decoder` (float32 RMSNorm statistics, float32 attention logits and
 softmax, the same RoPE), so decoding reproduces the trainer's forward.
@@ -54,9 +58,15 @@ from jax.sharding import Mesh, PartitionSpec
 from agentrl_jax.models.config import DecoderConfig
 from agentrl_jax.models.decode_attention import decode_attention
 from agentrl_jax.models.layers import apply_rope, rms_norm, rope_frequencies
-from agentrl_jax.models.prefill_attention import prefill_attention as prefill_attention_kernel
+from agentrl_jax.models.prefill_attention import (
+    prefill_attention as prefill_attention_kernel,
+)
+from agentrl_jax.models.tpu_decode_attention import (
+    paged_decode_attention,
+    pages_per_block_for,
+)
 
-ATTENTION_IMPLS = ("xla", "pallas")
+ATTENTION_IMPLS = ("xla", "pallas", "pallas_tpu")
 LAYER_CACHE_AXES: tuple[str, ...] = ("slots", "kv_heads", "cache_sequence", "head_dim")
 
 
@@ -221,7 +231,9 @@ def forward(
       attend_len: W, static; queries read cache entries ``[0, W)`` only, so every row must
         have ``write_index[b] + T <= W`` for its result to be exact (``W <= S``).
       dtype: compute dtype.
-      attention: "xla" (einsums) or "pallas" (GPU kernel; T must be 1).
+      attention: "xla" (einsums), "pallas" (GPU kernel; T must be 1) or "pallas_tpu" (the
+        XLA paged write, then the TPU kernel of `tpu_decode_attention`; T must be 1 and the
+        cache paged).
       cache_spec, mesh: on a mesh of several devices, the cache buffers' ``PartitionSpec``
         and the mesh: the kernel ("pallas") or, with a page table, the paged cache write and
         attention run per shard (`jax.shard_map`), rows and kv heads being independent and
@@ -246,10 +258,12 @@ def forward(
     chex.assert_shape(write_index, (B,))
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"forward: attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
-    if attention == "pallas" and T != 1:
-        raise ValueError(f"forward: the pallas decode attention takes one token per row, got T={T}")
-    if prefill_attention not in ATTENTION_IMPLS:
-        raise ValueError(f"forward: prefill_attention must be one of {ATTENTION_IMPLS}, got {prefill_attention!r}")
+    if attention != "xla" and T != 1:
+        raise ValueError(f"forward: the {attention} decode attention takes one token per row, got T={T}")
+    if attention == "pallas_tpu" and page_table is None:
+        raise ValueError("forward: the pallas_tpu decode attention reads a paged cache; pass a page_table")
+    if prefill_attention not in ("xla", "pallas"):
+        raise ValueError(f"forward: prefill_attention must be one of ('xla', 'pallas'), got {prefill_attention!r}")
     if prefill_attention == "pallas" and (page_table is None or write_len is None or attention != "xla"):
         raise ValueError("forward: prefill_attention='pallas' needs a page_table and write_len (the paged prefill)")
     capacity = cache.max_len if page_table is None else page_table.shape[1] * cache.k[0].shape[2]
@@ -298,7 +312,10 @@ def forward(
             window = functools.partial(paged_xla_attend_and_write, attend_len=attend_len, dtype=dtype,
                                        unique_writes=write_len is not None)
             row_args = ()  # per-row arguments after the page table
-            if prefill_attention == "pallas":
+            if attention == "pallas_tpu":  # the kernel reads each row's pages up to its own length
+                window = functools.partial(paged_tpu_attend_and_write,
+                                           pages_per_block=pages_per_block_for(page_table.shape[1]))
+            elif prefill_attention == "pallas":
                 window = functools.partial(paged_pallas_attend_and_write, dtype=dtype)
                 row_args = (write_index, write_len)
             if sharded:  # the pool's pages are split like the rows: gathers and scatters stay local
@@ -433,7 +450,7 @@ def paged_xla_attend_and_write(write_pos, qkv, k_pool, v_pool, page_table, *, at
     Returns:
       ``(out [B, T, KV, G, K], k_pool, v_pool)``.
     """
-    B, T, KV, R, K = qkv.shape
+    B, _, KV, R, K = qkv.shape
     G = R - 2
     P = k_pool.shape[2]
     k_pool, v_pool = paged_write(write_pos, qkv, k_pool, v_pool, page_table, unique_writes=unique_writes)
@@ -458,7 +475,7 @@ def paged_write(write_pos, qkv, k_pool, v_pool, page_table, *, unique_writes: bo
     offset = write_pos % P
     if unique_writes:  # padding and writes past the table: an index past the pool, dropped
         page = jnp.where((write_pos >= 0) & (index < Tp), page, k_pool.shape[0])
-        write = dict(mode="drop", unique_indices=True)
+        write = {"mode": "drop", "unique_indices": True}
     else:
         page, write = jnp.where(index < Tp, page, TRASH_PAGE), {}  # [B, T]
     k_pool = k_pool.at[page, :, offset].set(k.astype(k_pool.dtype), **write)
@@ -534,7 +551,7 @@ def pallas_attend_and_write(
     Returns:
       ``(out [B, 1, KV, G, K], k_cache, v_cache)``.
     """
-    _, B, KV, _, K = partials.shape
+    _, B, KV, _, _ = partials.shape
     if page_table is None:
         S, page_size = k_cache.shape[2], None
         if S % PALLAS_BLOCK:
@@ -552,3 +569,31 @@ def pallas_attend_and_write(
         page_table=page_table, block_k=block, chunks=chunks, method=PALLAS_METHOD, num_warps=PALLAS_WARPS, num_stages=PALLAS_STAGES,
     )
     return out[:, None], k_cache, v_cache
+
+
+def paged_tpu_attend_and_write(write_pos, qkv, k_pool, v_pool, page_table, *, pages_per_block):
+    """One token per row: scatter its key/value through the page table as
+    `paged_xla_attend_and_write` does, then `tpu_decode_attention.paged_decode_attention` over
+    each row's entries ``[0, write_pos[b]]`` read from the pools (no window, no gather).
+
+    Args:
+      write_pos: ``[B, 1]`` cache index of the new token (past the table: the trash page).
+      qkv: ``[B, 1, KV, G + 2, K]``.
+      k_pool, v_pool: ``[N, KV, P, K]`` pages (local to this shard).
+      page_table: ``[B, Tp]`` int32 page ids.
+      pages_per_block: pages per kernel DMA step (divides Tp).
+
+    Returns:
+      ``(out [B, 1, KV, G, K], k_pool, v_pool)``.
+    """
+    G = qkv.shape[3] - 2
+    P, Tp = k_pool.shape[2], page_table.shape[1]
+    q, k, v = qkv[:, 0, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]
+    index = write_pos // P
+    page = jnp.take_along_axis(page_table, jnp.clip(index, 0, Tp - 1), axis=1)
+    page, offset = jnp.where(index < Tp, page, TRASH_PAGE), write_pos % P  # [B, 1]
+    k_pool = k_pool.at[page, :, offset].set(k.astype(k_pool.dtype))
+    v_pool = v_pool.at[page, :, offset].set(v.astype(v_pool.dtype))
+    lengths = jnp.minimum(write_pos[:, 0] + 1, Tp * P)
+    out = paged_decode_attention(q, k_pool, v_pool, lengths, page_table, pages_per_block=pages_per_block)
+    return out[:, None], k_pool, v_pool

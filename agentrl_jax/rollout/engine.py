@@ -65,7 +65,12 @@ from jax.sharding import Mesh
 from agentrl_jax.models import Decoder, split_params
 from agentrl_jax.models.decode import DecodeParams
 from agentrl_jax.rollout.compile_cache import use_compilation_cache
-from agentrl_jax.rollout.decode_step import choose_decode_attention, choose_prefill_attention, generate_steps
+from agentrl_jax.rollout.decode_step import (
+    KERNEL_ATTENTION,
+    choose_decode_attention,
+    choose_prefill_attention,
+    generate_steps,
+)
 from agentrl_jax.rollout.dense_prefix import DensePrefixAPI
 from agentrl_jax.rollout.pages import MemoryPlan, PageAllocator, pages_for, plan_memory
 from agentrl_jax.rollout.prefill_api import PagedPrefillAPI
@@ -104,16 +109,20 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
       attend_granule: the "xla" decode attention reads a window of the first W entries of
         every slot, W rounded up from the longest live slot (+ the dispatch's steps) in
         steps of at least this many entries (`attend_bucket`); each W compiles once.
-      decode_attention: "xla" (gather the window's pages, einsums) or "pallas" (the Pallas
-        GPU kernel of `models.decode_attention`, run per shard, which reads each slot's
-        own entries through its page table; elsewhere than on GPU it runs interpreted, for
-        tests). Default: "pallas" on GPU meshes with a 16-bit compute dtype, a power-of-two
-        head dim and page size >= 16, else "xla" (the kernel's float32 dots would run in
-        TF32, loosening the engine/trainer logprob match).
+      decode_attention: "xla" (gather the window's pages, einsums), "pallas" (the backend's
+        Pallas kernel, run per shard, which reads each slot's own entries through its page
+        table: on GPU `models.decode_attention`, interpreted off GPU and TPU, for tests; on a
+        TPU mesh "pallas_tpu") or "pallas_tpu" (the XLA page write, then the TPU kernel of
+        `models.tpu_decode_attention`; off TPU in the TPU interpreter, for tests). Default:
+        "pallas" on GPU meshes with a 16-bit compute dtype, a power-of-two head dim and page
+        size >= 16 (the kernel's float32 dots would run in TF32, loosening the
+        engine/trainer logprob match), and on TPU meshes with a head dim a multiple of 128
+        and a page a whole number of the cache dtype's sublane tiles (`tpu_kernel_fits`),
+        else "xla".
       prefill_attention: the `prefill_insert` attention: "xla" (each row gathers the call's
         window of pages; einsums) or "pallas" (the Pallas GPU kernel of
         `models.prefill_attention`, run per shard, which reads each row's own entries through
-        its page table; interpreted off GPU). Default: "pallas" where the decode default is.
+        its page table; interpreted off GPU). Default: "pallas" where the GPU decode default is.
       page_size: P, tokens per KV page.
       num_pages: usable pages over all shards (overrides the byte budget; tests).
       kv_cache_bytes: pool bytes per device.
@@ -156,7 +165,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         if compilation_cache_dir:
             use_compilation_cache(compilation_cache_dir)
         self._mesh = mesh if mesh is not None else make_mesh({"data": -1})
-        decode_attention = choose_decode_attention(decode_attention, model, self._mesh, page_size)
+        decode_attention = choose_decode_attention(decode_attention, model, self._mesh, page_size, cache_dtype)
         self.prefill_attention = choose_prefill_attention(prefill_attention, model, self._mesh, page_size)
         self.config = model.config
         _, abstract = split_params(model)
@@ -351,15 +360,15 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         With the "xla" attention every slot reads the pages of the first W entries, W =
         `attend_window` (from the host's length bounds: no device read). A caller may pass
         `attend_len` (any value >= that bound; smaller values give wrong results for the
-        longer slots). With "pallas" there is no window (the kernel stops at each slot's
-        length) and `attend_len` is ignored.
+        longer slots). With a kernel ("pallas", "pallas_tpu") there is no window (the kernel
+        stops at each slot's length) and `attend_len` is ignored.
         """
         if num_steps is not None and num_steps < 1:
             raise ValueError(f"generate: num_steps must be >= 1, got {num_steps}")
         steps = 1 if num_steps is None else num_steps
         for slot in self.slots.live_slots():
             self.slots.reserve(slot, steps)
-        if self.decode_attention == "pallas":
+        if self.decode_attention in KERNEL_ATTENTION:
             attend_len = self.table_width * self.page_size  # the kernel bounds each slot's reads by its length
         elif attend_len is None:
             attend_len = self.attend_window(decode_state, steps)

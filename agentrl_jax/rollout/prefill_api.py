@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from agentrl_jax.models.decode import DecodeParams
+from agentrl_jax.rollout.decode_step import KERNEL_ATTENTION
 from agentrl_jax.rollout.paged_prefill import (
     PackedRows,
     PrefillRow,
@@ -153,7 +154,7 @@ class PagedPrefillAPI:
             packed = empty_pack(rows=rows, row_tokens=width, window=window, num_slots=self._slots)
             decode_state, _ = self._run_prefill(params, self._sync(decode_state), packed)
         steps = 1 if num_steps is None else num_steps
-        lengths = [self.table_width * self.page_size] if self.decode_attention == "pallas" else sorted(
+        lengths = [self.table_width * self.page_size] if self.decode_attention in KERNEL_ATTENTION else sorted(
             {min(pages_for(attend_bucket(n, self.max_target_length, self._attend_granule), self.page_size),
                  self.table_width) * self.page_size for n in range(steps, self.max_target_length + steps + 1)})
         for attend_len in lengths:  # no slot is live: every slot writes the trash page
