@@ -1,5 +1,5 @@
 """One layer's paged prefill attention: the Pallas kernel (`models/prefill_attention.py`) vs the
-XLA path (`decode.paged_xla_attend_and_write`'s gather of the window + `grouped_attention`).
+XLA path (`cache_attention.paged_xla_attend_and_write`'s gather of the window + `grouped_attention`).
 
 Usage (GPU):
     python bench/prefill_attention.py                 # Qwen3-1.7B heads, 16 rows x 64 tokens, windows 32, 80 pages

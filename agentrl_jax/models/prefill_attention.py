@@ -3,7 +3,7 @@
 The rollout engine's prefill call (`rollout.paged_prefill`) packs pieces of C new tokens,
 one sequence each, into rows; row r's tokens sit at cache entries ``[starts[r], starts[r] +
 lengths[r])`` and its queries attend over the sequence's pages through the row's page
-table. The XLA path (`decode.paged_xla_attend_and_write`) gathers every row's whole window
+table. The XLA path (`cache_attention.paged_xla_attend_and_write`) gathers every row's whole window
 (the call's longest reach, in pages) into a copy, writes ``[R, KV, G, C, W]`` float32
 scores and runs softmax over them: several passes over the window and ~8 kernels per layer,
 about a third of the prefill's device time at a 1.7B shape (docs/benchmarks.md).

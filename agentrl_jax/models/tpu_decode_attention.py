@@ -26,7 +26,7 @@ zeros. Entries of the last block past the slot's length are masked out of the lo
 their values zeroed (a page's tail may hold anything).
 
 The kernel only attends: the caller writes the new token's key/value through the page
-table first (`models.decode.paged_xla_attend_and_write`'s scatter), and counts it in
+table first (`models.cache_attention.paged_xla_attend_and_write`'s scatter), and counts it in
 ``lengths``.
 
 Off TPU it runs in Pallas's TPU interpreter (tests), which simulates the DMAs and
