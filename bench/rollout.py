@@ -230,6 +230,19 @@ def _occupancy(before: dict, after: dict, slots: int, steps: int) -> dict:
             "kept_token_fraction": round(kept, 3), "kv_held_tokens_at_end": after.get("kv_held_tokens")}
 
 
+def _host(before: dict, after: dict, seconds: float) -> dict:
+    """Where the reported pass's host time went (`Driver.stats` counters, differenced): per tick,
+    the engine thread's time and the share of it blocked on the device's results; and the
+    pass's time outside ticks (the event loop: agents, tools, resolving futures)."""
+    ticks = after["ticks"] - before["ticks"]
+    tick_s = after["tick_seconds"] - before["tick_seconds"]
+    wait_s = after["device_wait_seconds"] - before["device_wait_seconds"]
+    busy_s = after["busy_seconds"] - before["busy_seconds"]
+    return {"ticks": ticks, "tick_ms_mean": round(1e3 * tick_s / max(ticks, 1), 2),
+            "tick_device_wait_share": round(wait_s / max(tick_s, 1e-9), 3),
+            "outside_ticks_s": round(max(seconds - busy_s, 0.0), 2)}
+
+
 def _fill(engine, prefix, state):
     for slot in range(engine.max_concurrent_decodes):
         state = engine.insert(prefix, state, slot)
@@ -321,6 +334,7 @@ def main(argv=None) -> None:
                 warmup.update(times.report(diag["seconds"]))
             counters = {**warmup, **{k: after.get(k, 0) - before.get(k, 0) for k in ("preemptions", "evictions", "shared_prefills", "split_groups")},
                         "shapes_compiled_in_timed_passes": timed_compiles, **_occupancy(before, after, slots, args.steps_per_dispatch),
+                        **_host(before, after, passes[-1]["seconds"]),
                         **{k: after[k] - before.get(k, 0) for k in ("prefix_cache_hits", "prefix_cache_hit_tokens")
                            if k in after}}
         return warm, passes, counters

@@ -24,6 +24,7 @@ the driver resolves on its event loop.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,10 @@ class Dispatcher:
         # decode work: dispatches, slot-steps dispatched for slots holding a sequence, and the
         # tokens of those that were kept (the rest came after a stop or before a preemption)
         self.dispatches = self.live_slot_steps = self.kept_tokens = 0
+        # host time: inside ticks, and the part of it blocked on the device's results (the rest is
+        # host work the device may wait for; see `stats`)
+        self.tick_s = self.wait_s = 0.0
+        self.ticks = 0
 
     @property
     def idle(self) -> bool:
@@ -97,6 +102,7 @@ class Dispatcher:
             "kept_token_fraction": self.kept_tokens / self.live_slot_steps if self.live_slot_steps else 0.0,
             "preemptions": sched.preemptions, "evictions": sched.evictions, "shared_prefills": sched.shared_prefills,
             "split_groups": sched.split_groups, "compiled_programs": engine.compiled_programs(),
+            "ticks": self.ticks, "tick_seconds": self.tick_s, "device_wait_seconds": self.wait_s,
         }
         if sched.cache is not None:
             out.update(prefix_cache_pages=len(sched.cache), prefix_cache_hits=sched.cache.hits,
@@ -122,6 +128,14 @@ class Dispatcher:
     def tick(self, inbox: list[Request], update) -> tuple[list, bool]:
         """One boundary (see the module docstring). Returns the ``(future, value)`` pairs to resolve and
         whether ``update`` (``(params, version, drain, future)`` or None) was applied."""
+        started = time.perf_counter()
+        self.ticks += 1
+        try:
+            return self._tick(inbox, update)
+        finally:
+            self.tick_s += time.perf_counter() - started
+
+    def _tick(self, inbox: list[Request], update) -> tuple[list, bool]:
         sched = self._prepare(inbox)
         resolved: list = []
         self.retired = self._retire_known_ends()
@@ -149,7 +163,7 @@ class Dispatcher:
             self._read_dispatch(*previous, resolved)
         self.retired = set()
         if rows:  # first tokens come after every token of the previous dispatch
-            tokens, valid, log_prob, truncated = (c.tolist() for c in _columns(first.convert_to_numpy()))
+            tokens, valid, log_prob, truncated = (c.tolist() for c in _columns(self._wait(first)))
             for m, track in enumerate(admitted):
                 if valid[m] and track.slot is not None:  # not valid: a resumed sequence's forced token
                     one = slice(m, m + 1)
@@ -194,7 +208,7 @@ class Dispatcher:
     def _read_dispatch(self, generated, tracks: dict, version: int, resolved: list) -> None:
         """Accept one dispatch's tokens for the sequences that are still in the slots they had then
         (or were retired from them this tick)."""
-        tokens, valid, log_prob, truncated = (c.T.tolist() for c in _columns(generated.convert_to_numpy()))
+        tokens, valid, log_prob, truncated = (c.T.tolist() for c in _columns(self._wait(generated)))
         for slot, (track, admitted) in tracks.items():
             current = self.sched.slots.get(slot) is track and track.admitted == admitted
             if not current and track not in self.retired:
@@ -202,6 +216,13 @@ class Dispatcher:
             self.kept_tokens += self._accept(
                 track, tokens[slot], valid[slot], log_prob[slot], truncated[slot], version, resolved
             )
+
+    def _wait(self, result):
+        """``result`` on the host; the time blocked counts as waiting for the device."""
+        started = time.perf_counter()
+        host = result.convert_to_numpy()
+        self.wait_s += time.perf_counter() - started
+        return host
 
     def _accept(self, track: Track, tokens: list[int], valid: list, log_prob: list[float], truncated: list[float],
                 version: int, resolved: list) -> int:

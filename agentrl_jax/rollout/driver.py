@@ -253,6 +253,10 @@ class Driver:
           ``preemptions``, ``evictions``, ``shared_prefills``, ``split_groups`` (groups admitted over
           several ticks because fewer slots than samples were free), ``busy_seconds``, ``idle_seconds``;
           ``compiled_programs`` (`Engine.compiled_programs`: constant after `warmup`).
+        - Host time: ``ticks``, ``tick_seconds`` (inside the engine thread's ticks) and
+          ``device_wait_seconds`` (the part of it blocked on reading the device's results). A
+          tick's time minus its wait is host work; when a tick waits little the device is
+          likely waiting for the host instead (`bench/rollout.py` reports the shares).
         - With a decode state: ``kv_pool_tokens`` / ``kv_pool_bytes_per_device`` (reserved by the
           budget), ``kv_held_tokens`` (pages held by slots, sessions and prefills x page size) and
           ``kv_written_tokens`` (cache entries they hold; a page shared by a group counts once per

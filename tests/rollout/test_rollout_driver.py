@@ -217,6 +217,8 @@ def test_a_slot_whose_length_limit_falls_in_flight_takes_the_next_request_at_onc
     assert stats["decode_dispatches"] == 2
     assert stats["kept_token_fraction"] == 1.0 and stats["slot_occupancy"] == 1.0
     assert engine.pages.num_used() == 0
+    # host time: every tick counted, the device waits (two prefills, two dispatches read) inside them
+    assert stats["ticks"] >= 3 and 0 < stats["device_wait_seconds"] < stats["tick_seconds"] <= stats["busy_seconds"]
 
 
 
