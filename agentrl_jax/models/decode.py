@@ -66,6 +66,7 @@ from agentrl_jax.models.layers import apply_rope, rms_norm, rope_frequencies
 from agentrl_jax.models.tpu_decode_attention import pages_per_block_for
 
 ATTENTION_IMPLS = ("xla", "pallas", "pallas_tpu")
+PREFILL_ATTENTION_IMPLS = ("xla", "pallas")  # "pallas": the GPU kernel of `models.prefill_attention`
 LAYER_CACHE_AXES: tuple[str, ...] = ("slots", "kv_heads", "cache_sequence", "head_dim")
 
 
@@ -261,8 +262,8 @@ def forward(
         raise ValueError(f"forward: the {attention} decode attention takes one token per row, got T={T}")
     if attention == "pallas_tpu" and page_table is None:
         raise ValueError("forward: the pallas_tpu decode attention reads a paged cache; pass a page_table")
-    if prefill_attention not in ("xla", "pallas"):
-        raise ValueError(f"forward: prefill_attention must be one of ('xla', 'pallas'), got {prefill_attention!r}")
+    if prefill_attention not in PREFILL_ATTENTION_IMPLS:
+        raise ValueError(f"forward: prefill_attention must be one of {PREFILL_ATTENTION_IMPLS}, got {prefill_attention!r}")
     if prefill_attention == "pallas" and (page_table is None or write_len is None or attention != "xla"):
         raise ValueError("forward: prefill_attention='pallas' needs a page_table and write_len (the paged prefill)")
     capacity = cache.max_len if page_table is None else page_table.shape[1] * cache.k[0].shape[2]

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from agentrl_jax.models import Decoder
+from agentrl_jax.models.decode import PREFILL_ATTENTION_IMPLS as PREFILL_ATTENTION
 from agentrl_jax.models.decode import forward
 from agentrl_jax.models.tpu_decode_attention import tpu_kernel_fits
 from agentrl_jax.rollout.result_tokens import ResultTokens
@@ -24,7 +25,6 @@ from agentrl_jax.rollout.state import DecodeState
 
 DECODE_ATTENTION = ("xla", "pallas", "pallas_tpu")
 KERNEL_ATTENTION = ("pallas", "pallas_tpu")  # the kernels read each slot up to its own length: no window
-PREFILL_ATTENTION = ("xla", "pallas")  # "pallas": the GPU kernel of `models.prefill_attention`
 
 
 def decode_step(params, state: DecodeState, *, config, attend_len, dtype, attention, cache_spec, mesh, max_length):
@@ -81,6 +81,9 @@ def choose_prefill_attention(requested: str | None, model: Decoder, mesh: Mesh, 
         requested = "pallas" if on_gpu and choose_decode_attention(None, model, mesh, page_size) == "pallas" else "xla"
     if requested not in PREFILL_ATTENTION:
         raise ValueError(f"Engine: prefill_attention must be one of {PREFILL_ATTENTION}, got {requested!r}")
+    if requested == "pallas" and all(d.platform == "tpu" for d in mesh.devices.flat):
+        raise ValueError("Engine: prefill_attention='pallas' is the GPU (Triton) kernel, which would run in Pallas's "
+                         "interpreter on a TPU; use prefill_attention='xla' there")
     return requested
 
 

@@ -60,6 +60,9 @@ def test_the_prefill_kernel_is_the_gpu_one_only():
     assert choose_prefill_attention(None, bf16, _on("cpu"), 16) == "xla"
     with pytest.raises(ValueError, match="prefill_attention must be one of"):
         choose_prefill_attention("pallas_tpu", bf16, _on("tpu"), 16)
+    with pytest.raises(ValueError, match="GPU .Triton. kernel"):
+        choose_prefill_attention("pallas", bf16, _on("tpu"), 16)
+    assert choose_prefill_attention("pallas", bf16, _on("cpu"), 16) == "pallas"  # interpreted: tests
 
 
 def _decode(engine, model, prompts, steps):
