@@ -14,6 +14,10 @@ and window on any device (``--padding``: padding rows instead, which write nothi
     python bench/prefill_window.py --size 1.7b --shapes 8x32,16x80 --profile /tmp/pw   # + device kernels
     python bench/prefill_window.py --size 1.7b --prefill-attention xla   # the XLA attention (default: the engine's)
 
+A shape ``RxW`` is R packed rows reaching W pages each. The XLA attention compiles one program
+per window bucket, so W is also the compiled window; the "pallas" prefill compiles the whole
+table's width only (``table_pages`` in the output) and W is then only how far the rows reach.
+
 ``--profile DIR`` traces ``--calls`` more calls of each shape with ``jax.profiler`` and
 reduces the trace to a table of device milliseconds per call by HLO instruction
 (`profile_step`'s summary), written to ``DIR/<rows>x<window>.txt``; on CPU the trace has no
@@ -50,11 +54,11 @@ def main() -> None:
 
     import jax
     import numpy as np
+    from decode import qwen3_model
 
     from agentrl_jax.rollout import Engine
     from agentrl_jax.rollout.paged_prefill import empty_pack
     from agentrl_jax.sharding import make_mesh
-    from decode import qwen3_model
 
     model, dtype = qwen3_model(args.size)
     engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=args.slots,
@@ -64,15 +68,19 @@ def main() -> None:
     print(f"device: {jax.devices()[0].device_kind} x1  jax {jax.__version__}  size {args.size}  "
           f"prefill attention {engine.prefill_attention}")
     rows = []
-    shapes = engine.prefill_shapes(args.token_budget)
+    compiled = engine.prefill_shapes(args.token_budget)
+    width = compiled[0][1]
+    shapes = [(n, w) for n, _, w in compiled]  # (rows, pages the rows reach)
     if args.shapes:
-        wanted = {tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")}
-        shapes = [s for s in shapes if (s[0], s[2]) in wanted]
-        if len(shapes) != len(wanted):
-            known = ",".join(f"{n}x{w}" for n, _, w in engine.prefill_shapes(args.token_budget))
-            raise SystemExit(f"--shapes {args.shapes}: not all in the warm-up set ({known})")
-    for n, width, window in shapes:
-        packed = (empty_pack(rows=n, row_tokens=width, window=window, num_slots=args.slots) if args.padding
+        buckets = sorted({n for n, _, _ in compiled})
+        shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
+        for n, w in shapes:
+            if n not in buckets or not 1 <= w <= engine.table_width:
+                raise SystemExit(f"--shapes {args.shapes}: rows must be one of {buckets} and pages 1 to "
+                                 f"{engine.table_width} (the page table's width)")
+    for n, window in shapes:
+        table = engine._prefill_window(window * engine.page_size)  # the compiled window
+        packed = (empty_pack(rows=n, row_tokens=width, window=table, num_slots=args.slots) if args.padding
                   else _full_rows(engine, n, width, window))
         times = []
         for _ in range(args.calls + 1):  # the first compiles
@@ -80,7 +88,8 @@ def main() -> None:
             state, _ = engine._run_prefill(params, state, packed)
             jax.block_until_ready(state)
             times.append(time.perf_counter() - t0)
-        row = {"rows": n, "row_tokens": width, "window_pages": window, "attention": engine.prefill_attention,
+        row = {"rows": n, "row_tokens": width, "window_pages": window, "table_pages": table,
+               "attention": engine.prefill_attention,
                "ms_per_call": round(1e3 * float(np.median(times[1:])), 2)}
         if args.profile:
             row.update(_profile(engine, params, state, packed, args, f"{n}x{window}"))
@@ -93,8 +102,8 @@ def main() -> None:
 
 
 def _full_rows(engine, n: int, width: int, window: int):
-    """``n`` rows of ``width`` new tokens each ending at its ``window``'s last entry, each with
-    its own pages (shard 0), packed as `Engine.prefill_insert` packs them (no admission)."""
+    """``n`` rows of ``width`` new tokens each ending at the last entry of ``window`` pages, each
+    with its own pages (shard 0), packed as `Engine.prefill_insert` packs them (no admission)."""
     import numpy as np
 
     from agentrl_jax.rollout.paged_prefill import PrefillRow
@@ -108,14 +117,14 @@ def _full_rows(engine, n: int, width: int, window: int):
     rows = [PrefillRow(shard=0, pages=list(range(first + i * window, first + (i + 1) * window)), start=reach - width,
                        tokens=rng.integers(1, engine.config.vocab_size, width).astype(np.int32)) for i in range(n)]
     packed = engine._pack(rows, row_cap=n)
-    assert packed.tokens.shape[0] == n and packed.tables.shape[1] == window, (packed.tokens.shape, packed.tables.shape)
+    table = engine._prefill_window(reach)
+    assert packed.tokens.shape == (n, width) and packed.tables.shape[1] == table, (packed.tokens.shape, packed.tables.shape)
     return packed
 
 
 def _profile(engine, params, state, packed, args, name: str) -> dict:
     """Trace ``args.calls`` prefill calls of one shape; write the kernel table; device ms per call."""
     import jax
-
     from profile_step import device_kernels, parse_hlo, render, summarize
 
     fn, call_args = engine._prefill_call(params, engine._sync(state), packed)
