@@ -309,8 +309,6 @@ def forward(
         else:
             if write_len is not None:  # padding tokens write nowhere: mark them past the write window
                 write_pos = jnp.where(jnp.arange(T)[None, :] < write_len[:, None], write_pos, -1)
-            window = functools.partial(paged_xla_attend_and_write, attend_len=attend_len, dtype=dtype,
-                                       unique_writes=write_len is not None)
             row_args = ()  # per-row arguments after the page table
             if attention == "pallas_tpu":  # the kernel reads each row's pages up to its own length
                 window = functools.partial(paged_tpu_attend_and_write,
@@ -318,6 +316,9 @@ def forward(
             elif prefill_attention == "pallas":
                 window = functools.partial(paged_pallas_attend_and_write, dtype=dtype)
                 row_args = (write_index, write_len)
+            else:
+                window = functools.partial(paged_xla_attend_and_write, attend_len=attend_len, dtype=dtype,
+                                           unique_writes=write_len is not None)
             if sharded:  # the pool's pages are split like the rows: gathers and scatters stay local
                 window = jax.shard_map(
                     window, mesh=mesh, check_vma=False, out_specs=out_specs,
