@@ -243,6 +243,22 @@ def _host(before: dict, after: dict, seconds: float) -> dict:
             "outside_ticks_s": round(max(seconds - busy_s, 0.0), 2)}
 
 
+async def _profiled(driver, args, vocab: int, seed: int) -> dict:
+    """One pass under `jax.profiler.trace`, reduced by `timeline.summarize` (written to DIR/timeline.json)."""
+    import jax
+
+    import timeline
+
+    trace_dir = os.path.join(args.profile, "trace")
+    with jax.profiler.trace(trace_dir):
+        result = await _rollout(driver, args, vocab, seed=seed)
+    summary = timeline.summarize(*timeline.load(trace_dir))
+    with open(os.path.join(args.profile, "timeline.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return {"profile_wall_s": round(result["seconds"], 2),
+            **{f"profile_{k}": v for k, v in summary.items() if k != "largest_gaps"}}
+
+
 def _fill(engine, prefix, state):
     for slot in range(engine.max_concurrent_decodes):
         state = engine.insert(prefix, state, slot)
@@ -280,6 +296,9 @@ def main(argv=None) -> None:
     parser.add_argument("--call-times", action="store_true",
                         help="one more pass after the timed ones, blocking on every engine call: device time per "
                              "call kind, prefill tokens real / padded, compiles (reported as diag_*)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="one more pass, traced with jax.profiler into DIR: the device's idle gaps and the host "
+                             "phases they fell in (bench/timeline.py; reported as profile_*)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: a < 1 min smoke run")
     parser.add_argument("--json", help="also write the result to this JSON file")
     args = parser.parse_args(argv)
@@ -332,6 +351,8 @@ def main(argv=None) -> None:
                 times = CallTimes(engine)
                 diag = await _rollout(driver, args, vocab, seed=2 + args.timed_passes)
                 warmup.update(times.report(diag["seconds"]))
+            if args.profile:  # last: tracing slows the host a little
+                warmup.update(await _profiled(driver, args, vocab, seed=3 + args.timed_passes))
             counters = {**warmup, **{k: after.get(k, 0) - before.get(k, 0) for k in ("preemptions", "evictions", "shared_prefills", "split_groups")},
                         "shapes_compiled_in_timed_passes": timed_compiles, **_occupancy(before, after, slots, args.steps_per_dispatch),
                         **_host(before, after, passes[-1]["seconds"]),
