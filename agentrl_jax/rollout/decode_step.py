@@ -27,15 +27,18 @@ DECODE_ATTENTION = ("xla", "pallas", "pallas_tpu")
 KERNEL_ATTENTION = ("pallas", "pallas_tpu")  # the kernels read each slot up to its own length: no window
 
 
-def decode_step(params, state: DecodeState, *, config, attend_len, dtype, attention, cache_spec, mesh, max_length):
-    """One token for every slot: ``(new state, (tokens, valid, generated, log_prob, truncated))``, each [S]."""
+def decode_step(params, state: DecodeState, *, config, attend_len, dtype, attention, cache_spec, mesh, max_length,
+                truncation=True):
+    """One token for every slot: ``(new state, (tokens, valid, generated, log_prob, truncated))``, each [S];
+    ``truncation``: compile the top-k / top-p sampling path (`sampling.sample`)."""
     hidden, cache = forward(
         params, state.last_tokens[:, None], state.lengths[:, None], state.cache, state.lengths,
         config=config, attend_len=attend_len, dtype=dtype, attention=attention,
         cache_spec=cache_spec, mesh=mesh, page_table=state.page_table,
     )
     logits = next_token_logits(hidden[:, -1], *params.output_embedding())
-    tokens, log_prob, truncated = sample(logits, step_keys(state.keys, state.generated), state.sampling)
+    tokens, log_prob, truncated = sample(logits, step_keys(state.keys, state.generated), state.sampling,
+                                         truncation=truncation)
     valid = state.active & (state.lengths < max_length)
     step = valid.astype(jnp.int32)
     new_state = state.replace(

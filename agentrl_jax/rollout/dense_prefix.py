@@ -49,8 +49,9 @@ def _resize_row(cache: LayerCache, capacity: int) -> LayerCache:
 
 
 def prefill_step(params, old_cache, start, tokens, true_length, keys, generated, sampling, *, capacity, config,
-                 cache_dtype, dtype):
-    """Traced body of `Engine.prefill`: the prompt chunk through the model into a dense row, G first tokens."""
+                 cache_dtype, dtype, truncation):
+    """Traced body of `Engine.prefill`: the prompt chunk through the model into a dense row, G first tokens
+    (``truncation``: the samples use top-k / top-p; `sampling.sample`)."""
     if old_cache is None:
         cache = LayerCache.init(config, 1, capacity, cache_dtype)
     else:
@@ -64,7 +65,7 @@ def prefill_step(params, old_cache, start, tokens, true_length, keys, generated,
     logits = next_token_logits(last, *params.output_embedding())
     num_samples = keys.shape[0]
     logits = jnp.broadcast_to(logits, (num_samples, logits.shape[-1]))
-    first, log_prob, truncated = sample(logits, step_keys(keys, generated), sampling)
+    first, log_prob, truncated = sample(logits, step_keys(keys, generated), sampling, truncation=truncation)
     prefix = Prefix(
         cache=cache,
         length=start + true_length,
@@ -74,6 +75,7 @@ def prefill_step(params, old_cache, start, tokens, true_length, keys, generated,
         keys=keys,
         generated=generated + 1,
         sampling=sampling,
+        truncating=truncation,
     )
     ones = jnp.ones((num_samples,), jnp.int32)
     return prefix, ResultTokens.pack(first, ones, generated + 1, log_prob, truncated)
@@ -106,7 +108,7 @@ def insert_step(prefix: Prefix, state: DecodeState, slots, pages, *, num_pages):
     )
 
 
-def extract_step(state: DecodeState, pages, slot, length, generated, *, capacity):
+def extract_step(state: DecodeState, pages, slot, length, generated, *, capacity, truncating):
     """Traced body of `Engine.extract_prefix`: a slot's pages gathered into a dense prefix row."""
     def gather(pool):  # [n, KV, P, K] -> [1, KV, capacity, K]
         blocks = pool[pages]
@@ -123,16 +125,19 @@ def extract_step(state: DecodeState, pages, slot, length, generated, *, capacity
         keys=one(state.keys),
         generated=generated[None],
         sampling=jax.tree.map(one, state.sampling),
+        truncating=truncating,
     )
 
 
 class DensePrefixAPI:
     """JetStream's dense-prefix calls of `Engine` (a mixin: it uses the engine's slots, pages and jit caches)."""
 
-    def get_prefix_destination_sharding(self, capacity: int | None = None, num_samples: int = 1) -> Prefix:
+    def get_prefix_destination_sharding(self, capacity: int | None = None, num_samples: int = 1,
+                                        truncating: bool = True) -> Prefix:
         """The sharding of a `Prefix` of `capacity` cache entries (JetStream API)."""
         capacity = self._max_prefill if capacity is None else capacity
-        return prefix_shardings(self.config, capacity, num_samples, self.cache_dtype, self._mesh, self._rules)
+        return prefix_shardings(self.config, capacity, num_samples, self.cache_dtype, self._mesh, self._rules,
+                                truncating)
 
     # ---- prefill (JetStream: a prompt's KV as a dense prefix row) ----------------------
 
@@ -191,12 +196,13 @@ class DensePrefixAPI:
                     f"num_samples={num_samples}; a continuation keeps its sample count"
                 )
             keys, generated, old_cache = existing_prefix.keys, existing_prefix.generated, existing_prefix.cache
-        key = (bucket, capacity, None if old_cache is None else old_cache.max_len, num_samples)
+        truncation = sampler.truncates
+        key = (bucket, capacity, None if old_cache is None else old_cache.max_len, num_samples, truncation)
         if key not in self._prefill_fns:
             self._prefill_fns[key] = jax.jit(
                 functools.partial(prefill_step, capacity=capacity, config=self.config, cache_dtype=self.cache_dtype,
-                                  dtype=self._dtype),
-                out_shardings=(self.get_prefix_destination_sharding(capacity, num_samples), None),
+                                  dtype=self._dtype, truncation=truncation),
+                out_shardings=(self.get_prefix_destination_sharding(capacity, num_samples, truncation), None),
             )
         sampling = SlotSampling.from_params(sampler, num_samples)
         return self._prefill_fns[key](
@@ -251,7 +257,7 @@ class DensePrefixAPI:
             self.pages.incref(shard, shared * (len(mine) - 1))
             for slot in mine:
                 pages = shared + self.pages.alloc(shard, n - full)
-                self.assign_slot(slot, pages, length)
+                self.assign_slot(slot, pages, length, truncating=prefix.truncating)
         tables = [self._global(self.shard_of(s), self.slots.slot_pages(s)) for s in slots]
         state = self._sync(state)
         if n not in self._insert_fns:
@@ -278,12 +284,13 @@ class DensePrefixAPI:
         pages = self._global(self.shard_of(slot), self.slots.slot_pages(slot))[:n]
         pages += [TRASH_PAGE] * (n - len(pages))
         decode_state = self._sync(decode_state)
-        if capacity not in self._extract_fns:
-            self._extract_fns[capacity] = jax.jit(
-                functools.partial(extract_step, capacity=capacity),
-                out_shardings=self.get_prefix_destination_sharding(capacity, 1),
+        truncating = self.slots.truncating(slot)
+        if (capacity, truncating) not in self._extract_fns:
+            self._extract_fns[capacity, truncating] = jax.jit(
+                functools.partial(extract_step, capacity=capacity, truncating=truncating),
+                out_shardings=self.get_prefix_destination_sharding(capacity, 1, truncating),
             )
-        return self._extract_fns[capacity](
+        return self._extract_fns[capacity, truncating](
             decode_state, jnp.asarray(pages, jnp.int32), jnp.int32(slot), jnp.int32(length), jnp.int32(generated)
         )
 

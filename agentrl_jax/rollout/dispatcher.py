@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 import numpy as np
+from jax.profiler import TraceAnnotation
 
 from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.prefix_cache import PrefixCache
@@ -81,14 +82,14 @@ class Dispatcher:
             session.pages, session.shard = [], None
         self.sched.sessions.clear()
 
-    def warmup(self) -> dict[str, float]:
+    def warmup(self, truncation: bool = False) -> dict[str, float]:
         """Compile every prefill shape and the decode dispatch now (`Engine.warmup`); idle only."""
         if not self.idle:
             raise RuntimeError("Driver.warmup: requests are in flight; warm up before the first one")
         if self.state is None:
             self._prepare([])
         self.state, stats = self.engine.warmup(self.params, self.state, token_budget=self.budget,
-                                               num_steps=self.steps)
+                                               num_steps=self.steps, truncation=truncation)
         return {**stats, "programs": self.engine.compiled_programs()}
 
     def stats(self) -> dict[str, float]:
@@ -131,31 +132,38 @@ class Dispatcher:
         started = time.perf_counter()
         self.ticks += 1
         try:
-            return self._tick(inbox, update)
+            with TraceAnnotation("rollout/tick"):
+                return self._tick(inbox, update)
         finally:
             self.tick_s += time.perf_counter() - started
 
     def _tick(self, inbox: list[Request], update) -> tuple[list, bool]:
-        sched = self._prepare(inbox)
-        resolved: list = []
-        self.retired = self._retire_known_ends()
-        update_done = False
-        if update is not None and (not update[2] or not sched.slots):
-            self.params, self.version = update[0], update[1]
-            update_done = True
-            if sched.cache is not None:
-                sched.cache.clear()  # KV of the old weights
-        if sched.slots:  # pages for the next dispatch of every decoding slot (may preempt)
-            sched.reserve_pages(lambda track: self._finish(track, "capacity", None, resolved))
-        rows, admitted = [], []
-        if sched.waiting and not (update is not None and not update_done):
-            rows, admitted = sched.plan_prefill(resolved)
+        # The phases are named for `jax.profiler` traces (`bench/rollout.py --profile` lines them up
+        # against the device's idle gaps); an annotation costs ~1 us when no trace is taken.
+        with TraceAnnotation("rollout/prepare"):
+            sched = self._prepare(inbox)
+            resolved: list = []
+            self.retired = self._retire_known_ends()
+            update_done = False
+            if update is not None and (not update[2] or not sched.slots):
+                self.params, self.version = update[0], update[1]
+                update_done = True
+                if sched.cache is not None:
+                    sched.cache.clear()  # KV of the old weights
+            if sched.slots:  # pages for the next dispatch of every decoding slot (may preempt)
+                sched.reserve_pages(lambda track: self._finish(track, "capacity", None, resolved))
+            rows, admitted = [], []
+            if sched.waiting and not (update is not None and not update_done):
+                rows, admitted = sched.plan_prefill(resolved)
         if rows:
-            self.state, first = self.engine.prefill_insert(self.params, self.state, rows, row_cap=self.row_cap)
+            with TraceAnnotation("rollout/prefill_call"):
+                self.state, first = self.engine.prefill_insert(self.params, self.state, rows, row_cap=self.row_cap)
         previous, self.in_flight = self.in_flight, None
         if sched.slots:  # queued before the host reads anything: the device never waits on the host
-            self.state, generated = self.engine.generate(self.params, self.state, num_steps=self.steps)
-            generated.copy_to_host_async()
+            with TraceAnnotation("rollout/decode_call"):
+                self.state, generated = self.engine.generate(self.params, self.state, num_steps=self.steps)
+            with TraceAnnotation("rollout/copy_async"):
+                generated.copy_to_host_async()
             self.in_flight = (generated, {s: (t, t.admitted) for s, t in sched.slots.items()}, self.version)
             self.dispatches += 1
             self.live_slot_steps += len(sched.slots) * self.steps
@@ -164,10 +172,12 @@ class Dispatcher:
         self.retired = set()
         if rows:  # first tokens come after every token of the previous dispatch
             tokens, valid, log_prob, truncated = (c.tolist() for c in _columns(self._wait(first)))
-            for m, track in enumerate(admitted):
-                if valid[m] and track.slot is not None:  # not valid: a resumed sequence's forced token
-                    one = slice(m, m + 1)
-                    self._accept(track, tokens[one], valid[one], log_prob[one], truncated[one], self.version, resolved)
+            with TraceAnnotation("rollout/accept_first"):
+                for m, track in enumerate(admitted):
+                    if valid[m] and track.slot is not None:  # not valid: a resumed sequence's forced token
+                        one = slice(m, m + 1)
+                        self._accept(track, tokens[one], valid[one], log_prob[one], truncated[one], self.version,
+                                     resolved)
         if not sched.slots:
             self.in_flight = None  # nobody left to read it
         return resolved, update_done
@@ -209,6 +219,11 @@ class Dispatcher:
         """Accept one dispatch's tokens for the sequences that are still in the slots they had then
         (or were retired from them this tick)."""
         tokens, valid, log_prob, truncated = (c.T.tolist() for c in _columns(self._wait(generated)))
+        with TraceAnnotation("rollout/accept"):
+            self._accept_dispatch(tracks, tokens, valid, log_prob, truncated, version, resolved)
+
+    def _accept_dispatch(self, tracks: dict, tokens, valid, log_prob, truncated, version: int, resolved: list) -> None:
+        """`_accept` each slot's row of a dispatch's host results (``tokens[slot]`` ...)."""
         for slot, (track, admitted) in tracks.items():
             current = self.sched.slots.get(slot) is track and track.admitted == admitted
             if not current and track not in self.retired:
@@ -220,7 +235,8 @@ class Dispatcher:
     def _wait(self, result):
         """``result`` on the host; the time blocked counts as waiting for the device."""
         started = time.perf_counter()
-        host = result.convert_to_numpy()
+        with TraceAnnotation("rollout/wait"):
+            host = result.convert_to_numpy()
         self.wait_s += time.perf_counter() - started
         return host
 

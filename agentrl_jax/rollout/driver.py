@@ -193,13 +193,15 @@ class Driver:
         self._wakeup.set()
         await done
 
-    async def warmup(self) -> dict[str, float]:
+    async def warmup(self, *, truncation: bool = False) -> dict[str, float]:
         """Compile (or load from the persistent cache) every program the driver's ticks run, now.
 
         The prefill shapes are a closed set fixed by the engine and `prefill_token_budget`
         (`Engine.prefill_shapes`), so after this no tick compiles: a first rollout step, or
         a timed one, runs at speed. Call it before the first request (it raises while
-        requests are in flight).
+        requests are in flight). Pass ``truncation=True`` when requests will sample with top-k
+        or top-p (`SamplingParams.truncates`): their prefill and decode programs are compiled
+        too (a second variant of each; calls without such a request run the plain one).
 
         Returns:
           ``{"prefill_shapes", "decode_shapes", "seconds", "programs"}`` (programs: the engine's
@@ -208,7 +210,7 @@ class Driver:
         self._check_alive()
         if self._inbox or (self._task is not None and not self._task.done() and not self._dispatcher.idle):
             raise RuntimeError("Driver.warmup: requests are in flight; warm up before the first one")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, self._dispatcher.warmup)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._dispatcher.warmup, truncation)
 
     def release_cache(self) -> None:
         """Free the decode state (the KV pages) once the driver is idle; the next request re-creates it.

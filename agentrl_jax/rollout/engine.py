@@ -60,6 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.profiler import TraceAnnotation
 from jax.sharding import Mesh
 
 from agentrl_jax.models import Decoder, split_params
@@ -304,9 +305,13 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
     def slot_pages(self, slot: int) -> list[int]:
         return self.slots.slot_pages(slot)
 
-    def assign_slot(self, slot: int, pages: Sequence[int], length: int) -> None:
-        """`slot` reads `pages` (taking over one reference to each) and holds `length` entries."""
-        self.slots.assign(slot, pages, length)
+    def assign_slot(self, slot: int, pages: Sequence[int], length: int, *, truncating: bool = True) -> None:
+        """`slot` reads `pages` (taking over one reference to each) and holds `length` entries.
+
+        ``truncating``: whether the sampling parameters the slot's state holds (or will hold)
+        use top-k / top-p (`SamplingParams.truncates`); decode dispatches compile the sorted
+        sampling path only while a live slot does. True is always correct, only slower."""
+        self.slots.assign(slot, pages, length, truncating=truncating)
 
     def release_slot(self, slot: int, *, keep_pages: bool = False) -> list[int]:
         """Free `slot`; its page references are dropped, or with ``keep_pages`` handed to the caller
@@ -319,6 +324,10 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
 
     def _sync(self, state: DecodeState) -> DecodeState:
         """Apply the host's pending slot frees (one call) and page-table changes (one upload)."""
+        with TraceAnnotation("engine/sync"):
+            return self._sync_now(state)
+
+    def _sync_now(self, state: DecodeState) -> DecodeState:
         slots = self.slots.take_deactivations()
         if slots:
             state = self._deactivate(state, np.asarray(slots, np.int32))
@@ -366,32 +375,37 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         if num_steps is not None and num_steps < 1:
             raise ValueError(f"generate: num_steps must be >= 1, got {num_steps}")
         steps = 1 if num_steps is None else num_steps
-        for slot in self.slots.live_slots():
-            self.slots.reserve(slot, steps)
+        with TraceAnnotation("engine/reserve"):
+            for slot in self.slots.live_slots():
+                self.slots.reserve(slot, steps)
         if self.decode_attention in KERNEL_ATTENTION:
             attend_len = self.table_width * self.page_size  # the kernel bounds each slot's reads by its length
         elif attend_len is None:
             attend_len = self.attend_window(decode_state, steps)
         elif not 0 < attend_len <= self.max_target_length:
             raise ValueError(f"generate: attend_len={attend_len} must be in [1, {self.max_target_length}]")
-        out = self._dispatch(params, self._sync(decode_state), num_steps, attend_len)
+        decode_state = self._sync(decode_state)
+        with TraceAnnotation("engine/launch"):
+            out = self._dispatch(params, decode_state, num_steps, attend_len, self.slots.any_truncating())
         self.slots.advance(steps)
         return out
 
-    def _dispatch(self, params: DecodeParams, decode_state: DecodeState, num_steps: int | None, attend_len: int):
-        key = (num_steps, attend_len)
+    def _dispatch(self, params: DecodeParams, decode_state: DecodeState, num_steps: int | None, attend_len: int,
+                  truncation: bool):
+        return self._generate_fn(num_steps, attend_len, truncation)(params, decode_state)
+
+    def _generate_fn(self, num_steps: int | None, attend_len: int, truncation: bool):
+        """The jitted decode dispatch (compiled at its first call); ``truncation``: with the top-k /
+        top-p sampling path (`sampling.sample`), for dispatches in which a live slot truncates."""
+        key = (num_steps, attend_len, truncation)
         if key not in self._generate_fns:
             step = functools.partial(
                 generate_steps, num_steps=num_steps, config=self.config, attend_len=attend_len, dtype=self._dtype,
-                attention=self.decode_attention, cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh,
-                max_length=self.max_target_length,
+                truncation=truncation, attention=self.decode_attention, cache_spec=self.state_shardings.cache.k[0].spec,
+                mesh=self._mesh, max_length=self.max_target_length,
             )
-            self._generate_fns[key] = jax.jit(
-                step,
-                donate_argnums=(1,),
-                out_shardings=(self.state_shardings, None),
-            )
-        return self._generate_fns[key](params, decode_state)
+            self._generate_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None))
+        return self._generate_fns[key]
 
     def attend_window(self, decode_state: DecodeState | None = None, num_steps: int = 1) -> int:
         """The "xla" attention window W for `num_steps` steps (see `generate`): whole pages

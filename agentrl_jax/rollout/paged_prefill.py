@@ -206,9 +206,10 @@ def copy_pages(state: DecodeState, copy_src, copy_dst) -> DecodeState:
 
 def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, lengths, adm_row, adm_slot, adm_key,
                         adm_generated, adm_forced, adm_length, sampling: SlotSampling, *,
-                        config, dtype, page_size, cache_spec, mesh, attention="xla"):
+                        config, dtype, page_size, cache_spec, mesh, attention="xla", truncation=True):
     """Traced body of `Engine.prefill_insert`: write the rows' KV, sample, fill slots (the page
-    copies follow in `copy_pages`); ``attention``: `forward`'s ``prefill_attention``."""
+    copies follow in `copy_pages`); ``attention``: `forward`'s ``prefill_attention``;
+    ``truncation``: compile the top-k / top-p sampling path (`sampling.sample`)."""
     positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
     hidden, cache = forward(
         params, tokens, positions, state.cache, starts, config=config, attend_len=tables.shape[1] * page_size,
@@ -217,7 +218,7 @@ def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, leng
     )
     last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]  # [R, D]
     logits = next_token_logits(last[adm_row], *params.output_embedding())
-    sampled, log_prob, truncated = sample(logits, step_keys(adm_key, adm_generated), sampling)
+    sampled, log_prob, truncated = sample(logits, step_keys(adm_key, adm_generated), sampling, truncation=truncation)
     forced = adm_forced >= 0
     first = jnp.where(forced, adm_forced, sampled)
     generated = jnp.where(forced, adm_generated, adm_generated + 1)

@@ -7,6 +7,7 @@ packing and the traced bodies are in `paged_prefill`.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.profiler import TraceAnnotation
 from jax.sharding import NamedSharding, PartitionSpec
 
 from agentrl_jax.models.decode import DecodeParams
@@ -59,9 +61,10 @@ class PagedPrefillAPI:
         """
         if not rows:
             raise ValueError("prefill_insert: no rows")
-        packed = self._pack(rows, row_cap)
+        with TraceAnnotation("engine/pack"):
+            packed = self._pack(rows, row_cap)
         for m, a in enumerate(packed.admitted):
-            self.slots.assign(a.slot, a.pages, int(packed.adm_length[m]))
+            self.slots.assign(a.slot, a.pages, int(packed.adm_length[m]), truncating=a.sampling.truncates)
         return self._run_prefill(params, self._sync(decode_state), packed)
 
     def _pack(self, rows: Sequence[PrefillRow], row_cap: int | None) -> PackedRows:
@@ -103,30 +106,39 @@ class PagedPrefillAPI:
         return window_pages(reach, page_size=self.page_size, floor=pages_for(4 * self._attend_granule, self.page_size),
                             table_width=self.table_width)
 
-    def _run_prefill(self, params: DecodeParams, decode_state: DecodeState, packed: PackedRows):
-        fn, args = self._prefill_call(params, decode_state, packed)
-        decode_state, first = fn(*args)
+    def _run_prefill(self, params: DecodeParams, decode_state: DecodeState, packed: PackedRows,
+                     truncation: bool | None = None):
+        fn, args = self._prefill_call(params, decode_state, packed, truncation)
+        with TraceAnnotation("engine/launch"):
+            decode_state, first = fn(*args)
         if packed.num_copies or not packed.admitted:  # (no admission: a warm-up call compiles the copies too)
             key = packed.copy_src.shape[0]
             if key not in self._copy_fns:
                 self._copy_fns[key] = jax.jit(copy_pages, donate_argnums=(0,), out_shardings=self.state_shardings)
-            decode_state = self._copy_fns[key](decode_state, packed.copy_src, packed.copy_dst)
+            with TraceAnnotation("engine/launch_copies"):
+                decode_state = self._copy_fns[key](decode_state, packed.copy_src, packed.copy_dst)
         return decode_state, first
 
-    def _prefill_call(self, params: DecodeParams, decode_state: DecodeState, packed: PackedRows) -> tuple[Any, tuple]:
-        """The jitted prefill program for ``packed``'s shape and its arguments."""
-        key = (packed.tokens.shape, packed.tables.shape[1], packed.adm_row.shape[0])
+    def _prefill_call(self, params: DecodeParams, decode_state: DecodeState, packed: PackedRows,
+                      truncation: bool | None = None) -> tuple[Any, tuple]:
+        """The jitted prefill program for ``packed``'s shape and its arguments; ``truncation``: compile
+        the top-k / top-p sampling path (default: when an admission truncates, `SamplingParams.truncates`)."""
+        if truncation is None:
+            truncation = any(a.sampling.truncates for a in packed.admitted)
+        key = (packed.tokens.shape, packed.tables.shape[1], packed.adm_row.shape[0], truncation)
         if key not in self._paged_prefill_fns:
             step = functools.partial(
                 prefill_insert_step, config=self.config, dtype=self._dtype, page_size=self.page_size,
                 cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh, attention=self.prefill_attention,
+                truncation=truncation,
             )
             self._paged_prefill_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None))
         by_row = NamedSharding(self._mesh, PartitionSpec(self._rows_spec))
         by_row2 = NamedSharding(self._mesh, PartitionSpec(self._rows_spec, None))
-        placed = jax.device_put(
-            (packed.tokens, packed.tables, packed.starts, packed.lengths), (by_row2, by_row2, by_row, by_row)
-        )
+        with TraceAnnotation("engine/put_rows"):
+            placed = jax.device_put(
+                (packed.tokens, packed.tables, packed.starts, packed.lengths), (by_row2, by_row2, by_row, by_row)
+            )
         # host arrays go to the jitted call as they are: it transfers them in one go (an eager
         # jnp.asarray per array cost more host time than the transfers)
         return self._paged_prefill_fns[key], (
@@ -135,30 +147,34 @@ class PagedPrefillAPI:
         )
 
     def warmup(self, params: DecodeParams, decode_state: DecodeState, *, token_budget: int,
-               num_steps: int | None) -> tuple[DecodeState, dict[str, float]]:
+               num_steps: int | None, truncation: bool = False) -> tuple[DecodeState, dict[str, float]]:
         """Compile now every program a driver with this prefill budget and dispatch length runs.
 
         Runs each shape of `prefill_shapes` once with padding rows only (they write the trash
         page; no slot changes), one ``num_steps`` decode dispatch ("pallas": the only decode
         program; "xla": one per attention window, each run once) while no slot is live, and
-        the batched slot frees of every size.
+        the batched slot frees of every size. With ``truncation`` the prefill and decode
+        programs are compiled twice: also with the top-k / top-p sampling path, which calls
+        run while a request with `SamplingParams.truncates` is admitted or decoding.
         With a persistent compilation cache the programs are loaded, not compiled, on restart.
 
         Returns:
-          the decode state and ``{"prefill_shapes", "decode_shapes", "seconds"}``.
+          the decode state and ``{"prefill_shapes", "decode_shapes", "seconds"}`` (shapes, not
+          counting the sampling variants).
         """
         if self.slots.live_slots():
             raise RuntimeError("Engine.warmup: slots are live; warm up before the first request")
         started = time.perf_counter()
-        for rows, width, window in self.prefill_shapes(token_budget):
+        variants = (False, True) if truncation else (False,)
+        for (rows, width, window), truncates in itertools.product(self.prefill_shapes(token_budget), variants):
             packed = empty_pack(rows=rows, row_tokens=width, window=window, num_slots=self._slots)
-            decode_state, _ = self._run_prefill(params, self._sync(decode_state), packed)
+            decode_state, _ = self._run_prefill(params, self._sync(decode_state), packed, truncates)
         steps = 1 if num_steps is None else num_steps
         lengths = [self.table_width * self.page_size] if self.decode_attention in KERNEL_ATTENTION else sorted(
             {min(pages_for(attend_bucket(n, self.max_target_length, self._attend_granule), self.page_size),
                  self.table_width) * self.page_size for n in range(steps, self.max_target_length + steps + 1)})
-        for attend_len in lengths:  # no slot is live: every slot writes the trash page
-            decode_state, _ = self._dispatch(params, self._sync(decode_state), num_steps, attend_len)
+        for attend_len, truncates in itertools.product(lengths, variants):  # no live slot: all write the trash page
+            decode_state, _ = self._dispatch(params, self._sync(decode_state), num_steps, attend_len, truncates)
         frees = 1
         while True:  # the batched slot frees, padded to powers of two (`SlotTable`; slot S: dropped)
             decode_state = self._deactivate(decode_state, np.full((frees,), self._slots, np.int32))

@@ -16,8 +16,13 @@ temperature-1 distribution: a temperature of 0 has no density), and its
 ``truncated_log_prob`` is 0 (the point mass that was actually "sampled").
 
 Sampling parameters are per-row ARRAYS (`SlotSampling`), so a change of temperature, top-k
-or top-p never recompiles. The sorted (truncating) path runs under a `lax.cond` only when
-some row needs it, so plain temperature sampling never pays for a vocabulary sort.
+or top-p never recompiles. The sorted (truncating) path is compiled in only when the caller
+says some row needs it (``sample(truncation=)``, a static flag the engine decides on the
+host from the requests' `SamplingParams.truncates`), so plain temperature sampling never
+pays for a vocabulary sort, and no device value picks the path: on GPU, XLA runs a
+`lax.cond` on a device predicate by copying the predicate to the host and waiting for it,
+so the host thread that launched the program blocks until the device reaches the branch.
+One such cond per decode step made every dispatch of the rollout driver synchronous.
 
 Randomness: each request owns a key derived from its seed; the key for its i-th generated
 token is `fold_in(key, i)`. A request's samples therefore depend only on its seed and
@@ -67,6 +72,16 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def truncates(self) -> bool:
+        """Whether it samples a top-k / top-p truncated distribution (greedy never does)."""
+        return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
+
+
+def any_truncates(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> bool:
+    """`SamplingParams.truncates` of any row of host arrays of the `SlotSampling` fields."""
+    return bool(np.any((np.asarray(temperature) > 0) & ((np.asarray(top_k) > 0) | (np.asarray(top_p) < 1.0))))
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -165,6 +180,8 @@ def sample(
     logits: Float[Array, "B V"],
     keys: Int[Array, "B 2"],
     sampling: SlotSampling,
+    *,
+    truncation: bool = True,
 ) -> tuple[Int[Array, "B"], Float[Array, "B"], Float[Array, "B"]]:
     """Sample one token per row and report its full and truncated logprobs.
 
@@ -172,6 +189,10 @@ def sample(
       logits: [B, V] float32 logits of the next token (no temperature applied).
       keys: [B, 2] uint32 raw PRNG keys, one per row (already folded with the step index).
       sampling: per-row temperature / top_k / top_p arrays of shape [B].
+      truncation: compile the top-k / top-p path (a sort over the vocabulary). False is only
+        right when no row truncates (`SamplingParams.truncates`); rows with top-k / top-p
+        then sample the full distribution. Either way a row that does not truncate draws
+        the same token (the same noise, the same argmax), whoever shares the batch.
 
     Returns:
       tokens [B] int32; log_prob [B] = log softmax(z / tau)[token] (tau := 1 for greedy
@@ -187,27 +208,18 @@ def sample(
     # log softmax(scaled) at the chosen tokens only: [B, V] log-probs are never written out
     top = jax.lax.stop_gradient(jnp.max(scaled, axis=-1))
     log_normalizer = jnp.log(jnp.sum(jnp.exp(scaled - top[:, None]), axis=-1))
-
-    def log_prob_of(tokens):
-        return (jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - top) - log_normalizer
-
-    truncating = (~greedy) & ((sampling.top_k > 0) | (sampling.top_p < 1.0))
-
-    # Each branch draws the noise itself (the same keys, so the same noise): in the plain
-    # branch XLA fuses it into the argmax instead of writing [B, V] floats out and back.
-    def plain(_):
-        noise = jnp.where(greedy[:, None], 0.0, _gumbel_noise(keys, logits.shape[-1]))
-        tokens = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)  # greedy rows: argmax z (tau = 1)
-        return tokens, jnp.zeros_like(top)  # no row truncates: truncated_log_prob is log_prob below
-
-    def truncated(_):
-        tokens, lp = _truncated_sample(_gumbel_noise(keys, logits.shape[-1]), scaled, sampling.top_k, sampling.top_p)
-        return jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), tokens), lp
-
-    tokens, sampled_lp = jax.lax.cond(jnp.any(truncating), truncated, plain, None)
-    log_prob = log_prob_of(tokens)
-    truncated_log_prob = jnp.where(greedy, 0.0, jnp.where(truncating, sampled_lp, log_prob))
-    return tokens, log_prob, truncated_log_prob
+    noise = _gumbel_noise(keys, logits.shape[-1])
+    # without truncation XLA fuses the noise into the argmax instead of writing [B, V] floats out
+    tokens = jnp.argmax(scaled + jnp.where(greedy[:, None], 0.0, noise), axis=-1).astype(jnp.int32)  # greedy: argmax z
+    if truncation:
+        truncating = (~greedy) & ((sampling.top_k > 0) | (sampling.top_p < 1.0))
+        kept, kept_lp = _truncated_sample(noise, scaled, sampling.top_k, sampling.top_p)
+        tokens = jnp.where(truncating, kept, tokens)
+    log_prob = (jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - top) - log_normalizer
+    truncated_log_prob = log_prob
+    if truncation:
+        truncated_log_prob = jnp.where(truncating, kept_lp, log_prob)
+    return tokens, log_prob, jnp.where(greedy, 0.0, truncated_log_prob)
 
 
 def step_keys(base_keys: Int[Array, "B 2"], generated: Int[Array, "B"]) -> Int[Array, "B 2"]:

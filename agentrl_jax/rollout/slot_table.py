@@ -36,6 +36,9 @@ class SlotTable:
         self._pages: list[list[int]] = [[] for _ in range(num_slots)]
         self._bound = np.zeros((num_slots,), np.int64)  # >= the slot's length on the device
         self._live = np.zeros((num_slots,), bool)
+        # whether the slot's request samples a top-k / top-p truncated distribution: a decode
+        # dispatch compiles the sorted sampling path only when a live slot does (`sampling.sample`)
+        self._truncating = np.zeros((num_slots,), bool)
         self._to_deactivate: set[int] = set()
         self.dirty = False
 
@@ -56,8 +59,17 @@ class SlotTable:
         """The largest length bound of a live slot (0 if none)."""
         return int(self._bound[self._live].max()) if self._live.any() else 0
 
-    def assign(self, slot: int, pages: Sequence[int], length: int) -> None:
-        """`slot` reads `pages` (taking over one reference to each) and holds `length` entries."""
+    def truncating(self, slot: int) -> bool:
+        """Whether `slot`'s sampling truncates (as it was assigned)."""
+        return bool(self._truncating[slot])
+
+    def any_truncating(self) -> bool:
+        """Whether a live slot samples with top-k / top-p (`SamplingParams.truncates`)."""
+        return bool(np.any(self._truncating & self._live))
+
+    def assign(self, slot: int, pages: Sequence[int], length: int, *, truncating: bool) -> None:
+        """`slot` reads `pages` (taking over one reference to each) and holds `length` entries;
+        ``truncating``: its sampling truncates (True is always safe: the sorted path handles any row)."""
         if len(pages) > self.table.shape[1]:
             raise ValueError(f"assign_slot: {len(pages)} pages exceed the table width {self.table.shape[1]}")
         self.release(slot)
@@ -66,6 +78,7 @@ class SlotTable:
         self.table[slot, : len(pages)] = pages
         self._bound[slot] = length
         self._live[slot] = True
+        self._truncating[slot] = truncating
         self.dirty = True
 
     def release(self, slot: int, *, keep_pages: bool = False) -> list[int]:

@@ -74,6 +74,9 @@ class Prefix:
       keys: [G, 2] uint32 per-sample PRNG keys.
       generated: [G] int32 tokens sampled so far by each sample (>= 1).
       sampling: per-sample sampling params, each [G].
+      truncating: (static, known on the host) whether they sample with top-k / top-p
+        (`SamplingParams.truncates`); `insert` hands it to the slot table, which decides
+        whether a decode dispatch compiles the sorted sampling path. True is always correct.
     """
 
     cache: LayerCache
@@ -84,6 +87,7 @@ class Prefix:
     keys: jax.Array
     generated: jax.Array
     sampling: SlotSampling
+    truncating: bool = struct.field(pytree_node=False, default=True)
 
     @property
     def num_samples(self) -> int:
@@ -140,9 +144,11 @@ def decode_state_shardings(
 
 
 def prefix_shardings(
-    config: DecoderConfig, capacity: int, num_samples: int, cache_dtype, mesh: Mesh, rules: Rules
+    config: DecoderConfig, capacity: int, num_samples: int, cache_dtype, mesh: Mesh, rules: Rules,
+    truncating: bool = True,
 ) -> Prefix:
-    """NamedSharding of every Prefix leaf (the batch-1 cache row is replicated over slots)."""
+    """NamedSharding of every Prefix leaf (the batch-1 cache row is replicated over slots), for a
+    prefix with this static ``truncating``."""
     row = (jax.ShapeDtypeStruct(LayerCache.shape(config, 1, capacity), cache_dtype),) * config.num_layers
     g = num_samples
     shapes = Prefix(
@@ -154,8 +160,9 @@ def prefix_shardings(
         keys=jax.ShapeDtypeStruct((g, 2), jnp.uint32),
         generated=jax.ShapeDtypeStruct((g,), jnp.int32),
         sampling=SlotSampling(*(jax.ShapeDtypeStruct((g,), d) for d in (jnp.float32, jnp.int32, jnp.float32))),
+        truncating=truncating,
     )
-    return tree_shardings(_prefix_axes(config), mesh, rules, shapes=shapes)
+    return tree_shardings(_prefix_axes(config).replace(truncating=truncating), mesh, rules, shapes=shapes)
 
 
 def init_decode_state(

@@ -45,6 +45,7 @@ from agentrl_jax.models.tokenizer import Tokenizer
 from agentrl_jax.rewards.verifier import MathVerifier
 from agentrl_jax.rollout.driver import Driver
 from agentrl_jax.rollout.engine import Engine
+from agentrl_jax.rollout.sampling import SamplingParams
 from agentrl_jax.sharding import DEFAULT_RULES, make_mesh
 from agentrl_jax.train import multihost, setup
 from agentrl_jax.train.build import (
@@ -198,7 +199,9 @@ class _Job:
                 roles.teacher.restore(self.checkpointer, start.step)  # a lagged teacher's snapshot / EMA
             if not finished and _warmup_wanted(r.warmup, self.engine_mesh):
                 # After the frozen models are placed: warm-up builds the KV pool, sized from the free memory.
-                results["rollout_warmup"] = await driver.warmup()  # no rollout step compiles after this
+                # no rollout step compiles after this (evaluation samples without top-k / top-p)
+                truncation = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p).truncates
+                results["rollout_warmup"] = await driver.warmup(truncation=truncation)
             del self.params, start.initial_params  # the frozen copies are made; the trained policy is the state
             rl = build_rl(c, roles=roles, tokenizer=self.tokenizer, driver=driver, env_factory=env_factory,
                           train_tasks=train_tasks, eval_tasks=eval_tasks, writer=self.writer,

@@ -86,6 +86,27 @@ def test_group_prefill_gives_independent_samples(engine, tiny_model):
     np.testing.assert_allclose(group[0].logprobs, lone.logprobs, atol=1e-6)
 
 
+def test_top_k_requests_switch_the_decode_program_exactly(engine, tiny_model):
+    """A top_k=1 request decoding next to plain sampled ones takes the greedy tokens (its truncated
+    logprobs are 0), and the plain ones sample what they sample alone: the driver compiles the sorted
+    sampling path only while a truncating request holds a slot, so the host must know which do."""
+    plain = [SamplingParams(1.0, seed=s) for s in (31, 32)]
+
+    async def run(driver, with_top_k):
+        calls = [driver.generate(PROMPT, p, max_new_tokens=9) for p in plain]
+        if with_top_k:
+            calls.append(driver.generate(PROMPT, SamplingParams(1.0, top_k=1, seed=33), max_new_tokens=9))
+        return await asyncio.gather(*calls)
+
+    alone = drive(engine, tiny_model, lambda d: run(d, False))
+    mixed = drive(engine, tiny_model, lambda d: run(d, True))
+    assert mixed[2].token_ids == greedy_reference(tiny_model, PROMPT, 9)
+    np.testing.assert_allclose(mixed[2].truncated_logprobs, 0.0, atol=1e-6)
+    for a, b in zip(alone, mixed):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+
+
 def test_session_extends_its_own_prefix(engine, tiny_model):
     observation = [70, 71, 72, 73]
 

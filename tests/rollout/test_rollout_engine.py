@@ -152,20 +152,27 @@ def test_sharded_decoding_equals_single_device(engine, params, tiny_model):
 
 def test_sampling_params_are_arrays_no_recompile(engine, params, tiny_model):
     """top_k=1 at temperature 0.9 decodes the greedy tokens, reports the tau=0.9 trainer logprob and a
-    truncated logprob of 0; changing temperature/top-k/top-p reuses the compiled step."""
+    truncated logprob of 0; changing temperature/top-k/top-p reuses the compiled step (one program
+    with the top-k / top-p path, compiled when a slot first truncates)."""
     greedy_tokens = run_requests(engine, params, [PROMPT], [0], GREEDY, dispatches=1)[0][0]
+
+    def run(samplers):
+        state = engine.init_decode_state()
+        for slot, sampler in enumerate(samplers):
+            prefix, _ = engine.prefill(params=params, padded_tokens=PROMPT, true_length=len(PROMPT), sampler=sampler)
+            assert prefix.truncating == sampler.truncates
+            state = engine.insert(prefix, state, slot)
+            if slot == 0:
+                first = prefix
+        state, result = engine.generate(params, state, num_steps=STEPS)
+        return [int(first.first_tokens[0])] + np.asarray(result.tokens[:, 0]).tolist(), result
+
+    run([SamplingParams(0.8, top_k=1, seed=4), SamplingParams(0.6, top_p=0.4, seed=5), SamplingParams(1.2, seed=6)])
     compiled = {key: fn._cache_size() for key, fn in engine._generate_fns.items()}
-    state = engine.init_decode_state()
-    for slot, sampler in enumerate(
+    tokens, result = run(
         [SamplingParams(0.9, top_k=1, seed=1), SamplingParams(0.5, top_p=0.3, seed=2), SamplingParams(1.5, seed=3)]
-    ):
-        prefix, _ = engine.prefill(params=params, padded_tokens=PROMPT, true_length=len(PROMPT), sampler=sampler)
-        state = engine.insert(prefix, state, slot)
-        if slot == 0:
-            first = prefix
-    state, result = engine.generate(params, state, num_steps=STEPS)
+    )
     assert {key: fn._cache_size() for key, fn in engine._generate_fns.items()} == compiled
-    tokens = [int(first.first_tokens[0])] + np.asarray(result.tokens[:, 0]).tolist()
     assert tokens == greedy_tokens
     np.testing.assert_allclose(np.asarray(result.truncated_log_prob[:, 0]), 0.0, atol=1e-6)
     ref_logp, _ = trainer_logprobs(tiny_model, PROMPT, tokens, 0.9)
@@ -202,7 +209,7 @@ def test_window_covers_a_slot_that_crosses_a_bucket_inside_a_dispatch(engine, pa
     assert tokens[None] == tokens[engine.max_target_length]
     _, logits = trainer_logprobs(tiny_model, prompt, tokens[None], 1.0)
     np.testing.assert_array_equal(tokens[None], np.argmax(logits, -1)[len(prompt) - 1 : -1])
-    assert (STEPS, 32) in engine._generate_fns
+    assert (STEPS, 32, False) in engine._generate_fns  # (steps, window, no top-k / top-p slot)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.paged_prefill import (
     Admission,
     PrefillRow,
+    empty_pack,
     rows_bucket,
     window_pages,
 )
@@ -31,9 +32,10 @@ def programs(engine) -> int:
     return engine.compiled_programs()
 
 
-async def workload(driver, seed: int):
+async def workload(driver, seed: int, top_p: float = 1.0):
     """Groups sharing a prompt, a prompt longer than max_prefill_length (chunks over ticks), and
-    three-turn sessions: every row kind (fresh, shared with page copies, chunk, continuation)."""
+    three-turn sessions (sampling with ``top_p``): every row kind (fresh, shared with page copies,
+    chunk, continuation)."""
     rng = np.random.default_rng(seed)
 
     async def session(i):
@@ -41,7 +43,7 @@ async def workload(driver, seed: int):
         prompt = rng.integers(1, 128, int(rng.integers(3, 12))).tolist()
         try:
             for _ in range(3):
-                c = await driver.generate(prompt, SamplingParams(1.0, seed=seed * 10 + i), max_new_tokens=5, session=s)
+                c = await driver.generate(prompt, SamplingParams(1.0, top_p=top_p, seed=seed * 10 + i), max_new_tokens=5, session=s)
                 out.append((c.token_ids, c.logprobs))
                 prompt = rng.integers(1, 128, int(rng.integers(1, 7))).tolist()
         finally:
@@ -94,22 +96,43 @@ def test_pieces_of_a_row_equal_one_row_per_sequence(tiny_model):
             np.testing.assert_allclose(logp_a, logp_b, atol=1e-5)
 
 
-@pytest.mark.slow  # ~10 s on 2 CPU cores (it compiles every program of the set)
-def test_warmup_compiles_every_program_a_run_meets(tiny_model):
+@pytest.mark.slow  # ~10-20 s on 2 CPU cores (it compiles every program of the set)
+@pytest.mark.parametrize("truncation", [False, True])
+def test_warmup_compiles_every_program_a_run_meets(tiny_model, truncation):
     """After `Driver.warmup` a run of groups, chunked prompts and sessions compiles nothing; the
-    warm-up reports the closed set's size."""
+    warm-up reports the closed set's size. With top-p sessions, ``warmup(truncation=True)``
+    compiles each program twice (with and without the sorted sampling path) and the run meets both."""
     engine = one_device_engine(tiny_model, page_size=5)
 
     async def main(driver):
-        stats = await driver.warmup()
+        stats = await driver.warmup(truncation=truncation)
         before = programs(engine)
-        await workload(driver, 1)
+        await workload(driver, 1, top_p=0.9 if truncation else 1.0)
         return stats, before, programs(engine)
 
     stats, before, after = run(engine, tiny_model, main)
     budget = 4 * engine.max_prefill_length
-    assert stats["prefill_shapes"] == len(engine.prefill_shapes(budget)) == len(engine._paged_prefill_fns)
+    variants = 2 if truncation else 1
+    assert stats["prefill_shapes"] == len(engine.prefill_shapes(budget)) == len(engine._paged_prefill_fns) // variants
     assert after == before, "a tick compiled a program that warm-up did not"
+    assert {key[-1] for key in engine._generate_fns} == ({False, True} if truncation else {False})
+
+
+def test_decode_and_prefill_programs_have_no_device_conditional(tiny_model):
+    """No `lax.cond` on a device value in the programs a driver tick launches: on GPU, XLA runs a
+    conditional by copying its predicate to the host and waiting for it, so the launching thread
+    waits for the device. The top-k / top-p sampling cond did that once per decode step, which
+    made every dispatch synchronous (the device idled while the host prepared the next one)."""
+    engine = one_device_engine(tiny_model, page_size=5)
+    params, state = engine.load_params(tiny_model), engine.init_decode_state()
+    for truncation in (False, True):
+        texts = [engine._generate_fn(4, engine.table_width * engine.page_size, truncation).lower(params, state).as_text()]
+        fn, args = engine._prefill_call(params, state, empty_pack(rows=2, row_tokens=engine.prefill_row_tokens,
+                                                                  window=4, num_slots=engine.max_concurrent_decodes),
+                                        truncation)
+        texts.append(fn.lower(*args).as_text())
+        for text in texts:
+            assert "stablehlo.case" not in text and "stablehlo.if" not in text
 
 
 def test_prefill_program_writes_the_pool_in_place(tiny_model):

@@ -114,6 +114,19 @@ def test_row_result_independent_of_other_rows_sampler():
     np.testing.assert_allclose(alone[1][0], mixed[1][0])
 
 
+def test_the_plain_program_equals_the_truncating_one_on_rows_that_do_not_truncate():
+    """`sample(truncation=False)` (no sort compiled) gives the same tokens and logprobs as the
+    program with the top-k / top-p path, for greedy and plain temperature rows; `truncates` says
+    which rows need the latter."""
+    logits = jnp.asarray(np.random.default_rng(5).normal(size=(4, 300)) * 3, jnp.float32)
+    rows = [SamplingParams(0.0), SamplingParams(1.0), SamplingParams(0.7), SamplingParams(0.0, top_k=5)]
+    assert not any(p.truncates for p in rows) and SamplingParams(1.0, top_p=0.9).truncates
+    plain = jax.jit(lambda *a: sample(*a, truncation=False))(logits, _keys(4, seed=3), _rows(rows))
+    sorting = jax.jit(lambda *a: sample(*a, truncation=True))(logits, _keys(4, seed=3), _rows(rows))
+    for a, b in zip(plain, sorting):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_sampling_params_validation_names_field():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
