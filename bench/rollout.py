@@ -12,8 +12,9 @@ each, or `--slots` slots: then groups wait and fill the slots others free, so th
 where a few long episodes decode alone weighs less). Every episode of a group starts
 from the group's `--prompt`-token prompt (the driver prefills it once and shares its
 pages) and runs `--turns` turns in one session: a turn
-samples a length drawn uniformly from [turn_tokens / 2, 3 turn_tokens / 2] (random weights
-never stop by themselves, so `max_new_tokens` forces the ragged lengths), then the "tool"
+samples a length drawn uniformly from turn_tokens x [1 - s, 1 + s], s = `--length-spread`
+(default 0.5; random weights never stop by themselves, so `max_new_tokens` forces the ragged
+lengths; 0 makes every turn the same length), then the "tool"
 answers after `--tool-latency` seconds with `--observation` random tokens, which the next
 turn prefills into the session's pages. One untimed pass compiles the shapes it meets; two
 timed passes use other seeds and the last one is reported (with how many shapes the timed
@@ -21,7 +22,7 @@ passes still had to compile).
 
 Reported: sampled tokens / wall time of the timed pass, and the raw decode rate of the
 same engine at the same concurrency (every slot filled, `steps_per_dispatch`-step
-dispatches at the workload's mean context, results read after every dispatch), and their
+dispatches at the workload's mean context, each dispatch queued before the previous one is read), and their
 ratio; plus preemptions, evictions and shared prefills. Where the ratio goes (`Driver.stats`
 over the timed pass): `slot_occupancy` (slot-steps dispatched for slots holding a sequence;
 free slots at the end of the pass, when the longest episodes finish alone, and slots
@@ -69,7 +70,7 @@ async def _rollout(driver, args, vocab: int, seed: int) -> dict:
     from agentrl_jax.rollout import SamplingParams
 
     rng = np.random.default_rng(seed)
-    low, high = args.turn_tokens // 2, 3 * args.turn_tokens // 2
+    low, high = _turn_range(args)
 
     async def episode(prompt: list[int], index: int) -> int:
         session = driver.session()
@@ -101,6 +102,12 @@ async def _rollout(driver, args, vocab: int, seed: int) -> dict:
     page_tokens = driver.engine.page_size
     return {"sampled_tokens": sum(counts), "seconds": seconds, "peak_kv_held_tokens": peak["pages"] * page_tokens,
             "peak_decoding_sequences": peak["slots"], **_steady(peak, "steady"), **_steady(peak, "full_pool")}
+
+
+def _turn_range(args) -> tuple[int, int]:
+    """The turn lengths' bounds: uniform in turn_tokens x [1 - spread, 1 + spread]."""
+    spread = round(args.turn_tokens * args.length_spread)
+    return args.turn_tokens - spread, args.turn_tokens + spread
 
 
 async def _sample_peaks(driver, peak: dict) -> None:
@@ -198,7 +205,10 @@ def _padded_tokens(engine, rows, row_cap) -> int:
 
 def _raw_decode(engine, params, args, vocab: int) -> float:
     """Tokens/s of `engine.generate` with every slot holding a `--prompt`-token prompt (the
-    driver's decode loop without prefills, tools or stop checks)."""
+    driver's decode loop without prefills, tools or stop checks). Each dispatch is queued
+    before the previous one's results are read, as the driver does, so the device does not
+    wait for the host between dispatches (reading every result before the next dispatch,
+    as this loop did until the ninth session, made the baseline a few percent slower)."""
     import jax
     import numpy as np
 
@@ -212,10 +222,14 @@ def _raw_decode(engine, params, args, vocab: int) -> float:
         state = engine.init_decode_state()
         state = _fill(engine, prefix, state)
         jax.block_until_ready(state)
-        t0 = time.perf_counter()
+        t0, previous = time.perf_counter(), None
         for _ in range(dispatches):
             state, result = engine.generate(params, state, num_steps=args.steps_per_dispatch)
-            result.convert_to_numpy()
+            result.copy_to_host_async()
+            if previous is not None:
+                previous.convert_to_numpy()
+            previous = result
+        previous.convert_to_numpy()
         seconds = time.perf_counter() - t0
     return engine.max_concurrent_decodes * dispatches * args.steps_per_dispatch / seconds
 
@@ -275,6 +289,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn-tokens", type=int, default=128)
+    parser.add_argument("--length-spread", type=float, default=0.5,
+                        help="turn lengths uniform in turn-tokens x [1 - s, 1 + s] (0: every turn the same length)")
     parser.add_argument("--observation", type=int, default=32)
     parser.add_argument("--tool-latency", type=float, default=0.0)
     parser.add_argument("--steps-per-dispatch", type=int, default=16)
@@ -302,6 +318,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: a < 1 min smoke run")
     parser.add_argument("--json", help="also write the result to this JSON file")
     args = parser.parse_args(argv)
+    if not 0 <= args.length_spread < 1:
+        parser.error(f"--length-spread={args.length_spread} must be in [0, 1)")
     if args.no_untimed and not (args.warmup and args.timed_passes > 0):
         parser.error("--no-untimed needs --warmup and --timed-passes >= 1")
     if args.tiny:
@@ -322,7 +340,7 @@ def main(argv=None) -> None:
     if slots % args.group_size:
         parser.error(f"--slots={slots} must be a multiple of --group-size={args.group_size} (a group decodes at once)")
     prompt = args.header + args.prompt
-    longest = prompt + args.turns * (3 * args.turn_tokens // 2 + args.observation + 1) + 1
+    longest = prompt + args.turns * (_turn_range(args)[1] + args.observation + 1) + 1
     if args.max_length and args.max_length < longest:
         parser.error(f"--max-length={args.max_length} is shorter than the workload's longest sequence ({longest})")
     engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=slots,
@@ -368,7 +386,7 @@ def main(argv=None) -> None:
     bound = counters["slot_occupancy"] * counters["kept_token_fraction"]
     row = {
         "device": jax.devices()[0].device_kind, "size": args.size, "episodes": episodes, "slots": slots,
-        "turns": args.turns,
+        "turns": args.turns, "length_spread": args.length_spread,
         "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size, "row_tokens": engine.prefill_row_tokens,
         "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": raw and round(raw),
         "ratio": raw and round(rate / raw, 3), "ratio_if_steps_ran_at_raw_speed": round(bound, 3),
