@@ -19,10 +19,13 @@ Sampling parameters are per-row ARRAYS (`SlotSampling`), so a change of temperat
 or top-p never recompiles. The sorted (truncating) path is compiled in only when the caller
 says some row needs it (``sample(truncation=)``, a static flag the engine decides on the
 host from the requests' `SamplingParams.truncates`), so plain temperature sampling never
-pays for a vocabulary sort, and no device value picks the path: on GPU, XLA runs a
-`lax.cond` on a device predicate by copying the predicate to the host and waiting for it,
-so the host thread that launched the program blocks until the device reaches the branch.
-One such cond per decode step made every dispatch of the rollout driver synchronous.
+pays for a vocabulary sort, and no device value picks the path. On GPU, a conditional that
+XLA leaves outside its CUDA graphs runs on the host: the predicate is copied back and the
+launching thread waits for the device to reach it. The cond this module used to pick the
+path, once per decode step inside the dispatch's loop, did that: launching a dispatch took
+as long as the device work queued before it, so the driver's host work no longer overlapped
+the device (docs/benchmarks.md, ninth session). A small cond on its own is captured in a
+graph and does not wait (`bench/dispatch_probe.py`), so the rule here is simply: none.
 
 Randomness: each request owns a key derived from its seed; the key for its i-th generated
 token is `fold_in(key, i)`. A request's samples therefore depend only on its seed and

@@ -120,9 +120,10 @@ def test_warmup_compiles_every_program_a_run_meets(tiny_model, truncation):
 
 def test_decode_and_prefill_programs_have_no_device_conditional(tiny_model):
     """No `lax.cond` on a device value in the programs a driver tick launches: on GPU, XLA runs a
-    conditional by copying its predicate to the host and waiting for it, so the launching thread
-    waits for the device. The top-k / top-p sampling cond did that once per decode step, which
-    made every dispatch synchronous (the device idled while the host prepared the next one)."""
+    conditional it leaves outside its CUDA graphs on the host (the predicate copied back, the
+    launching thread waiting for the device). The top-k / top-p sampling cond, once per decode
+    step, did that and made every dispatch synchronous (the device idled while the host prepared
+    the next one)."""
     engine = one_device_engine(tiny_model, page_size=5)
     params, state = engine.load_params(tiny_model), engine.init_decode_state()
     for truncation in (False, True):
