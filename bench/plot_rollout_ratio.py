@@ -16,7 +16,7 @@ import os
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def label(run: dict) -> str:
@@ -32,7 +32,10 @@ def main() -> None:
     parser.add_argument("--out", default="rollout_ratio.png")
     parser.add_argument("--title", default="bench/rollout.py, rollout / raw decode")
     args = parser.parse_args()
-    runs = [json.load(open(path)) for path in args.runs]
+    runs = []
+    for path in args.runs:
+        with open(path) as f:
+            runs.append(json.load(f))
     ratio = [r["ratio"] for r in runs]
     ceiling = [r["ratio_if_steps_ran_at_raw_speed"] for r in runs]
     top = [max(c, q) for c, q in zip(ceiling, ratio)]

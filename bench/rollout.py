@@ -261,16 +261,21 @@ async def _profiled(driver, args, vocab: int, seed: int) -> dict:
     """One pass under `jax.profiler.trace`, reduced by `timeline.summarize` (written to DIR/timeline.json)."""
     import jax
 
-    import timeline
-
     trace_dir = os.path.join(args.profile, "trace")
     with jax.profiler.trace(trace_dir):
         result = await _rollout(driver, args, vocab, seed=seed)
-    summary = timeline.summarize(*timeline.load(trace_dir))
-    with open(os.path.join(args.profile, "timeline.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    summary = _timeline(trace_dir, os.path.join(args.profile, "timeline.json"))
     return {"profile_wall_s": round(result["seconds"], 2),
             **{f"profile_{k}": v for k, v in summary.items() if k != "largest_gaps"}}
+
+
+def _timeline(trace_dir: str, out: str) -> dict:
+    import timeline
+
+    summary = timeline.summarize(*timeline.load(trace_dir))
+    with open(out, "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
 
 
 def _fill(engine, prefix, state):
@@ -327,11 +332,10 @@ def main(argv=None) -> None:
         args.turn_tokens, args.observation, args.steps_per_dispatch, args.page_size = 16, 4, 4, 8
 
     import jax
+    from decode import qwen3_model
 
     from agentrl_jax.rollout import Driver, Engine
     from agentrl_jax.sharding import make_mesh
-
-    from decode import qwen3_model
 
     model, dtype = qwen3_model(args.size)
     vocab = model.config.vocab_size

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import glob
+import itertools
 import os
 
 PHASES = ("prepare", "prefill_call", "decode_call", "copy_async", "wait", "accept", "accept_first")
@@ -102,7 +103,7 @@ def summarize(kernels, memcpy_ns: int, host: dict, top: int = 8) -> dict:
         where["outside_ticks"] += (hi - lo) - inside["tick"]
         largest.append((hi - lo, {k: round(v / 1e6, 2) for k, v in inside.items() if v}))
     largest.sort(key=lambda g: -g[0])
-    labels = [f"<{GAP_BUCKETS_MS[0]}ms"] + [f"{a}-{b}ms" for a, b in zip(GAP_BUCKETS_MS, GAP_BUCKETS_MS[1:])]
+    labels = [f"<{GAP_BUCKETS_MS[0]}ms"] + [f"{a}-{b}ms" for a, b in itertools.pairwise(GAP_BUCKETS_MS)]
     labels.append(f">{GAP_BUCKETS_MS[-1]}ms")
     return {
         "span_ms": round(span / 1e6, 1), "device_busy_ms": round(busy_ns / 1e6, 1),
