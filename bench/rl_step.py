@@ -67,6 +67,8 @@ def main() -> None:
                    help="algorithm.pack_rows: rows of 4096 tokens, micro-batches of 8192 tokens")
     p.add_argument("--remat", default="full", help="model.remat")
     p.add_argument("--lm-head-dtype", default="param", choices=["param", "compute"], help="model.lm_head_dtype")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="another config override, applied last (e.g. async_rl.release_kv_cache=false)")
     args = p.parse_args()
 
     import jax
@@ -91,7 +93,7 @@ def main() -> None:
     ]
     if args.pack:
         overrides += ["algorithm.pack_rows=true", "algorithm.pack_row_tokens=4096", "algorithm.micro_batch_tokens=8192"]
-    train(load_config("demo", overrides))
+    train(load_config("demo", overrides + args.set))
     rows = [json.loads(line) for line in open(os.path.join(work, "run", "metrics", "metrics.jsonl"))]
     steps = [r for r in rows if "time/rollout" in r]
     last = steps[-1]
@@ -104,6 +106,8 @@ def main() -> None:
               f"| {r['rollout/sampled_tokens']:.0f} | {r['throughput/sampled_tokens_per_s']:.0f} "
               f"| {r['train_tokens']:.0f} |")
     print(json.dumps({k: v for k, v in last.items() if k.startswith("time/")}))
+    # the engine's counters, cumulative since the driver started (evaluations included)
+    print(json.dumps({k: v for k, v in last.items() if k.startswith("rollout/engine/")}))
 
 
 if __name__ == "__main__":

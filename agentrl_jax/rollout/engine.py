@@ -189,8 +189,12 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         self.num_shards = math.prod(self._mesh.shape[a] for a in rows_axes)
         self._slots_per_shard = self._slots // self.num_shards
         self._budget = (num_pages, kv_cache_bytes, kv_cache_memory_fraction)
-        output_dtype = model.dtype if model.lm_head_dtype == "compute" else None
-        self._weights = EngineWeights(self.config, abstract, self._mesh, self._rules, model.param_dtype, output_dtype)
+        # Weights are stored in the compute dtype: `models.decode.forward` casts every weight to it
+        # before use, so casting once at load gives the same values and halves the bytes a decode
+        # step reads when the trainer keeps float32 master params. The output embedding stays in
+        # the param dtype unless the logits matmul runs in the compute dtype (`lm_head_dtype`).
+        output_dtype = model.dtype if model.lm_head_dtype == "compute" else model.param_dtype
+        self._weights = EngineWeights(self.config, abstract, self._mesh, self._rules, model.dtype, output_dtype)
         self.param_shardings = self._weights.param_shardings
         self.decode_param_shardings = self._weights.decode_param_shardings
         self.memory_plan: MemoryPlan | None = None
@@ -228,10 +232,12 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         """The engine's copy of the weights: `DecodeParams` (per-layer, fused QKV and gate/up).
 
         Accepts an `nnx.State` of `nnx.Param` or a `Decoder` (the trainer's stacked layout),
-        or `DecodeParams`. Floating leaves are cast to `dtype` (default: the model's param
-        dtype), placed with `jax.device_put` in the inference sharding (weights coming from
-        the trainer's sharding never visit the host), then re-laid out on the device. The
-        result is a new buffer: the caller's params are never donated.
+        or `DecodeParams`. Floating leaves are cast to `dtype` (default: the model's compute
+        dtype, in which the decode forward uses every weight anyway; the output embedding keeps
+        the param dtype unless ``lm_head_dtype="compute"``), placed with `jax.device_put` in the
+        inference sharding (weights coming from the trainer's sharding never visit the host),
+        then re-laid out on the device. The result is a new buffer: the caller's params are
+        never donated.
         """
         return self._weights.load(params, dtype)
 

@@ -122,15 +122,16 @@ def test_compute_lm_head_gradients_reach_the_float32_params():
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_engine_computes_the_trainers_logits(tied):
-    """The engine stores the output embedding in the compute dtype: its logits (sampling,
-    reported logprobs) are the trainer's to the bit, and a tied table's input lookup is unchanged."""
+    """The engine stores the output embedding in the compute dtype (as every layer weight, which the
+    decode forward casts there before use anyway): its logits (sampling, reported logprobs) are the
+    trainer's to the bit, and a tied table's input lookup is unchanged."""
     model = _model("compute", config=dataclasses.replace(TIED, tie_word_embeddings=tied))
     engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=2,
                     max_target_length=32, max_prefill_length=16, min_prefill_bucket=16, attend_granule=16)
     params = engine.load_params(model)
     table, layout = params.output_embedding()
     assert table.dtype == jnp.bfloat16
-    assert {x.dtype for x in jax.tree.leaves(params.layers)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(params.layers)} == {jnp.dtype(jnp.bfloat16)}
     hidden = jnp.asarray(np.random.default_rng(2).normal(size=(3, 64)), jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(next_token_logits(hidden, table, layout)),
                                   np.asarray(output_logits(hidden, *model.output_embedding())))

@@ -5,9 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rollout_helpers import ENGINE_KW, make_model, teacher_forced
+from flax import nnx
+from rollout_helpers import ENGINE_KW, TINY, make_model, teacher_forced
 
 from agentrl_jax.losses.logprobs import token_logprobs
+from agentrl_jax.models import Decoder
 from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.sampling import SamplingParams
 from agentrl_jax.rollout.state import attend_bucket
@@ -177,6 +179,23 @@ def test_sampling_params_are_arrays_no_recompile(engine, params, tiny_model):
     np.testing.assert_allclose(np.asarray(result.truncated_log_prob[:, 0]), 0.0, atol=1e-6)
     ref_logp, _ = trainer_logprobs(tiny_model, PROMPT, tokens, 0.9)
     np.testing.assert_allclose(np.asarray(result.log_prob[:, 0]), ref_logp[1:], atol=1e-5)
+
+
+def test_weights_are_stored_in_the_compute_dtype_with_the_same_results():
+    """A bf16-compute model with float32 master params: the engine keeps its layer weights in bf16
+    (half the bytes a decode step reads) and samples exactly what float32-stored weights give,
+    since the decode forward casts every weight to the compute dtype before use; the untied lm
+    head keeps float32 (``lm_head_dtype="param"``: float32 logits)."""
+    model = Decoder(TINY, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(3))
+    engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), **ENGINE_KW)
+    stored = engine.load_params(model)
+    assert {x.dtype for x in jax.tree.leaves(stored.layers)} == {jnp.dtype(jnp.bfloat16)}
+    assert stored.lm_head.dtype == jnp.float32
+    sampler = SamplingParams(1.0, seed=7)
+    got = run_requests(engine, stored, [PROMPT, PROMPT[:3]], [0, 2], sampler, dispatches=1)
+    want = run_requests(engine, engine.load_params(model, dtype=jnp.float32), [PROMPT, PROMPT[:3]], [0, 2], sampler,
+                        dispatches=1)
+    assert got == want
 
 
 def test_attend_bucket_edges():
