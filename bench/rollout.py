@@ -215,12 +215,13 @@ def _raw_decode(engine, params, args, vocab: int) -> float:
     from agentrl_jax.rollout import SamplingParams
 
     tokens = np.random.default_rng(1).integers(0, vocab, args.header + args.prompt).astype(np.int32)
+    samples = args.group_size if args.raw_layout == "group" else 1
     prefix, _ = engine.prefill(params=params, padded_tokens=tokens, true_length=tokens.size,
-                               sampler=SamplingParams(temperature=1.0, seed=0))
+                               sampler=SamplingParams(temperature=1.0, seed=0), num_samples=samples)
     dispatches = max(args.turns * args.turn_tokens // args.steps_per_dispatch, 2)
     for _ in range(2):  # the first pass compiles
         state = engine.init_decode_state()
-        state = _fill(engine, prefix, state)
+        state = _fill(engine, prefix, state, samples)
         jax.block_until_ready(state)
         t0, previous = time.perf_counter(), None
         for _ in range(dispatches):
@@ -278,9 +279,14 @@ def _timeline(trace_dir: str, out: str) -> dict:
     return summary
 
 
-def _fill(engine, prefix, state):
-    for slot in range(engine.max_concurrent_decodes):
-        state = engine.insert(prefix, state, slot)
+def _fill(engine, prefix, state, samples: int = 1):
+    """Every slot holds the prompt: its own copy (``samples`` 1), or groups of ``samples`` slots
+    sharing its full pages (`Engine.bulk_insert`, as a GRPO group's slots share them in the driver)."""
+    for first in range(0, engine.max_concurrent_decodes, samples):  # slots: a multiple of the group size
+        if samples == 1:
+            state = engine.insert(prefix, state, first)
+        else:
+            state = engine.bulk_insert(prefix, state, list(range(first, first + samples)))
     return state
 
 
@@ -310,6 +316,9 @@ def main(argv=None) -> None:
     parser.add_argument("--timed-passes", type=int, default=2,
                         help="passes after the untimed one (the last is reported); 0: report the untimed one")
     parser.add_argument("--no-raw", action="store_true", help="skip the raw-decode baseline")
+    parser.add_argument("--raw-layout", choices=["private", "group"], default="private",
+                        help="the baseline's slots each hold their own copy of the prompt (default), or groups "
+                             "of --group-size slots share its full pages as the driver's groups do")
     parser.add_argument("--warmup", action="store_true",
                         help="Driver.warmup() before the first pass (compiles every prefill shape; reported)")
     parser.add_argument("--no-untimed", action="store_true",
@@ -393,7 +402,7 @@ def main(argv=None) -> None:
         "turns": args.turns, "length_spread": args.length_spread,
         "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size, "row_tokens": engine.prefill_row_tokens,
         "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": raw and round(raw),
-        "ratio": raw and round(rate / raw, 3), "ratio_if_steps_ran_at_raw_speed": round(bound, 3),
+        "ratio": raw and round(rate / raw, 3), "raw_layout": args.raw_layout, "ratio_if_steps_ran_at_raw_speed": round(bound, 3),
         "steady_tokens_per_s": timed["steady_tokens_per_s"], "steady_window_s": timed["steady_window_s"],
         "steady_ratio": raw and timed["steady_tokens_per_s"] and round(timed["steady_tokens_per_s"] / raw, 3),
         "full_pool_tokens_per_s": timed["full_pool_tokens_per_s"], "full_pool_window_s": timed["full_pool_window_s"],
