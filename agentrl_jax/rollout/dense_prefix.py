@@ -75,7 +75,7 @@ def prefill_step(params, old_cache, start, tokens, true_length, keys, generated,
         keys=keys,
         generated=generated + 1,
         sampling=sampling,
-        truncating=truncation,
+        truncating=jnp.asarray(truncation),
     )
     ones = jnp.ones((num_samples,), jnp.int32)
     return prefix, ResultTokens.pack(first, ones, generated + 1, log_prob, truncated)
@@ -108,7 +108,7 @@ def insert_step(prefix: Prefix, state: DecodeState, slots, pages, *, num_pages):
     )
 
 
-def extract_step(state: DecodeState, pages, slot, length, generated, *, capacity, truncating):
+def extract_step(state: DecodeState, pages, slot, length, generated, truncating, *, capacity):
     """Traced body of `Engine.extract_prefix`: a slot's pages gathered into a dense prefix row."""
     def gather(pool):  # [n, KV, P, K] -> [1, KV, capacity, K]
         blocks = pool[pages]
@@ -132,12 +132,10 @@ def extract_step(state: DecodeState, pages, slot, length, generated, *, capacity
 class DensePrefixAPI:
     """JetStream's dense-prefix calls of `Engine` (a mixin: it uses the engine's slots, pages and jit caches)."""
 
-    def get_prefix_destination_sharding(self, capacity: int | None = None, num_samples: int = 1,
-                                        truncating: bool = True) -> Prefix:
+    def get_prefix_destination_sharding(self, capacity: int | None = None, num_samples: int = 1) -> Prefix:
         """The sharding of a `Prefix` of `capacity` cache entries (JetStream API)."""
         capacity = self._max_prefill if capacity is None else capacity
-        return prefix_shardings(self.config, capacity, num_samples, self.cache_dtype, self._mesh, self._rules,
-                                truncating)
+        return prefix_shardings(self.config, capacity, num_samples, self.cache_dtype, self._mesh, self._rules)
 
     # ---- prefill (JetStream: a prompt's KV as a dense prefix row) ----------------------
 
@@ -202,7 +200,7 @@ class DensePrefixAPI:
             self._prefill_fns[key] = jax.jit(
                 functools.partial(prefill_step, capacity=capacity, config=self.config, cache_dtype=self.cache_dtype,
                                   dtype=self._dtype, truncation=truncation),
-                out_shardings=(self.get_prefix_destination_sharding(capacity, num_samples, truncation), None),
+                out_shardings=(self.get_prefix_destination_sharding(capacity, num_samples), None),
             )
         sampling = SlotSampling.from_params(sampler, num_samples)
         return self._prefill_fns[key](
@@ -240,7 +238,7 @@ class DensePrefixAPI:
         return self._insert_dense(prefix, decode_state, list(slots))
 
     def _insert_dense(self, prefix: Prefix, state: DecodeState, slots: list[int]) -> DecodeState:
-        length = int(prefix.length)
+        length, truncating = int(prefix.length), bool(prefix.truncating)
         P = self.page_size
         full, n = length // P, pages_for(length, P)
         for slot in slots:
@@ -257,7 +255,7 @@ class DensePrefixAPI:
             self.pages.incref(shard, shared * (len(mine) - 1))
             for slot in mine:
                 pages = shared + self.pages.alloc(shard, n - full)
-                self.assign_slot(slot, pages, length, truncating=prefix.truncating)
+                self.assign_slot(slot, pages, length, truncating=truncating)
         tables = [self._global(self.shard_of(s), self.slots.slot_pages(s)) for s in slots]
         state = self._sync(state)
         if n not in self._insert_fns:
@@ -284,13 +282,13 @@ class DensePrefixAPI:
         pages = self._global(self.shard_of(slot), self.slots.slot_pages(slot))[:n]
         pages += [TRASH_PAGE] * (n - len(pages))
         decode_state = self._sync(decode_state)
-        truncating = self.slots.truncating(slot)
-        if (capacity, truncating) not in self._extract_fns:
-            self._extract_fns[capacity, truncating] = jax.jit(
-                functools.partial(extract_step, capacity=capacity, truncating=truncating),
-                out_shardings=self.get_prefix_destination_sharding(capacity, 1, truncating),
+        if capacity not in self._extract_fns:
+            self._extract_fns[capacity] = jax.jit(
+                functools.partial(extract_step, capacity=capacity),
+                out_shardings=self.get_prefix_destination_sharding(capacity, 1),
             )
-        return self._extract_fns[capacity, truncating](
-            decode_state, jnp.asarray(pages, jnp.int32), jnp.int32(slot), jnp.int32(length), jnp.int32(generated)
+        return self._extract_fns[capacity](
+            decode_state, jnp.asarray(pages, jnp.int32), jnp.int32(slot), jnp.int32(length), jnp.int32(generated),
+            jnp.asarray(self.slots.truncating(slot)),
         )
 

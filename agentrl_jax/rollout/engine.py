@@ -200,7 +200,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         self.memory_plan: MemoryPlan | None = None
         self.pages: PageAllocator | None = None
         self.state_shardings: DecodeState | None = None
-        self._generate_fns: dict[tuple[int | None, int], Any] = {}
+        self._generate_fns: dict[tuple[int | None, int, bool], Any] = {}  # (steps, window, truncation)
         self._prefill_fns: dict[tuple, Any] = {}
         self._paged_prefill_fns: dict[tuple, Any] = {}
         self._copy_fns: dict[int, Any] = {}
@@ -331,20 +331,17 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
     def _sync(self, state: DecodeState) -> DecodeState:
         """Apply the host's pending slot frees (one call) and page-table changes (one upload)."""
         with TraceAnnotation("engine/sync"):
-            return self._sync_now(state)
-
-    def _sync_now(self, state: DecodeState) -> DecodeState:
-        slots = self.slots.take_deactivations()
-        if slots:
-            state = self._deactivate(state, np.asarray(slots, np.int32))
-        if self.slots.dirty:
-            # a copy: the host edits its table while calls queued with the uploaded one may not have run
-            # (the transfer can read the host buffer later, or alias it on CPU), e.g. a slot retired while
-            # the dispatch that writes its last tokens is in flight
-            table = self.slots.table.copy()
-            state = state.replace(page_table=jax.device_put(table, self.state_shardings.page_table))
-            self.slots.dirty = False
-        return state
+            slots = self.slots.take_deactivations()
+            if slots:
+                state = self._deactivate(state, np.asarray(slots, np.int32))
+            if self.slots.dirty:
+                # a copy: the host edits its table while calls queued with the uploaded one may not have run
+                # (the transfer can read the host buffer later, or alias it on CPU), e.g. a slot retired while
+                # the dispatch that writes its last tokens is in flight
+                table = self.slots.table.copy()
+                state = state.replace(page_table=jax.device_put(table, self.state_shardings.page_table))
+                self.slots.dirty = False
+            return state
 
     def free_resource(self, slot: int, decode_state: DecodeState | None = None) -> DecodeState | None:
         """Release `slot` and its pages (JetStream API).

@@ -82,11 +82,6 @@ class SamplingParams:
         return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1.0)
 
 
-def any_truncates(temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray) -> bool:
-    """`SamplingParams.truncates` of any row of host arrays of the `SlotSampling` fields."""
-    return bool(np.any((np.asarray(temperature) > 0) & ((np.asarray(top_k) > 0) | (np.asarray(top_p) < 1.0))))
-
-
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -214,14 +209,12 @@ def sample(
     noise = _gumbel_noise(keys, logits.shape[-1])
     # without truncation XLA fuses the noise into the argmax instead of writing [B, V] floats out
     tokens = jnp.argmax(scaled + jnp.where(greedy[:, None], 0.0, noise), axis=-1).astype(jnp.int32)  # greedy: argmax z
+    truncating = (~greedy) & ((sampling.top_k > 0) | (sampling.top_p < 1.0))
     if truncation:
-        truncating = (~greedy) & ((sampling.top_k > 0) | (sampling.top_p < 1.0))
         kept, kept_lp = _truncated_sample(noise, scaled, sampling.top_k, sampling.top_p)
         tokens = jnp.where(truncating, kept, tokens)
     log_prob = (jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - top) - log_normalizer
-    truncated_log_prob = log_prob
-    if truncation:
-        truncated_log_prob = jnp.where(truncating, kept_lp, log_prob)
+    truncated_log_prob = jnp.where(truncating, kept_lp, log_prob) if truncation else log_prob
     return tokens, log_prob, jnp.where(greedy, 0.0, truncated_log_prob)
 
 

@@ -74,9 +74,11 @@ class Prefix:
       keys: [G, 2] uint32 per-sample PRNG keys.
       generated: [G] int32 tokens sampled so far by each sample (>= 1).
       sampling: per-sample sampling params, each [G].
-      truncating: (static, known on the host) whether they sample with top-k / top-p
-        (`SamplingParams.truncates`); `insert` hands it to the slot table, which decides
-        whether a decode dispatch compiles the sorted sampling path. True is always correct.
+      truncating: [] bool, whether they sample with top-k / top-p (`SamplingParams.truncates`);
+        `insert` hands it to the slot table, which decides whether a decode dispatch compiles
+        the sorted sampling path. A leaf, not static metadata, so every prefix has the tree
+        structure of `get_prefix_destination_sharding` (JetStream's transfers `device_put`
+        prefixes onto it); `insert` reads it with the prefix's length, which it reads anyway.
     """
 
     cache: LayerCache
@@ -87,7 +89,7 @@ class Prefix:
     keys: jax.Array
     generated: jax.Array
     sampling: SlotSampling
-    truncating: bool = struct.field(pytree_node=False, default=True)
+    truncating: jax.Array
 
     @property
     def num_samples(self) -> int:
@@ -124,6 +126,7 @@ def _prefix_axes(config: DecoderConfig) -> Prefix:
         keys=(None, None),
         generated=per_sample,
         sampling=SlotSampling(temperature=per_sample, top_k=per_sample, top_p=per_sample),
+        truncating=(),
     )
 
 
@@ -144,11 +147,9 @@ def decode_state_shardings(
 
 
 def prefix_shardings(
-    config: DecoderConfig, capacity: int, num_samples: int, cache_dtype, mesh: Mesh, rules: Rules,
-    truncating: bool = True,
+    config: DecoderConfig, capacity: int, num_samples: int, cache_dtype, mesh: Mesh, rules: Rules
 ) -> Prefix:
-    """NamedSharding of every Prefix leaf (the batch-1 cache row is replicated over slots), for a
-    prefix with this static ``truncating``."""
+    """NamedSharding of every Prefix leaf (the batch-1 cache row is replicated over slots)."""
     row = (jax.ShapeDtypeStruct(LayerCache.shape(config, 1, capacity), cache_dtype),) * config.num_layers
     g = num_samples
     shapes = Prefix(
@@ -160,9 +161,9 @@ def prefix_shardings(
         keys=jax.ShapeDtypeStruct((g, 2), jnp.uint32),
         generated=jax.ShapeDtypeStruct((g,), jnp.int32),
         sampling=SlotSampling(*(jax.ShapeDtypeStruct((g,), d) for d in (jnp.float32, jnp.int32, jnp.float32))),
-        truncating=truncating,
+        truncating=jax.ShapeDtypeStruct((), jnp.bool_),
     )
-    return tree_shardings(_prefix_axes(config).replace(truncating=truncating), mesh, rules, shapes=shapes)
+    return tree_shardings(_prefix_axes(config), mesh, rules, shapes=shapes)
 
 
 def init_decode_state(

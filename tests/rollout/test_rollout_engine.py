@@ -162,7 +162,8 @@ def test_sampling_params_are_arrays_no_recompile(engine, params, tiny_model):
         state = engine.init_decode_state()
         for slot, sampler in enumerate(samplers):
             prefix, _ = engine.prefill(params=params, padded_tokens=PROMPT, true_length=len(PROMPT), sampler=sampler)
-            assert prefix.truncating == sampler.truncates
+            assert bool(prefix.truncating) == sampler.truncates
+            prefix = jax.device_put(prefix, engine.get_prefix_destination_sharding(prefix.capacity))  # as JetStream moves it
             state = engine.insert(prefix, state, slot)
             if slot == 0:
                 first = prefix
