@@ -14,7 +14,10 @@ from the group's `--prompt`-token prompt (the driver prefills it once and shares
 pages) and runs `--turns` turns in one session: a turn
 samples a length drawn uniformly from turn_tokens x [1 - s, 1 + s], s = `--length-spread`
 (default 0.5; random weights never stop by themselves, so `max_new_tokens` forces the ragged
-lengths; 0 makes every turn the same length), then the "tool"
+lengths; 0 makes every turn the same length; the host knows such an end ahead and frees the
+slot for the next dispatch), or with `--ends stop` samples until it draws one of a fixed set
+of "stop" ids (a real turn's eos or stop string, which the host sees only when it reads the
+token: the slot then decodes the rest of its dispatch and the next one for nothing), then the "tool"
 answers after `--tool-latency` seconds with `--observation` random tokens, which the next
 turn prefills into the session's pages. One untimed pass compiles the shapes it meets; two
 timed passes use other seeds and the last one is reported (with how many shapes the timed
@@ -71,16 +74,17 @@ async def _rollout(driver, args, vocab: int, seed: int) -> dict:
 
     rng = np.random.default_rng(seed)
     low, high = _turn_range(args)
+    stops = _stop_ids(args, vocab)
 
     async def episode(prompt: list[int], index: int) -> int:
         session = driver.session()
         sampled, pending = 0, prompt
         try:
             for _ in range(args.turns):
-                length = int(rng.integers(low, high + 1))
+                length = high if stops else int(rng.integers(low, high + 1))
                 completion = await driver.generate(
                     pending, SamplingParams(temperature=1.0, seed=seed * 100_003 + index), max_new_tokens=length,
-                    session=session,
+                    session=session, stop_token_ids=stops,
                 )
                 sampled += len(completion.token_ids)
                 await asyncio.sleep(args.tool_latency)
@@ -105,9 +109,28 @@ async def _rollout(driver, args, vocab: int, seed: int) -> dict:
 
 
 def _turn_range(args) -> tuple[int, int]:
-    """The turn lengths' bounds: uniform in turn_tokens x [1 - spread, 1 + spread]."""
+    """The turn lengths' bounds: uniform in turn_tokens x [1 - spread, 1 + spread]; with ``--ends stop``,
+    (1, the cap: `STOP_CAP` x turn_tokens)."""
+    if args.ends == "stop":
+        return 1, STOP_CAP * args.turn_tokens
     spread = round(args.turn_tokens * args.length_spread)
     return args.turn_tokens - spread, args.turn_tokens + spread
+
+
+STOP_CAP = 3  # --ends stop: a turn that samples no stop id ends at this many times --turn-tokens
+
+
+def _stop_ids(args, vocab: int) -> list[int]:
+    """``--ends stop``: vocab / turn_tokens token ids drawn once (the same in every pass), so a turn of a
+    random-weight model, whose next-token distribution is near uniform, samples one with probability
+    ~1 / turn_tokens per step and its length is about geometric with mean ~turn_tokens (capped by
+    `STOP_CAP`). Like eos or a stop string, the end is known only once the host reads the token."""
+    import numpy as np
+
+    if args.ends != "stop":
+        return []
+    count = max(vocab // args.turn_tokens, 1)
+    return np.random.default_rng(12345).choice(vocab, count, replace=False).tolist()
 
 
 async def _sample_peaks(driver, peak: dict) -> None:
@@ -302,6 +325,10 @@ def main(argv=None) -> None:
     parser.add_argument("--turn-tokens", type=int, default=128)
     parser.add_argument("--length-spread", type=float, default=0.5,
                         help="turn lengths uniform in turn-tokens x [1 - s, 1 + s] (0: every turn the same length)")
+    parser.add_argument("--ends", choices=["length", "stop"], default="length",
+                        help="how a turn ends: at its drawn length (max_new_tokens, which the host knows ahead), or "
+                             "at a sampled stop token (one of vocab / turn-tokens ids; known only when read, as eos or "
+                             "a stop string), capped at %d x turn-tokens" % STOP_CAP)
     parser.add_argument("--observation", type=int, default=32)
     parser.add_argument("--tool-latency", type=float, default=0.0)
     parser.add_argument("--steps-per-dispatch", type=int, default=16)
@@ -399,7 +426,7 @@ def main(argv=None) -> None:
     bound = counters["slot_occupancy"] * counters["kept_token_fraction"]
     row = {
         "device": jax.devices()[0].device_kind, "size": args.size, "episodes": episodes, "slots": slots,
-        "turns": args.turns, "length_spread": args.length_spread,
+        "turns": args.turns, "ends": args.ends, "length_spread": args.length_spread,
         "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size, "row_tokens": engine.prefill_row_tokens,
         "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": raw and round(raw),
         "ratio": raw and round(rate / raw, 3), "raw_layout": args.raw_layout, "ratio_if_steps_ran_at_raw_speed": round(bound, 3),
