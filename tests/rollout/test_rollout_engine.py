@@ -184,9 +184,14 @@ def test_sampling_params_are_arrays_no_recompile(engine, params, tiny_model):
 
 def test_weights_are_stored_in_the_compute_dtype_with_the_same_results():
     """A bf16-compute model with float32 master params: the engine keeps its layer weights in bf16
-    (half the bytes a decode step reads) and samples exactly what float32-stored weights give,
-    since the decode forward casts every weight to the compute dtype before use; the untied lm
-    head keeps float32 (``lm_head_dtype="param"``: float32 logits)."""
+    (half the bytes a decode step reads) and samples what float32-stored weights give, since the
+    decode forward casts every weight to the compute dtype before use; the untied lm head keeps
+    float32 (``lm_head_dtype="param"``: float32 logits).
+
+    Bitwise on CPU. On a GPU the two programs differ (the float32 weights' casts fuse into XLA's
+    GEMMs, which may then tile and accumulate differently), so a bf16 product can round the
+    other way: the same tokens, logprobs within 5e-3 (measured: 1.7e-3 at most on an H200). A
+    weight left in float32, or the lm head cast to bf16, moves them by about 1e-2 or more."""
     model = Decoder(TINY, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(3))
     engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), **ENGINE_KW)
     stored = engine.load_params(model)
@@ -196,7 +201,11 @@ def test_weights_are_stored_in_the_compute_dtype_with_the_same_results():
     got = run_requests(engine, stored, [PROMPT, PROMPT[:3]], [0, 2], sampler, dispatches=1)
     want = run_requests(engine, engine.load_params(model, dtype=jnp.float32), [PROMPT, PROMPT[:3]], [0, 2], sampler,
                         dispatches=1)
-    assert got == want
+    if jax.default_backend() == "cpu":
+        assert got == want
+    else:
+        assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+        np.testing.assert_allclose([lp for _, lp in got], [lp for _, lp in want], atol=5e-3)
 
 
 def test_attend_bucket_edges():
