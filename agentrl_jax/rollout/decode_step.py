@@ -5,6 +5,13 @@ Each step feeds every slot's last token at its length, writes its k/v through th
 page table, samples the next token with the slot's key and sampling parameters (exact
 logprobs, `rollout.sampling`), and advances the slots that are active and below the
 longest sequence. N steps run in one `lax.fori_loop` and stack their results as [N, S].
+
+With fewer decode lanes than slots (`DecodeState.lane_slot`, `Engine(decode_batch=)`), a
+step computes the B lanes instead (`lane_decode_step`): each lane keeps its slot until the
+slot stops (a stop id, its length limit, or a deactivation by the host), then takes the
+ready slot admitted first (`assign_lanes`); the lanes' inputs are gathered from their slots
+and their results scattered back, so results stay [N, S] per slot (valid = 0 where a slot
+did not run). A slot's tokens depend only on its own key and history, never on its lane.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from agentrl_jax.models import Decoder
 from agentrl_jax.models.decode import PREFILL_ATTENTION_IMPLS as PREFILL_ATTENTION
 from agentrl_jax.models.decode import forward
 from agentrl_jax.models.tpu_decode_attention import tpu_kernel_fits
+from agentrl_jax.rollout.pages import TRASH_PAGE
 from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.sampling import next_token_logits, sample, step_keys
 from agentrl_jax.rollout.state import DecodeState
@@ -28,9 +36,14 @@ KERNEL_ATTENTION = ("pallas", "pallas_tpu")  # the kernels read each slot up to 
 
 
 def decode_step(params, state: DecodeState, *, config, attend_len, dtype, attention, cache_spec, mesh, max_length,
-                truncation=True):
+                truncation=True, shards=1):
     """One token for every slot: ``(new state, (tokens, valid, generated, log_prob, truncated))``, each [S];
-    ``truncation``: compile the top-k / top-p sampling path (`sampling.sample`)."""
+    ``truncation``: compile the top-k / top-p sampling path (`sampling.sample`). With fewer lanes than
+    slots, `lane_decode_step` (``shards``: the data shards the slots and lanes are split over)."""
+    if state.num_lanes < state.lengths.shape[0]:
+        return lane_decode_step(params, state, config=config, attend_len=attend_len, dtype=dtype, attention=attention,
+                                cache_spec=cache_spec, mesh=mesh, max_length=max_length, truncation=truncation,
+                                shards=shards)
     hidden, cache = forward(
         params, state.last_tokens[:, None], state.lengths[:, None], state.cache, state.lengths,
         config=config, attend_len=attend_len, dtype=dtype, attention=attention,
@@ -51,12 +64,90 @@ def decode_step(params, state: DecodeState, *, config, attend_len, dtype, attent
     return new_state, (tokens, valid, new_state.generated, log_prob, truncated)
 
 
+def assign_lanes(lane_slot: jax.Array, active: jax.Array, order: jax.Array, *, shards: int) -> jax.Array:
+    """The slot each lane computes this step: ``[B]`` global slot ids, -1 for an idle lane.
+
+    A lane keeps its slot while the slot is active; a lane whose slot stopped or was
+    deactivated (and an idle lane) takes the ready slot (active, held by no lane) with the
+    smallest admission ``order``, among the slots of its own data shard (a slot's pages
+    live there). Lanes and slots are split over ``shards`` blocks alike.
+    """
+    S, B = active.shape[0], lane_slot.shape[0]
+    slots, lanes = S // shards, B // shards
+    unready = jnp.iinfo(jnp.int32).max
+
+    def one_shard(held, act, admitted, base):  # held [lanes] global ids; act, admitted [slots]
+        local = held - base
+        keep = (held >= 0) & act[jnp.clip(local, 0, slots - 1)]
+        running = jnp.zeros((slots,), bool).at[jnp.where(keep, local, slots)].set(True, mode="drop")
+        ready = act & ~running
+        queue = jnp.argsort(jnp.where(ready, admitted, unready))[:lanes]  # ready slots, first admitted first
+        rank = jnp.cumsum(~keep) - 1  # the free lanes take the queue in lane order
+        take = ~keep & (rank < ready.sum())
+        new = jnp.where(take, queue[jnp.clip(rank, 0, lanes - 1)], -1)
+        return jnp.where(keep, held, jnp.where(take, new + base, -1))
+
+    bases = jnp.arange(shards, dtype=jnp.int32) * slots
+    return jax.vmap(one_shard)(lane_slot.reshape(shards, lanes), active.reshape(shards, slots),
+                               order.reshape(shards, slots), bases).reshape(B)
+
+
+def lane_decode_step(params, state: DecodeState, *, config, attend_len, dtype, attention, cache_spec, mesh,
+                     max_length, truncation=True, shards=1):
+    """One token for each of B < S lanes (see the module docstring); results per slot, each [S].
+
+    A lane's slot is fed, written and sampled exactly as `decode_step` would (same key, same
+    position, same pages), so tokens and logprobs do not depend on lanes. A slot advances while
+    its length is below ``min(limits, max_length)``; when it samples one of its ``stop_ids`` or
+    reaches that length it is deactivated, and its lane takes a ready slot at the next step.
+    """
+    S = state.lengths.shape[0]
+    lane_slot = assign_lanes(state.lane_slot, state.active, state.order, shards=shards)
+    live = lane_slot >= 0
+    slot = jnp.where(live, lane_slot, 0)
+
+    def lanes(x):
+        return x[slot]
+
+    lengths = jnp.where(live, lanes(state.lengths), 0)
+    table = jnp.where(live[:, None], lanes(state.page_table), TRASH_PAGE)  # an idle lane writes the trash page
+    hidden, cache = forward(
+        params, lanes(state.last_tokens)[:, None], lengths[:, None], state.cache, lengths,
+        config=config, attend_len=attend_len, dtype=dtype, attention=attention,
+        cache_spec=cache_spec, mesh=mesh, page_table=table,
+    )
+    logits = next_token_logits(hidden[:, -1], *params.output_embedding())
+    tokens, log_prob, truncated = sample(logits, step_keys(lanes(state.keys), lanes(state.generated)),
+                                         jax.tree.map(lanes, state.sampling), truncation=truncation)
+    limit = jnp.minimum(lanes(state.limits), max_length)
+    valid = live & (lengths < limit)
+    stopped = (tokens[:, None] == lanes(state.stop_ids)).any(axis=-1) | (lengths + 1 >= limit)
+    to = jnp.where(valid, slot, S)  # S: dropped (idle or stopped lanes)
+
+    def put(field, values):
+        return field.at[to].set(values, mode="drop")
+
+    new_state = state.replace(
+        cache=cache,
+        lengths=state.lengths.at[to].add(1, mode="drop"),
+        last_tokens=put(state.last_tokens, tokens),
+        generated=state.generated.at[to].add(1, mode="drop"),
+        # a slot that stops, or that a lane took at its limit (a one-token turn), leaves its lane
+        active=state.active.at[jnp.where(live & (stopped | ~valid), slot, S)].set(False, mode="drop"),
+        lane_slot=lane_slot,
+    )
+    zeros = jnp.zeros((S,), jnp.float32)
+    out_valid = jnp.zeros((S,), bool).at[to].set(True, mode="drop")
+    return new_state, (put(jnp.zeros((S,), jnp.int32), tokens), out_valid, new_state.generated,
+                       put(zeros, log_prob), put(zeros, truncated))
+
+
 def generate_steps(params, state: DecodeState, *, num_steps: int | None, **step_kw) -> tuple[DecodeState, ResultTokens]:
     """`decode_step` once ([S] results) or ``num_steps`` times in a `fori_loop` ([N, S] results)."""
     if num_steps is None:
         state, out = decode_step(params, state, **step_kw)
         return state, ResultTokens.pack(*out)
-    slots = state.lengths.shape[0]
+    slots = state.lengths.shape[0]  # results per slot (lanes scatter theirs back)
     buffers = (
         jnp.zeros((num_steps, slots), jnp.int32),
         jnp.zeros((num_steps, slots), bool),

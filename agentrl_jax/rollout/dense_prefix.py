@@ -81,8 +81,9 @@ def prefill_step(params, old_cache, start, tokens, true_length, keys, generated,
     return prefix, ResultTokens.pack(first, ones, generated + 1, log_prob, truncated)
 
 
-def insert_step(prefix: Prefix, state: DecodeState, slots, pages, *, num_pages):
-    """Traced body of `Engine.insert`: a dense prefix row into ``num_pages`` pages of each slot, slot scalars set."""
+def insert_step(prefix: Prefix, state: DecodeState, slots, pages, order, *, num_pages, max_length):
+    """Traced body of `Engine.insert`: a dense prefix row into ``num_pages`` pages of each slot, slot scalars set
+    (no device-side stop: the slots decode up to ``max_length``; ``order``: their admission order)."""
     P, K = state.page_size, state.cache.k[0].shape[3]
 
     def write(pool, row):  # row [1, KV, C, K] -> num_pages pages [n, KV, P, K]
@@ -105,6 +106,9 @@ def insert_step(prefix: Prefix, state: DecodeState, slots, pages, *, num_pages):
         keys=put(state.keys, prefix.keys),
         sampling=jax.tree.map(put, state.sampling, prefix.sampling),
         active=put(state.active, True),
+        limits=put(state.limits, max_length),
+        stop_ids=put(state.stop_ids, -1),
+        order=put(state.order, order),
     )
 
 
@@ -260,10 +264,13 @@ class DensePrefixAPI:
         state = self._sync(state)
         if n not in self._insert_fns:
             self._insert_fns[n] = jax.jit(
-                functools.partial(insert_step, num_pages=n), donate_argnums=(1,),
+                functools.partial(insert_step, num_pages=n, max_length=self.max_target_length), donate_argnums=(1,),
                 out_shardings=self.state_shardings,
             )
-        return self._insert_fns[n](prefix, state, jnp.asarray(slots, jnp.int32), jnp.asarray(tables, jnp.int32))
+        order = np.arange(self._admissions, self._admissions + len(slots), dtype=np.int32)
+        self._admissions += len(slots)
+        return self._insert_fns[n](prefix, state, jnp.asarray(slots, jnp.int32), jnp.asarray(tables, jnp.int32),
+                                   jnp.asarray(order))
 
     def extract_prefix(self, decode_state: DecodeState, slot: int, *, length: int, generated: int) -> Prefix:
         """A dense copy of `slot`'s first `length` cache entries as a 1-sample `Prefix`.

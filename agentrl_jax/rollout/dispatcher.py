@@ -18,6 +18,13 @@ A tick (`Dispatcher.tick`):
    / `max_target_length`; tokens after a stop are dropped (a sequence stopped by a token or
    a string decodes the rest of its dispatch and one dispatch more, which are discarded).
 
+With fewer decode lanes than slots (`Engine.decode_batch`), the device itself stops a slot at
+its stop ids and length limit and hands its lane to a ready slot at the next step, so those
+steps are not lost; a slot's valid tokens in a dispatch are then the steps it held a lane.
+Step 1's retirement is off there (a ready slot may not run in the dispatch in flight, so its
+end is not known to fall inside it), and each read settles the slots' length bounds to what
+they hold (`SlotTable.settle`), so a slot waiting for a lane does not collect pages.
+
 Nothing here touches asyncio: finished requests come back as ``(future, value)`` pairs that
 the driver resolves on its event loop.
 """
@@ -58,11 +65,12 @@ class Dispatcher:
         self.sched = Scheduler(engine, steps, budget)
         self.budget = budget
         self.row_cap = max(budget // engine.prefill_row_tokens, 1)  # packed rows per shard a tick can fill
+        self.lanes = engine.decode_batch < engine.max_concurrent_decodes  # slots wait for decode lanes
         # the last decode dispatch, read one tick later: (results, {slot: (track, admission)}, params version)
         self.in_flight: tuple[Any, dict, int] | None = None
         # sequences whose slot was freed this tick before their last dispatch is read (`_retire_known_ends`)
         self.retired: set[Track] = set()
-        # decode work: dispatches, slot-steps dispatched for slots holding a sequence, and the
+        # decode work: dispatches, lane-steps that advanced a slot (valid results), and the
         # tokens of those that were kept (the rest came after a stop or before a preemption)
         self.dispatches = self.live_slot_steps = self.kept_tokens = 0
         # host time: inside ticks, and the part of it blocked on the device's results (the rest is
@@ -95,7 +103,7 @@ class Dispatcher:
     def stats(self) -> dict[str, float]:
         """Decode occupancy and KV pages (see `Driver.stats`)."""
         engine, sched = self.engine, self.sched
-        slot_steps = self.dispatches * self.steps * engine.max_concurrent_decodes
+        slot_steps = self.dispatches * self.steps * engine.decode_batch
         out = {
             "decode_dispatches": self.dispatches, "live_slot_steps": self.live_slot_steps,
             "kept_tokens": self.kept_tokens,
@@ -166,7 +174,6 @@ class Dispatcher:
                 generated.copy_to_host_async()
             self.in_flight = (generated, {s: (t, t.admitted) for s, t in sched.slots.items()}, self.version)
             self.dispatches += 1
-            self.live_slot_steps += len(sched.slots) * self.steps
         if previous is not None:
             self._read_dispatch(*previous, resolved)
         self.retired = set()
@@ -203,7 +210,7 @@ class Dispatcher:
         free for a waiting sequence in that dispatch. The track is finished when the in-flight
         results are read, later in this tick. Stops by token or string are only known then.
         """
-        if self.in_flight is None:
+        if self.in_flight is None or self.lanes:
             return set()
         retired = set()
         for slot, (track, admitted) in self.in_flight[1].items():
@@ -218,7 +225,9 @@ class Dispatcher:
     def _read_dispatch(self, generated, tracks: dict, version: int, resolved: list) -> None:
         """Accept one dispatch's tokens for the sequences that are still in the slots they had then
         (or were retired from them this tick)."""
-        tokens, valid, log_prob, truncated = (c.T.tolist() for c in _columns(self._wait(generated)))
+        columns = _columns(self._wait(generated))
+        self.live_slot_steps += int(columns[1].sum())
+        tokens, valid, log_prob, truncated = (c.T.tolist() for c in columns)
         with TraceAnnotation("rollout/accept"):
             self._accept_dispatch(tracks, tokens, valid, log_prob, truncated, version, resolved)
 
@@ -231,6 +240,8 @@ class Dispatcher:
             self.kept_tokens += self._accept(
                 track, tokens[slot], valid[slot], log_prob[slot], truncated[slot], version, resolved
             )
+            if self.lanes and track.slot is not None:  # it holds what it holds, plus the dispatch in flight
+                self.engine.slots.settle(slot, track.kv_start + len(track.tokens) - 1 + self.steps)
 
     def _wait(self, result):
         """``result`` on the host; the time blocked counts as waiting for the device."""
@@ -244,17 +255,21 @@ class Dispatcher:
                 version: int, resolved: list) -> int:
         """Append one slot's tokens of a dispatch up to the first stop, and finish the track there.
 
-        The same outcome as checking token by token, in this order: a step the device did not
-        advance (valid = 0: ``max_target_length``) ends the turn without its token; else the token
-        is appended, then a stop id, a completed stop string, ``max_new_tokens`` and
+        Only the steps the device advanced the slot count (valid = 1: one run of steps, all of
+        them with a lane of its own, or none while the slot waits for a lane; the device stops
+        advancing it at ``max_target_length``, and with lanes also at its stop ids and length
+        limit). The same outcome as checking token by token, in this order: the token is
+        appended, then a stop id, a completed stop string, ``max_new_tokens`` and
         ``max_target_length`` end it. Returns how many tokens were appended.
         """
         request = track.request
-        sampled = valid.index(0) if 0 in valid else len(tokens)
+        if 0 in valid:
+            keep = [i for i, v in enumerate(valid) if v]
+            tokens, log_prob, truncated = ([x[i] for i in keep] for x in (tokens, log_prob, truncated))
         held = len(track.tokens)
         length_room = request.max_new_tokens - held
         capacity_room = self.engine.max_target_length - track.kv_start - held
-        take = min(sampled, length_room, capacity_room)
+        take = min(len(tokens), length_room, capacity_room)
         stop_at, stop = next(((i, t) for i, t in enumerate(tokens[:take]) if t in request.stop_token_ids), (None, None))
         if request.stops is not None:
             at, string = request.stops.first_match(track.tokens, tokens[: take if stop_at is None else stop_at])
@@ -264,7 +279,7 @@ class Dispatcher:
             take, reason = stop_at + 1, "stop"
         elif take == length_room:
             reason = "length"
-        elif take == capacity_room or take < len(tokens):
+        elif take == capacity_room:
             reason = "capacity"
         else:
             reason = None

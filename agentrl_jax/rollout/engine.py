@@ -97,7 +97,14 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
     Args:
       model: the decoder (its graph and config are used; params are passed per call).
       mesh: the device mesh (default: all devices on `data`).
-      max_concurrent_decodes: S, the number of decode slots.
+      max_concurrent_decodes: S, the number of decode slots (sequences held at once).
+      decode_batch: B, the sequences a decode step computes (its lanes; default S). With B < S,
+        a slot admitted while the B lanes are busy waits ready (prefilled, first token sampled)
+        and takes the lane of a slot that stops, at the next step, on the device: a slot stops
+        there at a stop id or its length limit (`Admission.limit`, `stop_ids`), so a turn that
+        ends mid-dispatch leaves no lane idle for the rest of the dispatch or the next one, as
+        long as a ready slot waits (`decode_step.lane_decode_step`). B must divide over the
+        mesh's data shards like S.
       max_target_length: M, the longest sequence (prompt + every turn + generated).
       max_prefill_length: the largest prompt chunk one prefill takes.
       min_prefill_bucket: the smallest padded prefill length (JetStream `prefill`).
@@ -143,6 +150,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         *,
         mesh: Mesh | None = None,
         max_concurrent_decodes: int = 8,
+        decode_batch: int | None = None,
         max_target_length: int = 1024,
         max_prefill_length: int = 512,
         min_prefill_bucket: int = 16,
@@ -188,6 +196,13 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
             (self._rows_spec,) if isinstance(self._rows_spec, str) else tuple(self._rows_spec))
         self.num_shards = math.prod(self._mesh.shape[a] for a in rows_axes)
         self._slots_per_shard = self._slots // self.num_shards
+        self.decode_batch = self._slots if decode_batch is None else decode_batch
+        if not 1 <= self.decode_batch <= self._slots or self.decode_batch % self.num_shards:
+            raise ValueError(
+                f"Engine: decode_batch={decode_batch} must be in [1, max_concurrent_decodes={self._slots}] and a "
+                f"multiple of the mesh's {self.num_shards} data shard(s) (each shard's lanes take its own slots)"
+            )
+        self._admissions = 0  # admission counter: ready slots take free decode lanes in this order
         self._budget = (num_pages, kv_cache_bytes, kv_cache_memory_fraction)
         # Weights are stored in the compute dtype: `models.decode.forward` casts every weight to it
         # before use, so casting once at load gives the same values and halves the bytes a decode
@@ -263,10 +278,12 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         logger.info("%s", plan.describe())
         num_pages = self.num_shards * plan.pages_per_shard
         self.state_shardings = decode_state_shardings(
-            self.config, self._slots, num_pages, P, self.table_width, self.cache_dtype, self._mesh, self._rules
+            self.config, self._slots, num_pages, P, self.table_width, self.cache_dtype, self._mesh, self._rules,
+            lanes=self.decode_batch,
         )
         make = functools.partial(
-            init_decode_state, self.config, self._slots, num_pages, P, self.table_width, self.cache_dtype
+            init_decode_state, self.config, self._slots, num_pages, P, self.table_width, self.cache_dtype,
+            lanes=self.decode_batch,
         )
         self._init_state = jax.jit(make, out_shardings=self.state_shardings)
         self._deactivate = jax.jit(
@@ -364,7 +381,8 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
     ) -> tuple[DecodeState, ResultTokens]:
         """One decode step for every slot ([S] results), or `num_steps` steps in one dispatch ([N, S]).
 
-        The decode state is donated. Every live slot first gets the pages its new tokens
+        With ``decode_batch`` B < S a step computes B lanes and a slot without one has valid = 0
+        (`decode_step.lane_decode_step`); results are per slot all the same. The decode state is donated. Every live slot first gets the pages its new tokens
         need (`reserve`; OutOfPages when a shard has too few: the `Driver` preempts before
         that happens). A slot stops advancing (valid = 0) once it is inactive or at
         `max_target_length`; every other stop condition is checked by the caller.
@@ -405,7 +423,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
             step = functools.partial(
                 generate_steps, num_steps=num_steps, config=self.config, attend_len=attend_len, dtype=self._dtype,
                 truncation=truncation, attention=self.decode_attention, cache_spec=self.state_shardings.cache.k[0].spec,
-                mesh=self._mesh, max_length=self.max_target_length,
+                mesh=self._mesh, max_length=self.max_target_length, shards=self.num_shards,
             )
             self._generate_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None))
         return self._generate_fns[key]

@@ -31,7 +31,7 @@ from agentrl_jax.models.decode import forward
 from agentrl_jax.rollout.pages import TRASH_PAGE, pages_for
 from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, next_token_logits, sample, step_keys
-from agentrl_jax.rollout.state import DecodeState
+from agentrl_jax.rollout.state import STOP_IDS, DecodeState
 
 
 @dataclasses.dataclass
@@ -46,6 +46,9 @@ class Admission:
       sampling: its sampling parameters.
       forced_token: >= 0 to feed this (already sampled) token instead of sampling one: a
         preempted sequence resuming.
+      limit: the length at which the slot stops advancing on the device (`DecodeState.limits`;
+        None: ``max_target_length``).
+      stop_ids: token ids that stop it on the device (at most `STOP_IDS` are kept there).
     """
 
     slot: int
@@ -54,6 +57,8 @@ class Admission:
     generated: int
     sampling: SamplingParams
     forced_token: int = -1
+    limit: int | None = None
+    stop_ids: Sequence[int] = ()
 
 
 @dataclasses.dataclass
@@ -92,6 +97,9 @@ class PackedRows:
     adm_generated: np.ndarray  # [M]
     adm_forced: np.ndarray  # [M], -1 = sample
     adm_length: np.ndarray  # [M] the slot's length after the prefill
+    adm_limit: np.ndarray  # [M] the length at which it stops (`DecodeState.limits`)
+    adm_stops: np.ndarray  # [M, STOP_IDS] its device-side stop ids, -1 padded
+    adm_order: np.ndarray  # [M] admission order (ready slots take free decode lanes in this order)
     sampling: tuple[np.ndarray, np.ndarray, np.ndarray]  # temperature, top_k, top_p [M]
     copy_src: np.ndarray  # [max(S, copies)] global page ids
     copy_dst: np.ndarray  # [max(S, copies)], -1 for padding
@@ -116,8 +124,10 @@ def window_pages(reach: int, *, page_size: int, floor: int, table_width: int) ->
 def pack_rows(
     rows: Sequence[PrefillRow], *, num_shards: int, num_slots: int, slots_per_shard: int, pages_per_shard: int,
     page_size: int, row_tokens: int, row_cap: int | None, window: int, max_prefill: int, max_length: int,
+    first_order: int = 0,
 ) -> PackedRows:
-    """Cut the rows into pieces of ``row_tokens`` and lay them out in their shards' blocks of rows."""
+    """Cut the rows into pieces of ``row_tokens`` and lay them out in their shards' blocks of rows;
+    admissions are numbered from ``first_order`` (`PackedRows.adm_order`)."""
     for r in rows:
         n = len(r.tokens)
         if not 1 <= n <= max_prefill:
@@ -144,9 +154,7 @@ def pack_rows(
     admitted = [(last[id(r)], a) for r in rows for a in r.admissions]  # results in the caller's order
     M = max(num_slots, len(admitted))  # fixed: one compiled shape fewer per prefill call
     out = PackedRows(
-        tokens, tables, starts, lengths, np.zeros((M,), np.int32), np.full((M,), num_slots, np.int32),
-        np.zeros((M, 2), np.uint32), np.zeros((M,), np.int32), np.full((M,), -1, np.int32), np.zeros((M,), np.int32),
-        (np.zeros((M,), np.float32), np.zeros((M,), np.int32), np.ones((M,), np.float32)),
+        tokens, tables, starts, lengths, *_admission_arrays(M, num_slots),
         *_copies(rows, pages_per_shard, num_slots), admitted=[a for _, a in admitted],
         num_copies=sum(len(r.copies) for r in rows),
     )
@@ -155,6 +163,10 @@ def pack_rows(
             raise ValueError(f"prefill_insert: slot {a.slot} is not in the shard of its row's pages")
         out.adm_row[m], out.adm_slot[m], out.adm_key[m], out.adm_generated[m] = i, a.slot, a.key, a.generated
         out.adm_forced[m], out.adm_length[m] = a.forced_token, starts[i] + lengths[i]
+        out.adm_limit[m] = max_length if a.limit is None else min(a.limit, max_length)
+        stops = sorted(a.stop_ids)[:STOP_IDS]
+        out.adm_stops[m, : len(stops)] = stops
+        out.adm_order[m] = first_order + m
         for field, value in zip(out.sampling, (a.sampling.temperature, a.sampling.top_k, a.sampling.top_p)):
             field[m] = value
     return out
@@ -163,15 +175,19 @@ def pack_rows(
 def empty_pack(*, rows: int, row_tokens: int, window: int, num_slots: int) -> PackedRows:
     """A pack of padding rows only (no admission, padding page copies that copy nothing): the
     arrays a warm-up call compiles with. Its rows write nothing."""
-    M = num_slots
     return PackedRows(
         np.zeros((rows, row_tokens), np.int32), np.full((rows, window), TRASH_PAGE, np.int32),
-        np.zeros((rows,), np.int32), np.zeros((rows,), np.int32), np.zeros((M,), np.int32),
-        np.full((M,), num_slots, np.int32), np.zeros((M, 2), np.uint32), np.zeros((M,), np.int32),
-        np.full((M,), -1, np.int32), np.zeros((M,), np.int32),
-        (np.zeros((M,), np.float32), np.zeros((M,), np.int32), np.ones((M,), np.float32)),
-        np.zeros((M,), np.int32), np.full((M,), -1, np.int32), admitted=[],
+        np.zeros((rows,), np.int32), np.zeros((rows,), np.int32), *_admission_arrays(num_slots, num_slots),
+        np.zeros((num_slots,), np.int32), np.full((num_slots,), -1, np.int32), admitted=[],
     )
+
+
+def _admission_arrays(M: int, num_slots: int) -> tuple:
+    """`PackedRows`' M admission fields, every one padding (slot S: dropped), from ``adm_row`` to ``sampling``."""
+    zeros = lambda dtype=np.int32: np.zeros((M,), dtype)  # noqa: E731
+    return (zeros(), np.full((M,), num_slots, np.int32), np.zeros((M, 2), np.uint32), zeros(),
+            np.full((M,), -1, np.int32), zeros(), zeros(), np.full((M, STOP_IDS), -1, np.int32), zeros(),
+            (zeros(np.float32), zeros(), np.ones((M,), np.float32)))
 
 
 def _copies(rows: Sequence[PrefillRow], pages_per_shard: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -205,7 +221,8 @@ def copy_pages(state: DecodeState, copy_src, copy_dst) -> DecodeState:
 
 
 def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, lengths, adm_row, adm_slot, adm_key,
-                        adm_generated, adm_forced, adm_length, sampling: SlotSampling, *,
+                        adm_generated, adm_forced, adm_length, adm_limit, adm_stops, adm_order,
+                        sampling: SlotSampling, *,
                         config, dtype, page_size, cache_spec, mesh, attention="xla", truncation=True):
     """Traced body of `Engine.prefill_insert`: write the rows' KV, sample, fill slots (the page
     copies follow in `copy_pages`); ``attention``: `forward`'s ``prefill_attention``;
@@ -234,6 +251,9 @@ def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, leng
         keys=put(state.keys, adm_key),
         sampling=jax.tree.map(put, state.sampling, sampling),
         active=put(state.active, True),
+        limits=put(state.limits, adm_limit),
+        stop_ids=put(state.stop_ids, adm_stops),
+        order=put(state.order, adm_order),
     )
     valid = ~forced & (adm_slot < state.lengths.shape[0])
     return state, ResultTokens.pack(first, valid, generated, log_prob, truncated)

@@ -69,12 +69,14 @@ class PagedPrefillAPI:
 
     def _pack(self, rows: Sequence[PrefillRow], row_cap: int | None) -> PackedRows:
         reach = max(r.start + len(r.tokens) for r in rows)
-        return pack_rows(
+        packed = pack_rows(
             rows, num_shards=self.num_shards, num_slots=self._slots, slots_per_shard=self._slots_per_shard,
             pages_per_shard=self.memory_plan.pages_per_shard, page_size=self.page_size,
             row_tokens=self.prefill_row_tokens, row_cap=row_cap, window=self._prefill_window(reach),
-            max_prefill=self._max_prefill, max_length=self.max_target_length,
+            max_prefill=self._max_prefill, max_length=self.max_target_length, first_order=self._admissions,
         )
+        self._admissions += len(packed.admitted)
+        return packed
 
     def prefill_shape(self, rows: Sequence[PrefillRow], row_cap: int | None = None) -> tuple[int, int, int]:
         """``(packed rows, row width C, window pages)`` of the `prefill_insert` call for ``rows``."""
@@ -143,7 +145,8 @@ class PagedPrefillAPI:
         # jnp.asarray per array cost more host time than the transfers)
         return self._paged_prefill_fns[key], (
             params, decode_state, *placed, packed.adm_row, packed.adm_slot, packed.adm_key, packed.adm_generated,
-            packed.adm_forced, packed.adm_length, SlotSampling(*packed.sampling),
+            packed.adm_forced, packed.adm_length, packed.adm_limit, packed.adm_stops, packed.adm_order,
+            SlotSampling(*packed.sampling),
         )
 
     def warmup(self, params: DecodeParams, decode_state: DecodeState, *, token_budget: int,

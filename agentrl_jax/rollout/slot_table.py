@@ -103,6 +103,11 @@ class SlotTable:
             self._pages[slot] += new
             self.dirty = True
 
+    def settle(self, slot: int, bound: int) -> None:
+        """Lower `slot`'s length bound to ``bound`` (>= its length on the device): with decode lanes a
+        slot may wait for a lane through a dispatch, which `advance` cannot know when it is queued."""
+        self._bound[slot] = min(int(self._bound[slot]), bound)
+
     def advance(self, steps: int) -> None:
         """Every live slot may have written ``steps`` more entries (a dispatch was queued)."""
         live = self._live

@@ -15,6 +15,15 @@ per layer, of which `length` entries are valid), and G first tokens sampled from
 last position, one per sample of a group, each with its own key. The first tokens are
 not in the cache yet: they are fed by the next decode step.
 
+Decode lanes: a decode step computes B rows (lanes), B = `DecodeState.lane_slot`'s length. With
+B == S every slot is its own lane (the plain step). With B < S (`Engine(decode_batch=B)`) the
+slots are the sequences held, and a slot admitted beyond the B lanes waits, ready (prefilled,
+its first token sampled, its pages held), until a lane frees: on the device, a slot that
+samples one of its `stop_ids` or reaches its `limits` length is deactivated within the
+dispatch, and at the next step its lane takes the ready slot admitted first (`order`).
+So a stop costs its lane nothing although the host only reads it a dispatch later
+(`decode_step.lane_decode_step`).
+
 Both are `flax.struct` dataclasses (pytrees) and travel through `jax.jit` with donation.
 """
 
@@ -31,6 +40,9 @@ from agentrl_jax.rollout.sampling import SlotSampling
 from agentrl_jax.sharding import Rules, tree_shardings
 
 
+STOP_IDS = 8  # stop token ids per slot that the lane step checks on the device (the host checks them all)
+
+
 @struct.dataclass
 class DecodeState:
     """S decode slots on the mesh.
@@ -45,6 +57,12 @@ class DecodeState:
       keys: [S, 2] uint32 the request's PRNG key.
       sampling: per-slot temperature / top_k / top_p, each [S].
       active: [S] bool slot holds a live request.
+      stop_ids: [S, STOP_IDS] int32 token ids that end the slot's turn on the device (-1: none);
+        read by the lane step only (the host checks every stop id and string itself).
+      limits: [S] int32 the length at which the slot stops advancing (its turn's last token is
+        sampled at length limits - 1); read by the lane step only.
+      order: [S] int32 admission order: ready slots take free lanes first come, first served.
+      lane_slot: [B] int32 the slot each decode lane computes (-1: none); B == S: unused.
     """
 
     cache: LayerCache
@@ -55,6 +73,14 @@ class DecodeState:
     keys: jax.Array
     sampling: SlotSampling
     active: jax.Array
+    stop_ids: jax.Array
+    limits: jax.Array
+    order: jax.Array
+    lane_slot: jax.Array
+
+    @property
+    def num_lanes(self) -> int:
+        return self.lane_slot.shape[0]
 
     @property
     def page_size(self) -> int:
@@ -112,6 +138,10 @@ def _slot_axes(config: DecoderConfig) -> DecodeState:
         keys=("slots", None),
         sampling=SlotSampling(temperature=per_slot, top_k=per_slot, top_p=per_slot),
         active=per_slot,
+        stop_ids=("slots", None),
+        limits=per_slot,
+        order=per_slot,
+        lane_slot=per_slot,  # lanes split over the data axes like the slots they take
     )
 
 
@@ -131,18 +161,20 @@ def _prefix_axes(config: DecoderConfig) -> Prefix:
 
 
 def decode_state_shapes(
-    config: DecoderConfig, slots: int, num_pages: int, page_size: int, table_width: int, cache_dtype
+    config: DecoderConfig, slots: int, num_pages: int, page_size: int, table_width: int, cache_dtype,
+    lanes: int | None = None,
 ) -> DecodeState:
     """`jax.ShapeDtypeStruct` of every DecodeState leaf."""
-    return jax.eval_shape(lambda: init_decode_state(config, slots, num_pages, page_size, table_width, cache_dtype))
+    return jax.eval_shape(
+        lambda: init_decode_state(config, slots, num_pages, page_size, table_width, cache_dtype, lanes))
 
 
 def decode_state_shardings(
     config: DecoderConfig, slots: int, num_pages: int, page_size: int, table_width: int, cache_dtype,
-    mesh: Mesh, rules: Rules,
+    mesh: Mesh, rules: Rules, lanes: int | None = None,
 ) -> DecodeState:
     """NamedSharding of every DecodeState leaf (non-divisible dims replicated)."""
-    shapes = decode_state_shapes(config, slots, num_pages, page_size, table_width, cache_dtype)
+    shapes = decode_state_shapes(config, slots, num_pages, page_size, table_width, cache_dtype, lanes)
     return tree_shardings(_slot_axes(config), mesh, rules, shapes=shapes)
 
 
@@ -167,10 +199,13 @@ def prefix_shardings(
 
 
 def init_decode_state(
-    config: DecoderConfig, slots: int, num_pages: int, page_size: int, table_width: int, cache_dtype
+    config: DecoderConfig, slots: int, num_pages: int, page_size: int, table_width: int, cache_dtype,
+    lanes: int | None = None,
 ) -> DecodeState:
-    """All slots free: zero pages, every table entry on the trash page, greedy sampling, inactive."""
+    """All slots free: zero pages, every table entry on the trash page, greedy sampling, inactive;
+    ``lanes`` decode lanes (default: one per slot), all free."""
     zeros = jnp.zeros((slots,), jnp.int32)
+    lanes = slots if lanes is None else lanes
     return DecodeState(
         cache=LayerCache.init(config, num_pages, page_size, cache_dtype),  # [N, KV, P, K]: rows are pages
         page_table=jnp.zeros((slots, table_width), jnp.int32),
@@ -184,6 +219,10 @@ def init_decode_state(
             top_p=jnp.ones((slots,), jnp.float32),
         ),
         active=jnp.zeros((slots,), bool),
+        stop_ids=jnp.full((slots, STOP_IDS), -1, jnp.int32),
+        limits=zeros,
+        order=zeros,
+        lane_slot=jnp.full((lanes,), -1, jnp.int32),
     )
 
 

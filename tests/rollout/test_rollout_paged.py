@@ -326,12 +326,12 @@ def test_sharded_paged_driver_equals_single_device(tiny_model):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("prefix_cache", [False, True])
-def test_randomized_no_leaks(tiny_model, prefix_cache):
+@pytest.mark.parametrize(("prefix_cache", "decode_batch"), [(False, None), (True, None), (False, 2)])
+def test_randomized_no_leaks(tiny_model, prefix_cache, decode_batch):
     """Random arrivals, lengths, stops, multi-turn sessions, weight updates, cancellations and a
     tight page pool: every request is answered (or cancelled) and every page ends free (but the
-    prefix cache's own)."""
-    engine = one_device_engine(tiny_model, page_size=3, num_pages=12)
+    prefix cache's own); also with 2 decode lanes for the 4 slots (slots wait ready for a lane)."""
+    engine = one_device_engine(tiny_model, page_size=3, num_pages=12, decode_batch=decode_batch)
     other = make_model(1)
     rng = random.Random(0)
     outcomes = {"done": 0, "cancelled": 0, "error": 0}
