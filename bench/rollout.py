@@ -23,13 +23,17 @@ turn prefills into the session's pages. One untimed pass compiles the shapes it 
 timed passes use other seeds and the last one is reported (with how many shapes the timed
 passes still had to compile).
 
+`--lanes B` (fewer than the slots) decodes B sequences per step (`Engine(decode_batch=B)`):
+the other slots hold admitted sequences ready, and a sequence that stops, at a stop id or its
+length, hands its lane to one of them on the device at the next step.
+
 Reported: sampled tokens / wall time of the timed pass, and the raw decode rate of the
-same engine at the same concurrency (every slot filled, `steps_per_dispatch`-step
+same engine at the same concurrency (every lane's slot filled, a lane per slot, `steps_per_dispatch`-step
 dispatches at the workload's mean context, each dispatch queued before the previous one is read), and their
 ratio; plus preemptions, evictions and shared prefills. Where the ratio goes (`Driver.stats`
-over the timed pass): `slot_occupancy` (slot-steps dispatched for slots holding a sequence;
-free slots at the end of the pass, when the longest episodes finish alone, and slots
-between turns lower it), `kept_token_fraction` (of those, tokens kept; the rest came after
+over the timed pass): `slot_occupancy` (lane-steps that advanced a sequence, of all
+dispatched; free lanes at the end of the pass, when the longest episodes finish alone, and
+lanes between turns lower it), `kept_token_fraction` (of those, tokens kept; the rest came after
 a stop), their product `ratio_if_steps_ran_at_raw_speed` (the ceiling this workload
 allows with this dispatch length), and `step_efficiency` = ratio / that ceiling (what
 prefills, host work and longer contexts cost per dispatched step).
@@ -124,7 +128,9 @@ def _stop_ids(args, vocab: int) -> list[int]:
     """``--ends stop``: vocab / turn_tokens token ids drawn once (the same in every pass), so a turn of a
     random-weight model, whose next-token distribution is near uniform, samples one with probability
     ~1 / turn_tokens per step and its length is about geometric with mean ~turn_tokens (capped by
-    `STOP_CAP`). Like eos or a stop string, the end is known only once the host reads the token."""
+    `STOP_CAP`). Like eos or a stop string, the end is known only once the host reads the token. (With
+    `--lanes` the engine checks them all on the device, `Engine(device_stop_ids=)`: a real request's
+    few stop ids, eos and a tool call's end, take what a random model needs ~vocab / turn_tokens of.)"""
     import numpy as np
 
     if args.ends != "stop":
@@ -140,7 +146,7 @@ async def _sample_peaks(driver, peak: dict) -> None:
     are slots ("full_pool": admission can keep every slot busy; for multi-turn episodes, which
     are all admitted early, the better measure)."""
     dispatcher = driver._dispatcher
-    slots = driver.engine.max_concurrent_decodes
+    slots = driver.engine.decode_batch  # the decode lanes (the slots, unless --lanes is fewer)
     while True:
         peak["pages"] = max(peak["pages"], driver.pages_in_use())
         peak["slots"] = max(peak["slots"], len(driver._sched.slots))
@@ -258,10 +264,10 @@ def _raw_decode(engine, params, args, vocab: int) -> float:
     return engine.max_concurrent_decodes * dispatches * args.steps_per_dispatch / seconds
 
 
-def _occupancy(before: dict, after: dict, slots: int, steps: int) -> dict:
+def _occupancy(before: dict, after: dict, lanes: int, steps: int) -> dict:
     """Where the reported pass's slot-steps went (`Driver.stats` counters, differenced over the pass)."""
     diff = {k: after[k] - before[k] for k in ("decode_dispatches", "live_slot_steps", "kept_tokens")}
-    slot_steps = diff["decode_dispatches"] * steps * slots
+    slot_steps = diff["decode_dispatches"] * steps * lanes
     occupancy = diff["live_slot_steps"] / max(slot_steps, 1)
     kept = diff["kept_tokens"] / max(diff["live_slot_steps"], 1)
     return {"decode_dispatches": diff["decode_dispatches"], "slot_occupancy": round(occupancy, 3),
@@ -320,6 +326,10 @@ def main(argv=None) -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--slots", type=int, default=0,
                         help="decode slots (default: one per episode; fewer: episodes wait and refill freed slots)")
+    parser.add_argument("--lanes", type=int, default=0,
+                        help="Engine(decode_batch=): sequences decoded per step (default: every slot); fewer: the "
+                             "other slots wait ready and take the lane of a sequence that stops, on the device. The "
+                             "raw baseline then decodes this many")
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn-tokens", type=int, default=128)
@@ -383,10 +393,15 @@ def main(argv=None) -> None:
     longest = prompt + args.turns * (_turn_range(args)[1] + args.observation + 1) + 1
     if args.max_length and args.max_length < longest:
         parser.error(f"--max-length={args.max_length} is shorter than the workload's longest sequence ({longest})")
-    engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=slots,
-                    max_target_length=args.max_length or longest, max_prefill_length=max(min(prompt, 2048), 16),
-                    cache_dtype=dtype, page_size=args.page_size, kv_cache_memory_fraction=args.kv_fraction,
-                    prefill_row_tokens=args.row_tokens)
+    lanes = args.lanes or slots
+    if not 1 <= lanes <= slots:
+        parser.error(f"--lanes={lanes} must be in [1, --slots={slots}]")
+    engine_kw = dict(mesh=make_mesh({"data": 1}, jax.devices()[:1]),
+                     max_target_length=args.max_length or longest, max_prefill_length=max(min(prompt, 2048), 16),
+                     cache_dtype=dtype, page_size=args.page_size, kv_cache_memory_fraction=args.kv_fraction,
+                     prefill_row_tokens=args.row_tokens)
+    engine = Engine(model, max_concurrent_decodes=slots, decode_batch=lanes,
+                    device_stop_ids=max(len(_stop_ids(args, vocab)), 1), **engine_kw)
 
     async def run():
         async with Driver(engine, model, steps_per_dispatch=args.steps_per_dispatch,
@@ -412,7 +427,7 @@ def main(argv=None) -> None:
             if args.profile:  # last: tracing slows the host a little
                 warmup.update(await _profiled(driver, args, vocab, seed=3 + args.timed_passes))
             counters = {**warmup, **{k: after.get(k, 0) - before.get(k, 0) for k in ("preemptions", "evictions", "shared_prefills", "split_groups")},
-                        "shapes_compiled_in_timed_passes": timed_compiles, **_occupancy(before, after, slots, args.steps_per_dispatch),
+                        "shapes_compiled_in_timed_passes": timed_compiles, **_occupancy(before, after, lanes, args.steps_per_dispatch),
                         **_host(before, after, passes[-1]["seconds"]),
                         **{k: after[k] - before.get(k, 0) for k in ("prefix_cache_hits", "prefix_cache_hit_tokens")
                            if k in after}}
@@ -420,12 +435,14 @@ def main(argv=None) -> None:
 
     warm, passes, counters = asyncio.run(run())
     timed = passes[-1]
-    raw = None if args.no_raw else _raw_decode(engine, engine.load_params(model), args, vocab)
+    # the baseline: every lane's slot filled, a lane per slot (the plain step), after the driver freed its pool
+    raw_engine = engine if lanes == slots else Engine(model, max_concurrent_decodes=lanes, **engine_kw)
+    raw = None if args.no_raw else _raw_decode(raw_engine, raw_engine.load_params(model), args, vocab)
     rate = timed["sampled_tokens"] / timed["seconds"]
     # the ratio if every dispatched decode step ran at raw-decode speed: what the slot-steps were used for
     bound = counters["slot_occupancy"] * counters["kept_token_fraction"]
     row = {
-        "device": jax.devices()[0].device_kind, "size": args.size, "episodes": episodes, "slots": slots,
+        "device": jax.devices()[0].device_kind, "size": args.size, "episodes": episodes, "slots": slots, "lanes": lanes,
         "turns": args.turns, "ends": args.ends, "length_spread": args.length_spread,
         "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size, "row_tokens": engine.prefill_row_tokens,
         "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": raw and round(raw),

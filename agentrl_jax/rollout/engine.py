@@ -78,6 +78,7 @@ from agentrl_jax.rollout.prefill_api import PagedPrefillAPI
 from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.slot_table import SlotTable
 from agentrl_jax.rollout.state import (
+    STOP_IDS,
     DecodeState,
     attend_bucket,
     decode_state_shardings,
@@ -105,6 +106,9 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         ends mid-dispatch leaves no lane idle for the rest of the dispatch or the next one, as
         long as a ready slot waits (`decode_step.lane_decode_step`). B must divide over the
         mesh's data shards like S.
+      device_stop_ids: stop token ids per slot that the device checks with decode lanes (a
+        request's lowest ones; the host checks them all, so one past this many still ends the
+        turn, a dispatch later, as without lanes).
       max_target_length: M, the longest sequence (prompt + every turn + generated).
       max_prefill_length: the largest prompt chunk one prefill takes.
       min_prefill_bucket: the smallest padded prefill length (JetStream `prefill`).
@@ -151,6 +155,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         mesh: Mesh | None = None,
         max_concurrent_decodes: int = 8,
         decode_batch: int | None = None,
+        device_stop_ids: int = STOP_IDS,
         max_target_length: int = 1024,
         max_prefill_length: int = 512,
         min_prefill_bucket: int = 16,
@@ -203,6 +208,9 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
                 f"multiple of the mesh's {self.num_shards} data shard(s) (each shard's lanes take its own slots)"
             )
         self._admissions = 0  # admission counter: ready slots take free decode lanes in this order
+        if device_stop_ids < 1:
+            raise ValueError(f"Engine: device_stop_ids must be >= 1, got {device_stop_ids}")
+        self.device_stop_ids = device_stop_ids
         self._budget = (num_pages, kv_cache_bytes, kv_cache_memory_fraction)
         # Weights are stored in the compute dtype: `models.decode.forward` casts every weight to it
         # before use, so casting once at load gives the same values and halves the bytes a decode
@@ -279,11 +287,11 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         num_pages = self.num_shards * plan.pages_per_shard
         self.state_shardings = decode_state_shardings(
             self.config, self._slots, num_pages, P, self.table_width, self.cache_dtype, self._mesh, self._rules,
-            lanes=self.decode_batch,
+            lanes=self.decode_batch, stop_ids=self.device_stop_ids,
         )
         make = functools.partial(
             init_decode_state, self.config, self._slots, num_pages, P, self.table_width, self.cache_dtype,
-            lanes=self.decode_batch,
+            lanes=self.decode_batch, stop_ids=self.device_stop_ids,
         )
         self._init_state = jax.jit(make, out_shardings=self.state_shardings)
         self._deactivate = jax.jit(

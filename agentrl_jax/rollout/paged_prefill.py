@@ -48,7 +48,8 @@ class Admission:
         preempted sequence resuming.
       limit: the length at which the slot stops advancing on the device (`DecodeState.limits`;
         None: ``max_target_length``).
-      stop_ids: token ids that stop it on the device (at most `STOP_IDS` are kept there).
+      stop_ids: token ids that stop it on the device (as many as the state holds, the lowest first;
+        the host checks them all).
     """
 
     slot: int
@@ -98,7 +99,7 @@ class PackedRows:
     adm_forced: np.ndarray  # [M], -1 = sample
     adm_length: np.ndarray  # [M] the slot's length after the prefill
     adm_limit: np.ndarray  # [M] the length at which it stops (`DecodeState.limits`)
-    adm_stops: np.ndarray  # [M, STOP_IDS] its device-side stop ids, -1 padded
+    adm_stops: np.ndarray  # [M, I] its device-side stop ids, -1 padded
     adm_order: np.ndarray  # [M] admission order (ready slots take free decode lanes in this order)
     sampling: tuple[np.ndarray, np.ndarray, np.ndarray]  # temperature, top_k, top_p [M]
     copy_src: np.ndarray  # [max(S, copies)] global page ids
@@ -124,7 +125,7 @@ def window_pages(reach: int, *, page_size: int, floor: int, table_width: int) ->
 def pack_rows(
     rows: Sequence[PrefillRow], *, num_shards: int, num_slots: int, slots_per_shard: int, pages_per_shard: int,
     page_size: int, row_tokens: int, row_cap: int | None, window: int, max_prefill: int, max_length: int,
-    first_order: int = 0,
+    first_order: int = 0, stop_width: int = STOP_IDS,
 ) -> PackedRows:
     """Cut the rows into pieces of ``row_tokens`` and lay them out in their shards' blocks of rows;
     admissions are numbered from ``first_order`` (`PackedRows.adm_order`)."""
@@ -154,7 +155,7 @@ def pack_rows(
     admitted = [(last[id(r)], a) for r in rows for a in r.admissions]  # results in the caller's order
     M = max(num_slots, len(admitted))  # fixed: one compiled shape fewer per prefill call
     out = PackedRows(
-        tokens, tables, starts, lengths, *_admission_arrays(M, num_slots),
+        tokens, tables, starts, lengths, *_admission_arrays(M, num_slots, stop_width),
         *_copies(rows, pages_per_shard, num_slots), admitted=[a for _, a in admitted],
         num_copies=sum(len(r.copies) for r in rows),
     )
@@ -164,7 +165,7 @@ def pack_rows(
         out.adm_row[m], out.adm_slot[m], out.adm_key[m], out.adm_generated[m] = i, a.slot, a.key, a.generated
         out.adm_forced[m], out.adm_length[m] = a.forced_token, starts[i] + lengths[i]
         out.adm_limit[m] = max_length if a.limit is None else min(a.limit, max_length)
-        stops = sorted(a.stop_ids)[:STOP_IDS]
+        stops = sorted(a.stop_ids)[:stop_width]
         out.adm_stops[m, : len(stops)] = stops
         out.adm_order[m] = first_order + m
         for field, value in zip(out.sampling, (a.sampling.temperature, a.sampling.top_k, a.sampling.top_p)):
@@ -172,21 +173,21 @@ def pack_rows(
     return out
 
 
-def empty_pack(*, rows: int, row_tokens: int, window: int, num_slots: int) -> PackedRows:
+def empty_pack(*, rows: int, row_tokens: int, window: int, num_slots: int, stop_width: int = STOP_IDS) -> PackedRows:
     """A pack of padding rows only (no admission, padding page copies that copy nothing): the
     arrays a warm-up call compiles with. Its rows write nothing."""
     return PackedRows(
         np.zeros((rows, row_tokens), np.int32), np.full((rows, window), TRASH_PAGE, np.int32),
-        np.zeros((rows,), np.int32), np.zeros((rows,), np.int32), *_admission_arrays(num_slots, num_slots),
+        np.zeros((rows,), np.int32), np.zeros((rows,), np.int32), *_admission_arrays(num_slots, num_slots, stop_width),
         np.zeros((num_slots,), np.int32), np.full((num_slots,), -1, np.int32), admitted=[],
     )
 
 
-def _admission_arrays(M: int, num_slots: int) -> tuple:
+def _admission_arrays(M: int, num_slots: int, stop_width: int) -> tuple:
     """`PackedRows`' M admission fields, every one padding (slot S: dropped), from ``adm_row`` to ``sampling``."""
     zeros = lambda dtype=np.int32: np.zeros((M,), dtype)  # noqa: E731
     return (zeros(), np.full((M,), num_slots, np.int32), np.zeros((M, 2), np.uint32), zeros(),
-            np.full((M,), -1, np.int32), zeros(), zeros(), np.full((M, STOP_IDS), -1, np.int32), zeros(),
+            np.full((M,), -1, np.int32), zeros(), zeros(), np.full((M, stop_width), -1, np.int32), zeros(),
             (zeros(np.float32), zeros(), np.ones((M,), np.float32)))
 
 

@@ -40,7 +40,7 @@ from agentrl_jax.rollout.sampling import SlotSampling
 from agentrl_jax.sharding import Rules, tree_shardings
 
 
-STOP_IDS = 8  # stop token ids per slot that the lane step checks on the device (the host checks them all)
+STOP_IDS = 8  # default stop token ids per slot that the lane step checks on the device (the host checks them all)
 
 
 @struct.dataclass
@@ -57,7 +57,8 @@ class DecodeState:
       keys: [S, 2] uint32 the request's PRNG key.
       sampling: per-slot temperature / top_k / top_p, each [S].
       active: [S] bool slot holds a live request.
-      stop_ids: [S, STOP_IDS] int32 token ids that end the slot's turn on the device (-1: none);
+      stop_ids: [S, I] int32 token ids that end the slot's turn on the device (-1: none; I:
+        `Engine(device_stop_ids=)`, default `STOP_IDS`);
         read by the lane step only (the host checks every stop id and string itself).
       limits: [S] int32 the length at which the slot stops advancing (its turn's last token is
         sampled at length limits - 1); read by the lane step only.
@@ -162,19 +163,19 @@ def _prefix_axes(config: DecoderConfig) -> Prefix:
 
 def decode_state_shapes(
     config: DecoderConfig, slots: int, num_pages: int, page_size: int, table_width: int, cache_dtype,
-    lanes: int | None = None,
+    lanes: int | None = None, stop_ids: int = STOP_IDS,
 ) -> DecodeState:
     """`jax.ShapeDtypeStruct` of every DecodeState leaf."""
     return jax.eval_shape(
-        lambda: init_decode_state(config, slots, num_pages, page_size, table_width, cache_dtype, lanes))
+        lambda: init_decode_state(config, slots, num_pages, page_size, table_width, cache_dtype, lanes, stop_ids))
 
 
 def decode_state_shardings(
     config: DecoderConfig, slots: int, num_pages: int, page_size: int, table_width: int, cache_dtype,
-    mesh: Mesh, rules: Rules, lanes: int | None = None,
+    mesh: Mesh, rules: Rules, lanes: int | None = None, stop_ids: int = STOP_IDS,
 ) -> DecodeState:
     """NamedSharding of every DecodeState leaf (non-divisible dims replicated)."""
-    shapes = decode_state_shapes(config, slots, num_pages, page_size, table_width, cache_dtype, lanes)
+    shapes = decode_state_shapes(config, slots, num_pages, page_size, table_width, cache_dtype, lanes, stop_ids)
     return tree_shardings(_slot_axes(config), mesh, rules, shapes=shapes)
 
 
@@ -200,10 +201,10 @@ def prefix_shardings(
 
 def init_decode_state(
     config: DecoderConfig, slots: int, num_pages: int, page_size: int, table_width: int, cache_dtype,
-    lanes: int | None = None,
+    lanes: int | None = None, stop_ids: int = STOP_IDS,
 ) -> DecodeState:
     """All slots free: zero pages, every table entry on the trash page, greedy sampling, inactive;
-    ``lanes`` decode lanes (default: one per slot), all free."""
+    ``lanes`` decode lanes (default: one per slot), all free; room for ``stop_ids`` device-side stop ids."""
     zeros = jnp.zeros((slots,), jnp.int32)
     lanes = slots if lanes is None else lanes
     return DecodeState(
@@ -219,7 +220,7 @@ def init_decode_state(
             top_p=jnp.ones((slots,), jnp.float32),
         ),
         active=jnp.zeros((slots,), bool),
-        stop_ids=jnp.full((slots, STOP_IDS), -1, jnp.int32),
+        stop_ids=jnp.full((slots, stop_ids), -1, jnp.int32),
         limits=zeros,
         order=zeros,
         lane_slot=jnp.full((lanes,), -1, jnp.int32),
