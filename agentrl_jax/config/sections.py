@@ -96,6 +96,12 @@ class MeshConfig(_Section):
 @dataclass(frozen=True)
 class RolloutConfig(_Section):
     max_concurrent: int = _f(64, "Decode slots in the KV cache (trajectories in flight at once).")
+    decode_batch: int = _f(
+        0, "Sequences decoded per step (0: every slot). Fewer than max_concurrent: the other slots hold admitted "
+        "sequences ready, and a sequence that stops (eos, a stop id, its token limit) hands its decode lane to one "
+        "of them at the next step, on the device, instead of idling it until the host reads the stop "
+        "(docs/architecture.md, 'Decode lanes'). A multiple of the mesh's data shards."
+    )
     max_prompt_length: int = _f(1024, "Longest prompt (tokens) the engine prefills.")
     max_sequence_length: int = _f(4096, "KV-cache length per slot: prompt + all turns + observations.")
     max_new_tokens_per_turn: int = _f(1024, "Tokens the policy may write in one turn.")
@@ -126,8 +132,9 @@ class RolloutConfig(_Section):
     )
 
     def engine_kwargs(self) -> dict:
-        """The paged-cache and compilation-cache arguments of `rollout.Engine` from this section."""
+        """The paged-cache, decode-lane and compilation-cache arguments of `rollout.Engine` from this section."""
         return {
+            "decode_batch": self.decode_batch or None,
             "page_size": self.page_size,
             "kv_cache_bytes": self.kv_cache_bytes or None,
             "kv_cache_memory_fraction": self.kv_cache_memory_fraction or None,
@@ -136,6 +143,10 @@ class RolloutConfig(_Section):
 
     def validate(self) -> None:
         _require(self.max_concurrent >= 1, self._path("max_concurrent"), "must be >= 1")
+        _require(
+            0 <= self.decode_batch <= self.max_concurrent, self._path("decode_batch"),
+            f"({self.decode_batch}) must be in [0, rollout.max_concurrent ({self.max_concurrent})] (0: every slot)",
+        )
         _require(
             self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
             self._path("page_size"), f"must be a power of two, got {self.page_size}",

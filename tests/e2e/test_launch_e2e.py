@@ -61,8 +61,12 @@ def _metrics(out_dir):
 @pytest.fixture(scope="module")
 def two_step_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("e2e") / "run"
-    # rollout.warmup=on: CPU's "auto" skips the warm-up; here it is checked on the sharded engine
-    proc = _launch(out, "total_steps=2", "checkpoint.resume=false", "rollout.warmup=on", *FROZEN_MODELS)
+    # rollout.warmup=on: CPU's "auto" skips the warm-up; here it is checked on the sharded engine.
+    # rollout.decode_batch=4: half the 8 slots decode per step (decode lanes); the resume test below
+    # continues without lanes and compares with a run that never had them, so the two steps here must
+    # roll out exactly what a lane per slot rolls out
+    proc = _launch(out, "total_steps=2", "checkpoint.resume=false", "rollout.warmup=on", "rollout.decode_batch=4",
+                   *FROZEN_MODELS)
     return out, proc
 
 

@@ -384,9 +384,12 @@ def test_rollout_config_page_fields_are_validated():
         apply_overrides(Config(), ["rollout.kv_cache_memory_fraction=1.5"])
     with pytest.raises(ConfigError, match="rollout.prefill_token_budget"):
         apply_overrides(Config(), ["rollout.prefill_token_budget=10"])
+    with pytest.raises(ConfigError, match="rollout.decode_batch"):
+        apply_overrides(Config(), ["rollout.max_concurrent=8", "rollout.decode_batch=9"])
     rollout = apply_overrides(Config(), ["rollout.page_size=32", "rollout.kv_cache_bytes=1000000"]).rollout
-    assert rollout.engine_kwargs() == {"page_size": 32, "kv_cache_bytes": 1000000, "kv_cache_memory_fraction": None,
-                                       "compilation_cache_dir": None}
+    assert rollout.engine_kwargs() == {"decode_batch": None, "page_size": 32, "kv_cache_bytes": 1000000,
+                                       "kv_cache_memory_fraction": None, "compilation_cache_dir": None}
+    assert apply_overrides(Config(), ["rollout.decode_batch=16"]).rollout.engine_kwargs()["decode_batch"] == 16
 
 
 def test_a_compilation_cache_dir_that_cannot_be_a_directory_fails_at_config_load(tmp_path):
