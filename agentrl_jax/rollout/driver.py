@@ -245,11 +245,13 @@ class Driver:
     def stats(self) -> dict[str, float]:
         """Rollout counters since the driver started, for metrics.
 
-        - ``slot_occupancy``: slot-steps dispatched for slots holding a sequence / all slot-steps
-          dispatched (free slots decode nothing useful; the rest of a dispatch after the last
-          sequence of a batch ends, and slots waiting for a tool's answer, lower it).
-        - ``kept_token_fraction``: tokens kept / slot-steps dispatched for held slots (a stopped
-          sequence's remaining steps, and its next dispatch, decode tokens that are dropped).
+        - ``slot_occupancy``: decode lane-steps that advanced a sequence (valid results) / all
+          lane-steps dispatched (a lane per slot unless `Engine.decode_batch` is smaller; free lanes
+          decode nothing useful: the rest of a dispatch after the last sequence of a batch ends,
+          and slots waiting for a tool's answer, lower it).
+        - ``kept_token_fraction``: tokens kept / lane-steps that advanced a sequence (a stopped
+          sequence's remaining steps, and its next dispatch, decode tokens that are dropped, unless
+          decode lanes stop it on the device).
         - the counts behind them: ``decode_dispatches``, ``live_slot_steps``, ``kept_tokens``
           (decoded tokens only; a request's first token comes from its prefill); and
           ``preemptions``, ``evictions``, ``shared_prefills``, ``split_groups`` (groups admitted over
