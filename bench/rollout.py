@@ -261,7 +261,7 @@ def _raw_decode(engine, params, args, vocab: int) -> float:
             previous = result
         previous.convert_to_numpy()
         seconds = time.perf_counter() - t0
-    return engine.max_concurrent_decodes * dispatches * args.steps_per_dispatch / seconds
+    return engine.decode_batch * dispatches * args.steps_per_dispatch / seconds
 
 
 def _occupancy(before: dict, after: dict, lanes: int, steps: int) -> dict:
@@ -309,9 +309,10 @@ def _timeline(trace_dir: str, out: str) -> dict:
 
 
 def _fill(engine, prefix, state, samples: int = 1):
-    """Every slot holds the prompt: its own copy (``samples`` 1), or groups of ``samples`` slots
+    """As many slots as the engine has decode lanes hold the prompt (with decode lanes the other slots
+    stay empty, so every lane decodes): each its own copy (``samples`` 1), or groups of ``samples`` slots
     sharing its full pages (`Engine.bulk_insert`, as a GRPO group's slots share them in the driver)."""
-    for first in range(0, engine.max_concurrent_decodes, samples):  # slots: a multiple of the group size
+    for first in range(0, engine.decode_batch, samples):  # lanes: a multiple of the group size
         if samples == 1:
             state = engine.insert(prefix, state, first)
         else:
@@ -438,6 +439,9 @@ def main(argv=None) -> None:
     # the baseline: every lane's slot filled, a lane per slot (the plain step), after the driver freed its pool
     raw_engine = engine if lanes == slots else Engine(model, max_concurrent_decodes=lanes, **engine_kw)
     raw = None if args.no_raw else _raw_decode(raw_engine, raw_engine.load_params(model), args, vocab)
+    # what the lane step's gathers cost: the driver's engine decoding every lane, no slot waiting
+    raw_lanes = None if args.no_raw or raw_engine is engine else _raw_decode(engine, engine.load_params(model),
+                                                                               args, vocab)
     rate = timed["sampled_tokens"] / timed["seconds"]
     # the ratio if every dispatched decode step ran at raw-decode speed: what the slot-steps were used for
     bound = counters["slot_occupancy"] * counters["kept_token_fraction"]
@@ -446,7 +450,8 @@ def main(argv=None) -> None:
         "turns": args.turns, "ends": args.ends, "length_spread": args.length_spread,
         "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size, "row_tokens": engine.prefill_row_tokens,
         "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": raw and round(raw),
-        "ratio": raw and round(rate / raw, 3), "raw_layout": args.raw_layout, "ratio_if_steps_ran_at_raw_speed": round(bound, 3),
+        "ratio": raw and round(rate / raw, 3),
+        "raw_lane_step_tokens_per_s": raw_lanes and round(raw_lanes), "raw_layout": args.raw_layout, "ratio_if_steps_ran_at_raw_speed": round(bound, 3),
         "steady_tokens_per_s": timed["steady_tokens_per_s"], "steady_window_s": timed["steady_window_s"],
         "steady_ratio": raw and timed["steady_tokens_per_s"] and round(timed["steady_tokens_per_s"] / raw, 3),
         "full_pool_tokens_per_s": timed["full_pool_tokens_per_s"], "full_pool_window_s": timed["full_pool_window_s"],
