@@ -84,7 +84,7 @@ def qwen3_model(size: str):
 
 
 def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int, attention: str,
-                profile: bool = False, page_size: int = 32) -> list[dict]:
+                profile: bool = False, page_size: int = 32, max_length: int = 0) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -100,7 +100,8 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
     for batch in batches:
         row = {"impl": "agentrl_jax", "size": size, "batch": batch, "device": device.device_kind, "jax": jax.__version__}
         try:
-            engine = Engine(model, mesh=mesh, max_concurrent_decodes=batch, max_target_length=prompt + gen + 1,
+            engine = Engine(model, mesh=mesh, max_concurrent_decodes=batch,
+                            max_target_length=max_length or prompt + gen + 1,
                             max_prefill_length=prompt, cache_dtype=dtype, page_size=page_size,
                             decode_attention=None if attention == "default" else attention)
             row["impl"] = f"agentrl_jax ({engine.decode_attention} attention, pages of {page_size})"
@@ -268,7 +269,7 @@ def _run_worker(kind: str, size: str, args, kernel: str = "") -> list[dict]:
     cmd = [sys.executable, __file__, "--worker", kind, "--sizes", size, "--batches", batches,
            "--prompt", str(args.prompt), "--gen", str(args.gen), "--steps-per-dispatch", str(args.steps_per_dispatch),
            "--hf-cache", args.hf_cache, "--decode-attention", args.decode_attention, "--kernel", kernel,
-           "--page-size", str(args.page_size)] + (
+           "--page-size", str(args.page_size), "--max-length", str(args.max_length)] + (
                ["--profile"] if args.profile else [])
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -334,6 +335,10 @@ def main(argv=None) -> None:
     parser.add_argument("--decode-attention", choices=("default", "xla", "pallas"), default="default",
                         help="the engine's decode attention (Engine(decode_attention=...); default: its own choice)")
     parser.add_argument("--page-size", type=int, default=32, help="KV page size (Engine(page_size=...))")
+    parser.add_argument("--max-length", type=int, default=0,
+                        help="the engine's max_target_length (rollout.max_sequence_length; default prompt + gen + 1: "
+                             "the tightest fit). The decode kernel reads each slot up to its own length, so a longer "
+                             "budget costs only page-table width")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--kernel", default="", help="override the Pallas kernel's settings, e.g. "
                         "method=dot,block_k=32,warps=4,stages=3,min_programs=1024 (models/decode.py PALLAS_*); "
@@ -347,6 +352,8 @@ def main(argv=None) -> None:
         args.sizes, args.batches, args.prompt, args.gen, args.steps_per_dispatch = "tiny", "1,4", 32, 32, 8
         args.hf_batches = None
     args.hf_batches = args.hf_batches or args.batches
+    if args.max_length and args.max_length <= args.prompt + args.gen:
+        parser.error(f"--max-length {args.max_length} must exceed --prompt + --gen ({args.prompt + args.gen})")
     if args.gen % args.steps_per_dispatch:
         parser.error(f"--gen {args.gen} must be a multiple of --steps-per-dispatch {args.steps_per_dispatch}")
     kernels = args.kernel.split(";")
@@ -356,7 +363,7 @@ def main(argv=None) -> None:
         size, batches = args.sizes, _ints(args.batches)
         if args.worker == "jax":
             rows = _jax_worker(size, batches, args.prompt, args.gen, args.steps_per_dispatch, args.decode_attention,
-                               args.profile, args.page_size)
+                               args.profile, args.page_size, args.max_length)
         else:
             rows = _hf_worker(size, batches, args.prompt, args.gen, args.hf_cache)
         for row in rows:

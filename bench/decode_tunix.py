@@ -77,7 +77,7 @@ def tunix_model(size: str):
     return qwen3.Qwen3(config, rngs=nnx.Rngs(0)), dtype
 
 
-def run(size: str, batch: int, prompt: int, gen: int, mode: str, trials: int) -> dict:
+def run(size: str, batch: int, prompt: int, gen: int, mode: str, trials: int, cache_size: int = 0) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -86,7 +86,8 @@ def run(size: str, batch: int, prompt: int, gen: int, mode: str, trials: int) ->
 
     model, dtype = tunix_model(size)
     vocab, _, _, layers, _, kv, k, _ = QWEN3[size]
-    cache = sampler_lib.CacheConfig(cache_size=prompt + gen, num_layers=layers, num_kv_heads=kv, head_dim=k)
+    cache = sampler_lib.CacheConfig(cache_size=cache_size or prompt + gen, num_layers=layers, num_kv_heads=kv,
+                                    head_dim=k)
     sampler = sampler_lib.Sampler(model, IdTokenizer(vocab), cache)
     ids = np.random.default_rng(0).integers(1, vocab - 1, prompt)
     prompts = [" ".join(map(str, ids))] * batch
@@ -106,7 +107,10 @@ def run(size: str, batch: int, prompt: int, gen: int, mode: str, trials: int) ->
     first = statistics.median(timed(1) for _ in range(trials))
     total = statistics.median(timed(gen) for _ in range(trials))
     device = jax.devices()[0]
-    row = {"impl": f"tunix {getattr(tunix, '__version__', '?')} Sampler ({mode})", "size": size, "batch": batch,
+    impl = f"tunix {getattr(tunix, '__version__', '?')} Sampler ({mode})"
+    if cache_size:
+        impl += f" cache {cache_size}"
+    row = {"impl": impl, "size": size, "batch": batch,
            "device": device.device_kind, "jax": jax.__version__, "prefill_ms": 1e3 * first,
            "first_calls_s": compile_s}
     row.update(_rates(size, batch, prompt, gen - 1, total - first, dtype_bytes=jnp.dtype(dtype).itemsize))
@@ -140,6 +144,10 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--gen", type=int, default=1024)
+    parser.add_argument("--cache-size", type=int, default=0,
+                        help="Tunix's CacheConfig.cache_size, the entries its sampler attends over every step: an RL "
+                             "config's sequence budget (rollout.max_sequence_length); default --prompt + --gen, the "
+                             "tightest fit (compare with bench/decode.py --max-length of the same value)")
     parser.add_argument("--modes", default="sample,greedy", help="comma-separated: sample, greedy")
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--compare", help="bench/decode.py --json output of the same run: adds our rows and ratios")
@@ -154,7 +162,7 @@ def main(argv=None) -> None:
     rows = []
     for mode in modes:
         try:
-            rows.append(run(args.size, args.batch, args.prompt, args.gen, mode, args.trials))
+            rows.append(run(args.size, args.batch, args.prompt, args.gen, mode, args.trials, args.cache_size))
         except Exception as e:  # noqa: BLE001  (one mode failing must not hide the other)
             rows.append({"impl": f"tunix Sampler ({mode})", "size": args.size, "batch": args.batch,
                          "error": f"{type(e).__name__}: {str(e)[:300]}"})
