@@ -46,7 +46,7 @@ def compact(tokens, positions, order, size):
 @pytest.mark.parametrize("attention", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])  # pallas: interpreted
 def test_compacted_forward_equals_the_rows(attention):
     """Real tokens in a shuffled order plus compact padding: every pool entry and the real tokens'
-    hidden states equal the uncompacted forward's (float32 on CPU: within 1e-6)."""
+    hidden states equal the uncompacted forward's (float32: ~1e-6 apart on CPU, checked to 1e-5)."""
     config, params, cache, tokens = setup()
     positions = STARTS[:, None] + np.arange(C, dtype=np.int32)[None]
     run = jax.jit(forward, static_argnames=("config", "attend_len", "dtype", "prefill_attention", "row_tokens"))
@@ -59,9 +59,9 @@ def test_compacted_forward_equals_the_rows(attention):
                       token_index=jnp.asarray(index), row_tokens=C, **kw)
     assert hidden.shape == (16, config.hidden_size)
     want = np.asarray(rows_hidden).reshape(-1, config.hidden_size)[real]
-    np.testing.assert_allclose(np.asarray(hidden)[: real.size], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(hidden)[: real.size], want, rtol=1e-5, atol=1e-5)
     for a, b in zip(got.k + got.v, rows_cache.k + rows_cache.v, strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     for a, b in zip(got.k, cache.k, strict=True):  # pages 1-3, 5 and 6 written; 0 (trash) and 4 (read) not
         assert all(np.abs(np.asarray(a)[p] - np.asarray(b)[p]).max() > 0 for p in (1, 2, 3, 5, 6))
         np.testing.assert_array_equal(np.asarray(a)[[0, 4]], np.asarray(b)[[0, 4]])
