@@ -96,16 +96,26 @@ def run_calls(engine, model):
     return results
 
 
-@pytest.mark.parametrize("mesh_shape", [{"data": 1}, pytest.param({"data": 2, "tensor": 2}, marks=pytest.mark.skipif(
-    jax.device_count() < 4, reason="needs 4 devices"))])
-def test_compacted_prefill_equals_the_rows(tiny_model, mesh_shape):
+SHARDED = {"data": 2, "tensor": 2}
+
+
+@pytest.mark.parametrize("mesh_shape,prefill_attention", [
+    pytest.param({"data": 1}, "xla", id="one-device"),
+    # ~10 s each; the default suite checks the sharded compacted call against one device's
+    pytest.param(SHARDED, "xla", marks=pytest.mark.slow, id="data2-tensor2"),
+    pytest.param(SHARDED, "pallas", marks=pytest.mark.slow, id="data2-tensor2-pallas"),  # interpreted off GPU
+])
+def test_compacted_prefill_equals_the_rows(tiny_model, mesh_shape, prefill_attention):
     """Compaction on and off: the same first tokens, logprobs within 1e-5 and every page of every
     layer's pools within 1e-5 (float32 on CPU; the dense matmuls have other shapes). Both calls are
     compacted (a group, pieces, a session's continuation; over 2 data shards too)."""
     size = int(np.prod(list(mesh_shape.values())))
+    if jax.device_count() < size:
+        pytest.skip(f"needs {size} devices")
     mesh = make_mesh(mesh_shape, jax.devices()[:size])
-    on = run_calls(Engine(tiny_model, mesh=mesh, **KW), tiny_model)
-    off = run_calls(Engine(tiny_model, mesh=mesh, prefill_compaction=False, **KW), tiny_model)
+    kw = {**KW, "prefill_attention": prefill_attention}
+    on = run_calls(Engine(tiny_model, mesh=mesh, **kw), tiny_model)
+    off = run_calls(Engine(tiny_model, mesh=mesh, prefill_compaction=False, **kw), tiny_model)
     for (tokens, logprobs, pools, shape), (want_tokens, want_logprobs, want_pools, rows_shape) in zip(
             on, off, strict=True):
         assert shape.tokens < shape.rows * shape.row_tokens == rows_shape.tokens  # compacted
