@@ -1,22 +1,26 @@
 """Time of one `Engine.prefill_insert` call for each shape of the warm-up set: rows of
-`prefill_row_tokens` tokens x attention window (pages).
+`prefill_row_tokens` tokens x attention window (pages) x tokens the dense layers compute.
 
 A multi-turn rollout's prefill calls cost ~18 ms each on an H200 for ~270 real tokens,
 whatever they compute (docs/benchmarks.md, "Where a tick's time goes"). This script runs
 every shape the driver's token budget allows (`Engine.prefill_shapes`) with every row a
-real piece that fills the window (its own pages, ``C`` new tokens at the window's end, no
-admission), and prints the median wall time per call, so the cost can be read against rows
-and window on any device (``--padding``: padding rows instead, which write nothing; what
-`Engine.warmup` runs):
+real piece that reaches the window's end (its own pages, no admission; the shape's tokens
+spread evenly over its rows: ``C`` each in an uncompacted shape, fewer in a compacted one,
+as a session's next turn fills half a row), and prints the median wall time per call, so
+the cost can be read against rows, window and computed tokens on any device (``--padding``:
+padding rows instead, which write nothing; what `Engine.warmup` runs):
 
     python bench/prefill_window.py --size tiny            # CPU: the tiny Qwen3
     python bench/prefill_window.py --size 1.7b            # GPU
     python bench/prefill_window.py --size 1.7b --shapes 8x32,16x80 --profile /tmp/pw   # + device kernels
     python bench/prefill_window.py --size 1.7b --prefill-attention xla   # the XLA attention (default: the engine's)
+    python bench/prefill_window.py --size 1.7b --shapes 8x32x384,8x32 --no-compaction  # A/B: 8 rows of 48 tokens
 
-A shape ``RxW`` is R packed rows reaching W pages each. The XLA attention compiles one program
-per window bucket, so W is also the compiled window; the "pallas" prefill compiles the whole
-table's width only (``table_pages`` in the output) and W is then only how far the rows reach.
+A shape ``RxW`` is R packed rows reaching W pages each, ``RxWxN`` the same rows holding N real
+tokens (a compacted shape computes N; ``--no-compaction``, `Engine(prefill_compaction=False)`,
+computes the rows' R x C whatever they hold). The XLA attention compiles one program per window
+bucket, so W is also the compiled window; the "pallas" prefill compiles the whole table's width
+only (``table_pages`` in the output) and W is then only how far the rows reach.
 
 ``--profile DIR`` traces ``--calls`` more calls of each shape with ``jax.profiler`` and
 reduces the trace to a table of device milliseconds per call by HLO instruction
@@ -43,12 +47,14 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--token-budget", type=int, default=1024, help="the driver's prefill tokens per tick")
     parser.add_argument("--calls", type=int, default=5)
-    parser.add_argument("--shapes", help="only these, as ROWSxWINDOW_PAGES,... (default: every warm-up shape)")
+    parser.add_argument("--shapes", help="only these, as ROWSxWINDOW_PAGES[xTOKENS],... (default: every warm-up shape)")
     parser.add_argument("--profile", help="trace each shape's calls and write a kernel table per shape here")
     parser.add_argument("--top", type=int, default=25, help="ops in each profile table")
     parser.add_argument("--padding", action="store_true", help="padding rows (warm-up's calls), not real pieces")
     parser.add_argument("--prefill-attention", choices=("xla", "pallas"),
                         help="Engine(prefill_attention=...) (default: the engine's choice)")
+    parser.add_argument("--no-compaction", action="store_true",
+                        help="Engine(prefill_compaction=False): the dense layers compute every row's C tokens")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args()
 
@@ -57,31 +63,37 @@ def main() -> None:
     from decode import qwen3_model
 
     from agentrl_jax.rollout import Engine
-    from agentrl_jax.rollout.paged_prefill import empty_pack
+    from agentrl_jax.rollout.paged_prefill import call_layout, empty_pack
     from agentrl_jax.sharding import make_mesh
 
     model, dtype = qwen3_model(args.size)
     engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=args.slots,
                     max_target_length=args.max_length, max_prefill_length=256, cache_dtype=dtype,
-                    page_size=args.page_size, prefill_attention=args.prefill_attention)
+                    page_size=args.page_size, prefill_attention=args.prefill_attention,
+                    prefill_compaction=not args.no_compaction)
     params, state = engine.load_params(model), engine.init_decode_state()
     print(f"device: {jax.devices()[0].device_kind} x1  jax {jax.__version__}  size {args.size}  "
-          f"prefill attention {engine.prefill_attention}")
+          f"prefill attention {engine.prefill_attention}  compaction {engine.prefill_compaction}")
     rows = []
     compiled = engine.prefill_shapes(args.token_budget)
-    width = compiled[0][1]
-    shapes = [(n, w) for n, _, w in compiled]  # (rows, pages the rows reach)
+    width = compiled[0].row_tokens
+    shapes = [(s.rows, s.window, s.tokens) for s in compiled]  # (rows, pages the rows reach, real tokens)
     if args.shapes:
-        buckets = sorted({n for n, _, _ in compiled})
+        buckets = sorted({s.rows for s in compiled})
         shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
-        for n, w in shapes:
-            if n not in buckets or not 1 <= w <= engine.table_width:
-                raise SystemExit(f"--shapes {args.shapes}: rows must be one of {buckets} and pages 1 to "
-                                 f"{engine.table_width} (the page table's width)")
-    for n, window in shapes:
+        shapes = [(n, w, *rest) if rest else (n, w, n * width) for n, w, *rest in shapes]
+        for n, w, tokens in shapes:
+            if n not in buckets or not 1 <= w <= engine.table_width or not n <= tokens <= n * width:
+                raise SystemExit(f"--shapes {args.shapes}: rows must be one of {buckets}, pages 1 to "
+                                 f"{engine.table_width} (the page table's width) and tokens in [rows, rows x "
+                                 f"{width}]")
+    for n, window, tokens in shapes:
         table = engine._prefill_window(window * engine.page_size)  # the compiled window
-        packed = (empty_pack(rows=n, row_tokens=width, window=table, num_slots=args.slots) if args.padding
-                  else _full_rows(engine, n, width, window))
+        if args.padding:
+            computed = call_layout(n, tokens, row_tokens=width, row_cap=n, compaction=engine.prefill_compaction)[1]
+            packed = empty_pack(rows=n, row_tokens=width, window=table, num_slots=args.slots, tokens=computed)
+        else:
+            packed = _full_rows(engine, n, width, window, tokens)
         times = []
         for _ in range(args.calls + 1):  # the first compiles
             t0 = time.perf_counter()
@@ -89,6 +101,7 @@ def main() -> None:
             jax.block_until_ready(state)
             times.append(time.perf_counter() - t0)
         row = {"rows": n, "row_tokens": width, "window_pages": window, "table_pages": table,
+               "tokens": 0 if args.padding else tokens, "computed_tokens": packed.computed_tokens,
                "attention": engine.prefill_attention,
                "ms_per_call": round(1e3 * float(np.median(times[1:])), 2)}
         if args.profile:
@@ -101,9 +114,10 @@ def main() -> None:
             json.dump(rows, f, indent=1)
 
 
-def _full_rows(engine, n: int, width: int, window: int):
-    """``n`` rows of ``width`` new tokens each ending at the last entry of ``window`` pages, each
-    with its own pages (shard 0), packed as `Engine.prefill_insert` packs them (no admission)."""
+def _full_rows(engine, n: int, width: int, window: int, tokens: int):
+    """``n`` rows holding ``tokens`` new tokens (spread evenly, at most ``width`` each), each row's
+    ending at the last entry of ``window`` pages, each with its own pages (shard 0), packed as
+    `Engine.prefill_insert` packs them (no admission)."""
     import numpy as np
 
     from agentrl_jax.rollout.paged_prefill import PrefillRow
@@ -114,8 +128,10 @@ def _full_rows(engine, n: int, width: int, window: int):
     if first + n * window > engine.memory_plan.pages_per_shard:
         raise SystemExit(f"{n} rows x {window} pages do not fit the pool of {engine.memory_plan.pages_per_shard}")
     rng = np.random.default_rng(0)
-    rows = [PrefillRow(shard=0, pages=list(range(first + i * window, first + (i + 1) * window)), start=reach - width,
-                       tokens=rng.integers(1, engine.config.vocab_size, width).astype(np.int32)) for i in range(n)]
+    sizes = [tokens // n + (i < tokens % n) for i in range(n)]
+    rows = [PrefillRow(shard=0, pages=list(range(first + i * window, first + (i + 1) * window)), start=reach - size,
+                       tokens=rng.integers(1, engine.config.vocab_size, size).astype(np.int32))
+            for i, size in enumerate(sizes)]
     packed = engine._pack(rows, row_cap=n)
     table = engine._prefill_window(reach)
     assert packed.tokens.shape == (n, width) and packed.tables.shape[1] == table, (packed.tokens.shape, packed.tables.shape)

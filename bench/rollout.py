@@ -43,7 +43,9 @@ dispatch compiled, reported as `warmup_*`), and with `--no-untimed` skips the un
 so `shapes_compiled_in_timed_passes` shows what warm-up missed. `--call-times` adds a pass
 after the timed ones in which every engine call is run to completion before the next
 (`CallTimes`; slower, reported apart as `diag_*`): wall time per prefill call and per decode
-dispatch, their share, prefill tokens real and computed (padding included), compiles.
+dispatch, their share, prefill tokens real, laid out in rows (`diag_prefill_padded_tokens`:
+the rows' R x C) and computed by the dense layers (`diag_prefill_computed_tokens`: N of a
+compacted call, else R x C), compiles. `--no-compaction`: `Engine(prefill_compaction=False)`.
 `steady_*` is the decoded tokens/s over the part of the timed pass in which new episodes
 still waited for a slot, `full_pool_*` over the part in which at least as many episodes
 were unfinished as there are slots (the pool can be kept full, as with partial rollouts; no
@@ -185,14 +187,16 @@ class CallTimes:
 
         self.engine, self.jax = engine, jax
         self.calls = {"prefill": [], "decode": []}
-        self.tokens = {"real": 0, "padded": 0}
+        self.tokens = {"real": 0, "padded": 0, "computed": 0}
         self._prefill, self._generate = engine.prefill_insert, engine.generate
         self._compiled = len(engine._paged_prefill_fns) + len(engine._generate_fns)
         engine.prefill_insert, engine.generate = self.prefill_insert, self.generate
 
     def prefill_insert(self, params, state, rows, **kw):
         self.tokens["real"] += sum(len(r.tokens) for r in rows)
-        self.tokens["padded"] += _padded_tokens(self.engine, rows, kw.get("row_cap"))
+        padded, computed = _padded_tokens(self.engine, rows, kw.get("row_cap"))
+        self.tokens["padded"] += padded
+        self.tokens["computed"] += computed
         return self._timed("prefill", self._prefill, params, state, rows, **kw)
 
     def generate(self, params, state, **kw):
@@ -215,21 +219,24 @@ class CallTimes:
             "diag_decode_ms_mean": round(1e3 * sum(dec) / max(len(dec), 1), 2),
             "diag_prefill_share": round(sum(pre) / max(sum(pre) + sum(dec), 1e-9), 3),
             "diag_prefill_real_tokens": self.tokens["real"], "diag_prefill_padded_tokens": self.tokens["padded"],
+            "diag_prefill_computed_tokens": self.tokens["computed"],
             "diag_compiled": len(engine._paged_prefill_fns) + len(engine._generate_fns) - self._compiled,
         }
 
 
-def _padded_tokens(engine, rows, row_cap) -> int:
-    """Tokens the prefill call computes for ``rows`` (padding included)."""
+def _padded_tokens(engine, rows, row_cap) -> tuple[int, int]:
+    """Tokens of the prefill call for ``rows`` (padding included): laid out in its rows, and computed
+    by its dense layers (fewer when the call is compacted)."""
     if hasattr(engine, "prefill_shape"):
-        R, C, _ = engine.prefill_shape(rows, row_cap)
-        return R * C
+        shape = engine.prefill_shape(rows, row_cap)
+        R, C = shape[:2]
+        return R * C, shape.tokens if hasattr(shape, "tokens") else R * C  # (trees before compaction: a tuple)
     from agentrl_jax.rollout.state import prefill_bucket  # the layout of one row per sequence (older trees)
 
     most = max(sum(r.shard == d for r in rows) for d in range(engine.num_shards))
     per_shard = 1 << (2 * -(-max(most - 1, 0).bit_length() // 2))
     T = prefill_bucket(max(len(r.tokens) for r in rows), engine._min_bucket, engine.max_prefill_length)
-    return engine.num_shards * per_shard * T
+    return (engine.num_shards * per_shard * T,) * 2
 
 
 def _raw_decode(engine, params, args, vocab: int) -> float:
@@ -345,6 +352,8 @@ def main(argv=None) -> None:
     parser.add_argument("--steps-per-dispatch", type=int, default=16)
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--row-tokens", type=int, default=64, help="Engine(prefill_row_tokens=): prefill piece width")
+    parser.add_argument("--no-compaction", action="store_true",
+                        help="Engine(prefill_compaction=False): the prefill's dense layers run on every row's tokens")
     parser.add_argument("--header", type=int, default=0,
                         help="tokens of a header (system prompt / few-shot) shared by every group's prompt")
     parser.add_argument("--prefix-cache", action="store_true", help="Driver(prefix_cache=True)")
@@ -400,7 +409,8 @@ def main(argv=None) -> None:
     engine_kw = dict(mesh=make_mesh({"data": 1}, jax.devices()[:1]),
                      max_target_length=args.max_length or longest, max_prefill_length=max(min(prompt, 2048), 16),
                      cache_dtype=dtype, page_size=args.page_size, kv_cache_memory_fraction=args.kv_fraction,
-                     prefill_row_tokens=args.row_tokens)
+                     prefill_row_tokens=args.row_tokens,
+                     **({"prefill_compaction": False} if args.no_compaction else {}))  # (older trees: no such argument)
     engine = Engine(model, max_concurrent_decodes=slots, decode_batch=lanes,
                     device_stop_ids=max(len(_stop_ids(args, vocab)), 1), **engine_kw)
 

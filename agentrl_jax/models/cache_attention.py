@@ -10,6 +10,8 @@
   (`prefill_attention`), which reads each row's pages up to its own reach.
 - `paged_tpu_attend_and_write`: one token per row; the same scatter, then the Pallas TPU
   decode kernel (`tpu_decode_attention`), which reads each row's pages up to its length.
+- `compact_attend_and_write`: either paged prefill function above for compact tokens (the real
+  tokens of the packed rows only): scatter them into the rows, attend and write, gather back.
 """
 
 from __future__ import annotations
@@ -167,3 +169,30 @@ def paged_tpu_attend_and_write(write_pos, qkv, k_pool, v_pool, page_table, *, pa
     lengths = jnp.minimum(write_pos[:, 0] + 1, Tp * P)
     out = paged_decode_attention(q, k_pool, v_pool, lengths, page_table, pages_per_block=pages_per_block)
     return out[:, None], k_pool, v_pool
+
+
+def compact_attend_and_write(window):
+    """``window`` (`paged_xla_attend_and_write` or `paged_pallas_attend_and_write`, arguments bound
+    but the arrays) for the N compact tokens of a paged prefill rather than its ``[R, C]`` rows.
+
+    The returned function takes ``(write_pos, qkv, k_pool, v_pool, page_table, token_index,
+    *row_args)``: ``qkv [N, KV, G + 2, K]`` holds the compact tokens' projections and
+    ``token_index [N]`` int32 where each sits in the rows (flat ``r * C + c``; ``>= R * C``:
+    compact padding). It scatters them into zero rows ``[R, C, KV, G + 2, K]`` (the layout's
+    padding tokens get zeros; `forward` marks them unwritten through ``write_pos < 0``), runs
+    ``window(write_pos, rows, k_pool, v_pool, page_table, *row_args)`` and gathers the outputs of
+    the compact tokens back: ``(out [N, KV, G, K], k_pool, v_pool)``, zeros for compact padding.
+    The scatter declares its indices unique: the real tokens' are, and the padding's are past the
+    rows, dropped (as `paged_write`'s padding pages are).
+    """
+
+    def attend(write_pos, qkv, k_pool, v_pool, page_table, token_index, *row_args):
+        R, C = write_pos.shape
+        rows = jnp.zeros((R * C, *qkv.shape[1:]), qkv.dtype).at[token_index].set(
+            qkv, mode="drop", unique_indices=True)
+        out, k_pool, v_pool = window(write_pos, rows.reshape(R, C, *qkv.shape[1:]), k_pool, v_pool, page_table,
+                                     *row_args)
+        out = jnp.take(out.reshape(R * C, *out.shape[2:]), token_index, axis=0, mode="fill", fill_value=0)
+        return out, k_pool, v_pool
+
+    return attend

@@ -30,6 +30,8 @@ module is the rollout engine's forward instead:
   normalization or split-K reduction kernels. The paged prefill (a page table and
   ``write_len``) may attend with ``prefill_attention="pallas"`` instead of XLA's window:
   after the same scatter, `prefill_attention.prefill_attention` reads each row's own pages.
+  Given ``token_index``, the paged prefill runs compacted: every layer's token-wise work on
+  the rows' real tokens only, the attention and cache write on the rows.
   With ``attention="pallas_tpu"`` (one token per row on a paged cache, the engine's decode
   step on TPU) the projection, QK-norm, RoPE and the page scatter are the XLA path's, then
   a Pallas TPU kernel (`tpu_decode_attention.paged_decode_attention`) copies each row's
@@ -54,6 +56,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, PartitionSpec
 
 from agentrl_jax.models.cache_attention import (  # noqa: F401 (grouped_attention: re-exported)
+    compact_attend_and_write,
     grouped_attention,
     paged_pallas_attend_and_write,
     paged_tpu_attend_and_write,
@@ -217,6 +220,8 @@ def forward(
     page_table: jax.Array | None = None,
     write_len: jax.Array | None = None,
     prefill_attention: str = "xla",
+    token_index: jax.Array | None = None,
+    row_tokens: int | None = None,
 ) -> tuple[jax.Array, LayerCache]:
     """Final hidden states of ``[B, T]`` new tokens and the cache with their keys/values.
 
@@ -248,13 +253,39 @@ def forward(
       prefill_attention: with a page table and ``write_len`` (the engine's prefill), "xla"
         (`paged_xla_attend_and_write`: a gathered window and einsums) or "pallas" (the same
         scatter, then `prefill_attention.prefill_attention` reads each row's own entries).
+      token_index: with a page table and ``write_len`` (and ``attention="xla"``), compact the
+        paged prefill to its real tokens: ``tokens`` and ``positions`` are then ``[N]``, the
+        real tokens (and padding up to N) of B rows of T = ``row_tokens`` entries, and
+        ``token_index [N]`` int32 is where each sits in those rows (flat ``b * T + t``, local to
+        the data shard's rows on a mesh; ``>= B * T``: padding). The token-wise parts of every
+        layer (embedding, norms, the QKV projection, QK-norm, RoPE, ``wo``, the MLP) run on the
+        N tokens; only the attention and the cache write see the ``[B, T]`` rows, which the
+        projections are scattered into and the attention's output gathered back from
+        (`cache_attention.compact_attend_and_write`). The keys/values written and the real
+        tokens' hidden states are those of the rows' layout.
+      row_tokens: T, with ``token_index``.
 
     Returns:
-      ``(hidden [B, T, D] in dtype, new cache)``.
+      ``(hidden [B, T, D] in dtype, new cache)``; with ``token_index``, hidden ``[N, D]``
+      (padding: meaningless).
     """
-    chex.assert_rank(tokens, 2)
-    chex.assert_equal_shape([tokens, positions])
-    B, T = tokens.shape
+    compact = token_index is not None
+    if compact:
+        if page_table is None or write_len is None or attention != "xla":
+            raise ValueError("forward: token_index (the compacted paged prefill) needs a page_table, write_len "
+                             "and attention='xla'")
+        if row_tokens is None or row_tokens < 1:
+            raise ValueError(f"forward: row_tokens must be the rows' width (>= 1) with token_index, got {row_tokens}")
+        chex.assert_rank(tokens, 1)
+        chex.assert_equal_shape([tokens, positions, token_index])
+        B, T = write_index.shape[0], row_tokens
+        tokens, positions = tokens[None], positions[None]  # the token-wise parts: one row of the N tokens
+    else:
+        if row_tokens is not None:
+            raise ValueError("forward: row_tokens is the width of the rows of a token_index; pass both or neither")
+        chex.assert_rank(tokens, 2)
+        chex.assert_equal_shape([tokens, positions])
+        B, T = tokens.shape
     chex.assert_shape(write_index, (B,))
     if attention not in ATTENTION_IMPLS:
         raise ValueError(f"forward: attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
@@ -276,7 +307,8 @@ def forward(
     sharded = mesh is not None and mesh.size > 1
     rows, heads = (cache_spec[0], cache_spec[1]) if sharded else (None, None)
     per_row = PartitionSpec(rows)
-    out_specs = (PartitionSpec(rows, None, heads), cache_spec, cache_spec)
+    qkv_spec = PartitionSpec(rows, heads) if compact else PartitionSpec(rows, None, heads)
+    out_specs = (qkv_spec, cache_spec, cache_spec)
     if attention == "pallas":
         # the QKV split-K sum, bias, QK-norm, RoPE, the cache write and attention all happen in the kernel
         def kernel(table, *args):
@@ -319,22 +351,27 @@ def forward(
             else:
                 window = functools.partial(paged_xla_attend_and_write, attend_len=attend_len, dtype=dtype,
                                            unique_writes=write_len is not None)
+            if compact:  # the compact tokens' projections in and outputs out of the rows, per shard
+                window, row_args = compact_attend_and_write(window), (token_index, *row_args)
             if sharded:  # the pool's pages are split like the rows: gathers and scatters stay local
                 window = jax.shard_map(
                     window, mesh=mesh, check_vma=False, out_specs=out_specs,
-                    in_specs=(PartitionSpec(rows, None), PartitionSpec(rows, None, heads), cache_spec, cache_spec,
+                    in_specs=(PartitionSpec(rows, None), qkv_spec, cache_spec, cache_spec,
                               PartitionSpec(rows, None)) + (per_row,) * len(row_args),
                 )
 
         def attend_fn(x, w, k_cache, v_cache):
-            D = x.shape[-1]
-            qkv = (x.reshape(B * T, D) @ w["wqkv"].reshape(D, -1)).reshape(B, T, KV, R, K)
+            rows_x, tokens_x, D = x.shape  # (B, T), or (1, N) compacted
+            qkv = (x.reshape(rows_x * tokens_x, D) @ w["wqkv"].reshape(D, -1)).reshape(rows_x, tokens_x, KV, R, K)
             if config.attention_bias:
                 qkv = qkv + w["bqkv"]
             qkv = _rotate_and_norm(qkv, w, positions, config=config, inv_freq=inv_freq)
             if page_table is None:
                 visible = jnp.arange(attend_len)[None, None, :] <= write_pos[:, :, None]  # [B, T, W]
                 return window(write_pos, visible, qkv, k_cache, v_cache)
+            if compact:  # [N, ...] to the rows and back
+                out, k_cache, v_cache = window(write_pos, qkv[0], k_cache, v_cache, page_table, *row_args)
+                return out[None], k_cache, v_cache
             return window(write_pos, qkv, k_cache, v_cache, page_table, *row_args)
     layer = functools.partial(_layer, config=config, dtype=dtype, attend_and_write=attend_fn)
     hidden = jnp.take(params.embed, tokens, axis=0).astype(dtype)
@@ -344,7 +381,7 @@ def forward(
         new_k.append(k_cache)
         new_v.append(v_cache)
     hidden = rms_norm(hidden, params.final_norm.astype(dtype), config.rms_norm_eps)
-    return hidden, LayerCache(k=tuple(new_k), v=tuple(new_v))
+    return hidden[0] if compact else hidden, LayerCache(k=tuple(new_k), v=tuple(new_v))
 
 
 def _layer(h, w, k_cache, v_cache, *, config, dtype, attend_and_write):

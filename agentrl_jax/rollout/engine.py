@@ -116,6 +116,9 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         path): a sequence's new tokens are cut into pieces of C (at most
         ``max_prefill_length``), so it pads less than C tokens and the compiled shapes stay
         few (`paged_prefill`).
+      prefill_compaction: run the dense layers of a `prefill_insert` call on its real tokens
+        only (padded to a bucket), not on every row's C tokens (`paged_prefill`): the same
+        results for less compute, at up to five compiled programs per row bucket instead of one.
       cache_dtype: dtype of the KV cache (default: the model's compute dtype).
       rules: logical-axis rule table (default: `inference_rules()`).
       attend_granule: the "xla" decode attention reads a window of the first W entries of
@@ -160,6 +163,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         max_prefill_length: int = 512,
         min_prefill_bucket: int = 16,
         prefill_row_tokens: int = 64,
+        prefill_compaction: bool = True,
         cache_dtype: Any = None,
         rules: Rules | None = None,
         attend_granule: int = 256,
@@ -194,6 +198,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         self._max_prefill = max_prefill_length
         self._min_bucket = min(min_prefill_bucket, max_prefill_length)
         self.prefill_row_tokens = min(prefill_row_tokens, max_prefill_length)
+        self.prefill_compaction = prefill_compaction
         self.cache_dtype = cache_dtype if cache_dtype is not None else model.dtype
         # the pool's pages are split over the data axes exactly like the slots
         self._rows_spec = logical_to_spec(("slots",), self._rules, shape=(self._slots,), mesh=self._mesh)[0]

@@ -16,6 +16,17 @@ slot count. Pieces of one sequence in one call are exact: each layer writes ever
 keys and values into the pages before any row attends, and a piece's queries see only
 entries up to their own position. A sequence wastes less than C padded tokens, where a
 layout of one row per sequence padded every row to the longest one's bucket.
+
+The rows still pad: a session's next turn (its last sampled token and a ~32-token tool
+observation) fills half a row of 64, and a call's rows are rounded up to a power of two.
+So the call is compacted (`CompactTokens`): each shard's real tokens, in row order, padded
+to n = k x C (k on the ladder 2, 3, 4, 6, 8, 12, ... of `tokens_bucket`), go through every
+layer's token-wise work (embedding, norms, projections, RoPE, MLP; `models.decode.forward`'s
+``token_index``), and only the attention and the KV write see the ``[R, C]`` rows. A call
+computes at most a third more than its real tokens and never fewer than two rows' worth
+(at C = 64, 128 tokens: below that a GPU matmul costs about what reading its weights does);
+where n would reach the rows' R x C, it runs the rows as they are. Each row bucket adds at
+most five token buckets to the compiled set.
 """
 
 from __future__ import annotations
@@ -84,15 +95,25 @@ class PrefillRow:
 
 
 @dataclasses.dataclass
+class CompactTokens:
+    """The real tokens of `PackedRows`' rows, D blocks of n (one per data shard, in row order, then
+    padding): what a compacted call computes."""
+
+    tokens: np.ndarray  # [D * n]
+    positions: np.ndarray  # [D * n]
+    index: np.ndarray  # [D * n] r * C + c, r the row within its shard; padding: R * C (past every shard's rows)
+
+
+@dataclasses.dataclass
 class PackedRows:
     """`pack_rows`' arrays: R = D x rows-per-shard rows of C tokens (the row width), M admissions,
-    and page copies padded to the slot count."""
+    and page copies padded to the slot count; ``compact``: the call's tokens when it is compacted."""
 
     tokens: np.ndarray  # [R, C]
     tables: np.ndarray  # [R, window] local page ids
     starts: np.ndarray  # [R]
     lengths: np.ndarray  # [R] real tokens per row (0 for padding rows: they write nothing)
-    adm_row: np.ndarray  # [M]
+    adm_token: np.ndarray  # [M] the call's hidden state of the admission's row's last token (see `prefill_insert_step`)
     adm_slot: np.ndarray  # [M], S for padding (dropped)
     adm_key: np.ndarray  # [M, 2]
     adm_generated: np.ndarray  # [M]
@@ -106,6 +127,12 @@ class PackedRows:
     copy_dst: np.ndarray  # [max(S, copies)], -1 for padding
     admitted: list[Admission]
     num_copies: int = 0  # real pairs at the front of copy_src / copy_dst
+    compact: CompactTokens | None = None
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens the call's dense layers compute (padding included)."""
+        return self.tokens.size if self.compact is None else self.compact.tokens.size
 
 
 def rows_bucket(rows: int, cap: int | None = None) -> int:
@@ -113,6 +140,25 @@ def rows_bucket(rows: int, cap: int | None = None) -> int:
     driver's token budget / C) when that is smaller and still holds them."""
     bucket = 1 << max(rows - 1, 0).bit_length()
     return min(bucket, cap) if cap is not None and rows <= cap else bucket
+
+
+def tokens_bucket(tokens: int, rows: int, row_tokens: int) -> int:
+    """Tokens per shard a compacted call computes for ``tokens`` real ones in ``rows`` packed rows of
+    C = ``row_tokens``: k x C, k the first of 2, 3, 4, 6, 8, 12, ... (powers of two and 1.5 x
+    powers of two: at most a third padding) that holds them and is at least ``rows`` / 4 (at most
+    five buckets per row bucket); ``rows`` x C (no compaction) where k would reach ``rows``."""
+    need = max(-(-tokens // row_tokens), -(-rows // 4), 2)
+    k = 2
+    while k < need:
+        k = k * 3 // 2 if k & (k - 1) == 0 else k * 4 // 3
+    return min(k, rows) * row_tokens
+
+
+def call_layout(pieces: int, tokens: int, *, row_tokens: int, row_cap: int | None, compaction: bool) -> tuple[int, int]:
+    """``(rows, computed tokens)`` per shard of a call whose fullest shard has ``pieces`` pieces and
+    ``tokens`` real tokens (`rows_bucket`, `tokens_bucket`; without ``compaction``, the rows' tokens)."""
+    rows = rows_bucket(pieces, row_cap)
+    return rows, tokens_bucket(tokens, rows, row_tokens) if compaction else rows * row_tokens
 
 
 def window_pages(reach: int, *, page_size: int, floor: int, table_width: int) -> int:
@@ -125,9 +171,10 @@ def window_pages(reach: int, *, page_size: int, floor: int, table_width: int) ->
 def pack_rows(
     rows: Sequence[PrefillRow], *, num_shards: int, num_slots: int, slots_per_shard: int, pages_per_shard: int,
     page_size: int, row_tokens: int, row_cap: int | None, window: int, max_prefill: int, max_length: int,
-    first_order: int = 0, stop_width: int = STOP_IDS,
+    compaction: bool, first_order: int = 0, stop_width: int = STOP_IDS,
 ) -> PackedRows:
     """Cut the rows into pieces of ``row_tokens`` and lay them out in their shards' blocks of rows;
+    with ``compaction``, also the compact tokens where they are fewer than the rows' (`call_layout`);
     admissions are numbered from ``first_order`` (`PackedRows.adm_order`)."""
     for r in rows:
         n = len(r.tokens)
@@ -140,7 +187,9 @@ def pack_rows(
             )
     C = row_tokens
     pieces = [[(r, at) for r in rows if r.shard == d for at in range(0, len(r.tokens), C)] for d in range(num_shards)]
-    rows_per_shard = rows_bucket(max(len(x) for x in pieces), row_cap)
+    shard_tokens = [sum(len(r.tokens) for r in rows if r.shard == d) for d in range(num_shards)]
+    rows_per_shard, n = call_layout(max(len(x) for x in pieces), max(shard_tokens), row_tokens=C, row_cap=row_cap,
+                                    compaction=compaction)
     R = num_shards * rows_per_shard
     tokens = np.zeros((R, C), np.int32)
     tables = np.full((R, window), TRASH_PAGE, np.int32)
@@ -152,17 +201,22 @@ def pack_rows(
             tokens[i, : len(piece)], starts[i], lengths[i] = piece, r.start + at, len(piece)
             tables[i, : min(len(r.pages), window)] = r.pages[:window]
             last[id(r)] = i
+    if n < rows_per_shard * C:
+        compact, last_token = _compact(tokens, starts, lengths, num_shards, n)
+    else:
+        compact, last_token = None, np.arange(R, dtype=np.int32) * C + lengths - 1  # in the flat [R * C]
     admitted = [(last[id(r)], a) for r in rows for a in r.admissions]  # results in the caller's order
     M = max(num_slots, len(admitted))  # fixed: one compiled shape fewer per prefill call
     out = PackedRows(
         tokens, tables, starts, lengths, *_admission_arrays(M, num_slots, stop_width),
         *_copies(rows, pages_per_shard, num_slots), admitted=[a for _, a in admitted],
-        num_copies=sum(len(r.copies) for r in rows),
+        num_copies=sum(len(r.copies) for r in rows), compact=compact,
     )
     for m, (i, a) in enumerate(admitted):
         if a.slot // slots_per_shard != i // rows_per_shard:
             raise ValueError(f"prefill_insert: slot {a.slot} is not in the shard of its row's pages")
-        out.adm_row[m], out.adm_slot[m], out.adm_key[m], out.adm_generated[m] = i, a.slot, a.key, a.generated
+        out.adm_token[m], out.adm_slot[m], out.adm_key[m] = last_token[i], a.slot, a.key
+        out.adm_generated[m] = a.generated
         out.adm_forced[m], out.adm_length[m] = a.forced_token, starts[i] + lengths[i]
         out.adm_limit[m] = max_length if a.limit is None else min(a.limit, max_length)
         stops = sorted(a.stop_ids)[:stop_width]
@@ -173,22 +227,46 @@ def pack_rows(
     return out
 
 
-def empty_pack(*, rows: int, row_tokens: int, window: int, num_slots: int, stop_width: int = STOP_IDS) -> PackedRows:
+def empty_pack(*, rows: int, row_tokens: int, window: int, num_slots: int, tokens: int | None = None,
+               stop_width: int = STOP_IDS) -> PackedRows:
     """A pack of padding rows only (no admission, padding page copies that copy nothing): the
-    arrays a warm-up call compiles with. Its rows write nothing."""
+    arrays a warm-up call compiles with, compacted to ``tokens`` (all padding) when fewer than the
+    rows'. Its rows write nothing."""
+    compact = None
+    if tokens is not None and tokens < rows * row_tokens:
+        compact = CompactTokens(np.zeros((tokens,), np.int32), np.zeros((tokens,), np.int32),
+                                np.full((tokens,), rows * row_tokens, np.int32))
     return PackedRows(
         np.zeros((rows, row_tokens), np.int32), np.full((rows, window), TRASH_PAGE, np.int32),
         np.zeros((rows,), np.int32), np.zeros((rows,), np.int32), *_admission_arrays(num_slots, num_slots, stop_width),
-        np.zeros((num_slots,), np.int32), np.full((num_slots,), -1, np.int32), admitted=[],
+        np.zeros((num_slots,), np.int32), np.full((num_slots,), -1, np.int32), admitted=[], compact=compact,
     )
 
 
 def _admission_arrays(M: int, num_slots: int, stop_width: int) -> tuple:
-    """`PackedRows`' M admission fields, every one padding (slot S: dropped), from ``adm_row`` to ``sampling``."""
+    """`PackedRows`' M admission fields, every one padding (slot S: dropped), from ``adm_token`` to ``sampling``."""
     zeros = lambda dtype=np.int32: np.zeros((M,), dtype)  # noqa: E731
     return (zeros(), np.full((M,), num_slots, np.int32), np.zeros((M, 2), np.uint32), zeros(),
             np.full((M,), -1, np.int32), zeros(), zeros(), np.full((M, stop_width), -1, np.int32), zeros(),
             (zeros(np.float32), zeros(), np.ones((M,), np.float32)))
+
+
+def _compact(tokens, starts, lengths, num_shards: int, n: int) -> tuple[CompactTokens, np.ndarray]:
+    """Each shard's real tokens of the rows ``tokens [R, C]`` in row order, padded to ``n``; and
+    each row's last token among them (padding rows: unused)."""
+    R, C = tokens.shape
+    per_shard = R // num_shards
+    size = num_shards * n
+    out = CompactTokens(np.zeros((size,), np.int32), np.zeros((size,), np.int32), np.full((size,), R * C, np.int32))
+    last_token = np.zeros((R,), np.int32)
+    for d in range(num_shards):
+        rows = slice(d * per_shard, (d + 1) * per_shard)
+        flat = np.flatnonzero(np.arange(C)[None, :] < lengths[rows, None])  # r * C + c within the shard's rows
+        at = d * n + np.arange(flat.size)
+        out.index[at], out.tokens[at] = flat, tokens[rows].reshape(-1)[flat]
+        out.positions[at] = starts[rows][flat // C] + flat % C
+        last_token[rows] = d * n + np.cumsum(lengths[rows]) - 1
+    return out, last_token
 
 
 def _copies(rows: Sequence[PrefillRow], pages_per_shard: int, size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -221,21 +299,28 @@ def copy_pages(state: DecodeState, copy_src, copy_dst) -> DecodeState:
     return state.replace(cache=state.cache.map(copy))
 
 
-def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, lengths, adm_row, adm_slot, adm_key,
-                        adm_generated, adm_forced, adm_length, adm_limit, adm_stops, adm_order,
+def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, lengths, compact, adm_token, adm_slot,
+                        adm_key, adm_generated, adm_forced, adm_length, adm_limit, adm_stops, adm_order,
                         sampling: SlotSampling, *,
-                        config, dtype, page_size, cache_spec, mesh, attention="xla", truncation=True):
+                        config, dtype, page_size, row_tokens, cache_spec, mesh, attention="xla", truncation=True):
     """Traced body of `Engine.prefill_insert`: write the rows' KV, sample, fill slots (the page
     copies follow in `copy_pages`); ``attention``: `forward`'s ``prefill_attention``;
-    ``truncation``: compile the top-k / top-p sampling path (`sampling.sample`)."""
-    positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
-    hidden, cache = forward(
-        params, tokens, positions, state.cache, starts, config=config, attend_len=tables.shape[1] * page_size,
-        dtype=dtype, page_table=tables, cache_spec=cache_spec, mesh=mesh, write_len=lengths,
-        prefill_attention=attention,
-    )
-    last = jnp.take_along_axis(hidden, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]  # [R, D]
-    logits = next_token_logits(last[adm_row], *params.output_embedding())
+    ``truncation``: compile the top-k / top-p sampling path (`sampling.sample`).
+
+    ``compact``: None, ``tokens`` being the rows ``[R, C]`` (every token of every row computed),
+    or ``(positions [N], token_index [N])`` of `CompactTokens`, ``tokens`` being their ``[N]``
+    tokens. ``adm_token [M]``: each admission's hidden state among the call's, flat (``[R * C]``
+    or ``[N]``)."""
+    kw = dict(config=config, attend_len=tables.shape[1] * page_size, dtype=dtype, page_table=tables,
+              cache_spec=cache_spec, mesh=mesh, write_len=lengths, prefill_attention=attention)
+    if compact is None:
+        positions = starts[:, None] + jnp.arange(row_tokens, dtype=jnp.int32)[None]
+        hidden, cache = forward(params, tokens, positions, state.cache, starts, **kw)
+    else:
+        positions, token_index = compact
+        hidden, cache = forward(params, tokens, positions, state.cache, starts, token_index=token_index,
+                                row_tokens=row_tokens, **kw)
+    logits = next_token_logits(hidden.reshape(-1, hidden.shape[-1])[adm_token], *params.output_embedding())
     sampled, log_prob, truncated = sample(logits, step_keys(adm_key, adm_generated), sampling, truncation=truncation)
     forced = adm_forced >= 0
     first = jnp.where(forced, adm_forced, sampled)

@@ -1,7 +1,8 @@
 """The Driver's prefill path of the `Engine` (the `PagedPrefillAPI` mixin): `prefill_insert`
 writes a tick's new tokens straight into KV pages and fills decode slots in one call, over a
-closed set of compiled shapes (`prefill_shapes`) that `warmup` compiles before a run; the
-packing and the traced bodies are in `paged_prefill`.
+closed set of compiled shapes (`prefill_shapes`: rows, row width, attention window and the
+tokens the dense layers compute) that `warmup` compiles before a run; the packing, the
+compaction and the traced bodies are in `paged_prefill`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -23,6 +24,7 @@ from agentrl_jax.rollout.decode_step import KERNEL_ATTENTION
 from agentrl_jax.rollout.paged_prefill import (
     PackedRows,
     PrefillRow,
+    call_layout,
     copy_pages,
     empty_pack,
     pack_rows,
@@ -36,6 +38,17 @@ from agentrl_jax.rollout.sampling import SlotSampling
 from agentrl_jax.rollout.state import DecodeState, attend_bucket
 
 logger = logging.getLogger(__name__)
+
+
+class PrefillShape(NamedTuple):
+    """One compiled `prefill_insert` program: ``rows`` packed rows of ``row_tokens`` (C), an
+    attention ``window`` in pages, and the ``tokens`` its dense layers compute (all shards; ``rows``
+    x C when the call is not compacted)."""
+
+    rows: int
+    row_tokens: int
+    window: int
+    tokens: int
 
 
 class PagedPrefillAPI:
@@ -73,32 +86,38 @@ class PagedPrefillAPI:
             rows, num_shards=self.num_shards, num_slots=self._slots, slots_per_shard=self._slots_per_shard,
             pages_per_shard=self.memory_plan.pages_per_shard, page_size=self.page_size,
             row_tokens=self.prefill_row_tokens, row_cap=row_cap, window=self._prefill_window(reach),
-            max_prefill=self._max_prefill, max_length=self.max_target_length, first_order=self._admissions,
-            stop_width=self.device_stop_ids,
+            max_prefill=self._max_prefill, max_length=self.max_target_length, compaction=self.prefill_compaction,
+            first_order=self._admissions, stop_width=self.device_stop_ids,
         )
         self._admissions += len(packed.admitted)
         return packed
 
-    def prefill_shape(self, rows: Sequence[PrefillRow], row_cap: int | None = None) -> tuple[int, int, int]:
-        """``(packed rows, row width C, window pages)`` of the `prefill_insert` call for ``rows``."""
-        pieces = [sum(-(-len(r.tokens) // self.prefill_row_tokens) for r in rows if r.shard == d)
-                  for d in range(self.num_shards)]
+    def prefill_shape(self, rows: Sequence[PrefillRow], row_cap: int | None = None) -> PrefillShape:
+        """The `PrefillShape` of the `prefill_insert` call for ``rows``."""
+        C, D = self.prefill_row_tokens, self.num_shards
+        pieces = [sum(-(-len(r.tokens) // C) for r in rows if r.shard == d) for d in range(D)]
+        tokens = [sum(len(r.tokens) for r in rows if r.shard == d) for d in range(D)]
+        per_shard, computed = call_layout(max(pieces), max(tokens), row_tokens=C, row_cap=row_cap,
+                                          compaction=self.prefill_compaction)
         reach = max(r.start + len(r.tokens) for r in rows)
-        return (self.num_shards * rows_bucket(max(pieces), row_cap), self.prefill_row_tokens,
-                self._prefill_window(reach))
+        return PrefillShape(D * per_shard, C, self._prefill_window(reach), D * computed)
 
-    def prefill_shapes(self, token_budget: int) -> list[tuple[int, int, int]]:
-        """Every ``(packed rows, C, window pages)`` a driver with this prefill token budget per tick
-        meets: the closed set `warmup` compiles (rows per shard: powers of two up to budget / C)."""
-        cap = max(token_budget // self.prefill_row_tokens, 1)
-        per_shard = sorted({rows_bucket(n, cap) for n in range(1, cap + 1)})
+    def prefill_shapes(self, token_budget: int) -> list[PrefillShape]:
+        """Every `PrefillShape` a driver with this prefill token budget per tick meets: the closed set
+        `warmup` compiles (rows per shard: powers of two up to budget / C; computed tokens: the
+        buckets of `paged_prefill.tokens_bucket` of each row bucket)."""
+        C = self.prefill_row_tokens
+        cap = max(token_budget // C, 1)
+        layouts = sorted({call_layout(r, t, row_tokens=C, row_cap=cap, compaction=self.prefill_compaction)
+                          for r in {rows_bucket(n, cap) for n in range(1, cap + 1)} for t in range(1, r * C + 1)})
         windows, w = [], self._prefill_window(1)
         while True:
             windows.append(w)
             if w >= self.table_width:
                 break
             w = self._prefill_window(2 * w * self.page_size)
-        return [(self.num_shards * r, self.prefill_row_tokens, w) for r in per_shard for w in windows]
+        D = self.num_shards
+        return [PrefillShape(D * r, C, w, D * n) for r, n in layouts for w in windows]
 
     def _prefill_window(self, reach: int) -> int:
         """Prefill attention window in pages: a power of two from 4 x attend_granule entries up;
@@ -128,24 +147,29 @@ class PagedPrefillAPI:
         the top-k / top-p sampling path (default: when an admission truncates, `SamplingParams.truncates`)."""
         if truncation is None:
             truncation = any(a.sampling.truncates for a in packed.admitted)
-        key = (packed.tokens.shape, packed.tables.shape[1], packed.adm_row.shape[0], truncation)
+        key = (packed.tables.shape, packed.computed_tokens, packed.adm_token.shape[0], truncation)
         if key not in self._paged_prefill_fns:
             step = functools.partial(
                 prefill_insert_step, config=self.config, dtype=self._dtype, page_size=self.page_size,
-                cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh, attention=self.prefill_attention,
-                truncation=truncation,
+                row_tokens=self.prefill_row_tokens, cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh,
+                attention=self.prefill_attention, truncation=truncation,
             )
             self._paged_prefill_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None))
         by_row = NamedSharding(self._mesh, PartitionSpec(self._rows_spec))
         by_row2 = NamedSharding(self._mesh, PartitionSpec(self._rows_spec, None))
+        # compact tokens: D blocks of n, one per shard like the rows
+        compact = packed.compact
+        tokens = (packed.tokens, by_row2) if compact is None else (compact.tokens, by_row)
         with TraceAnnotation("engine/put_rows"):
             placed = jax.device_put(
-                (packed.tokens, packed.tables, packed.starts, packed.lengths), (by_row2, by_row2, by_row, by_row)
+                (tokens[0], packed.tables, packed.starts, packed.lengths,
+                 None if compact is None else (compact.positions, compact.index)),
+                (tokens[1], by_row2, by_row, by_row, None if compact is None else (by_row, by_row)),
             )
         # host arrays go to the jitted call as they are: it transfers them in one go (an eager
         # jnp.asarray per array cost more host time than the transfers)
         return self._paged_prefill_fns[key], (
-            params, decode_state, *placed, packed.adm_row, packed.adm_slot, packed.adm_key, packed.adm_generated,
+            params, decode_state, *placed, packed.adm_token, packed.adm_slot, packed.adm_key, packed.adm_generated,
             packed.adm_forced, packed.adm_length, packed.adm_limit, packed.adm_stops, packed.adm_order,
             SlotSampling(*packed.sampling),
         )
@@ -170,9 +194,9 @@ class PagedPrefillAPI:
             raise RuntimeError("Engine.warmup: slots are live; warm up before the first request")
         started = time.perf_counter()
         variants = (False, True) if truncation else (False,)
-        for (rows, width, window), truncates in itertools.product(self.prefill_shapes(token_budget), variants):
-            packed = empty_pack(rows=rows, row_tokens=width, window=window, num_slots=self._slots,
-                                stop_width=self.device_stop_ids)
+        for shape, truncates in itertools.product(self.prefill_shapes(token_budget), variants):
+            packed = empty_pack(rows=shape.rows, row_tokens=shape.row_tokens, window=shape.window,
+                                num_slots=self._slots, tokens=shape.tokens, stop_width=self.device_stop_ids)
             decode_state, _ = self._run_prefill(params, self._sync(decode_state), packed, truncates)
         steps = 1 if num_steps is None else num_steps
         lengths = [self.table_width * self.page_size] if self.decode_attention in KERNEL_ATTENTION else sorted(

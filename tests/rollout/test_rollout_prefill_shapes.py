@@ -18,6 +18,7 @@ from agentrl_jax.rollout.paged_prefill import (
     rows_bucket,
     window_pages,
 )
+from agentrl_jax.rollout.prefill_api import PrefillShape
 from agentrl_jax.rollout.sampling import SamplingParams, request_key
 from agentrl_jax.sharding import make_mesh
 
@@ -73,13 +74,15 @@ def test_shape_buckets():
 
 
 def test_the_prefill_kernel_needs_one_window(tiny_model):
-    """The pallas prefill reads each row up to its own reach: its shapes are the row buckets at
-    the table's full width, a third of the XLA path's programs here (windows 16, 32, 64 pages)."""
+    """The pallas prefill reads each row up to its own reach: its shapes are the (rows, computed
+    tokens) layouts at the table's full width, a third of the XLA path's programs here (windows
+    16, 32, 64 pages). Rows 1 and 2 compute their rows; 4 rows compact to 2, 3 or 4 rows' worth."""
     kw = dict(page_size=4, max_target_length=256, max_prefill_length=64, prefill_row_tokens=16)
     xla = one_device_engine(tiny_model, prefill_attention="xla", **kw).prefill_shapes(64)
     kernel = one_device_engine(tiny_model, prefill_attention="pallas", **kw).prefill_shapes(64)
-    assert sorted({w for _, _, w in xla}) == [16, 32, 64]
-    assert kernel == [(r, 16, 64) for r in (1, 2, 4)]
+    layouts = [(1, 16), (2, 32), (4, 32), (4, 48), (4, 64)]
+    assert sorted({s.window for s in xla}) == [16, 32, 64] and len(xla) == 3 * len(layouts)
+    assert kernel == [PrefillShape(r, 16, 64, n) for r, n in layouts]
 
 
 @pytest.mark.slow  # ~20 s on 2 CPU cores; pieces are also checked against teacher forcing in test_rollout_paged
