@@ -23,7 +23,10 @@ def label(run: dict) -> str:
     shape = f"{run['turns']} turn{'s' if run['turns'] > 1 else ''} x ~{run['turn_tokens']}"
     if not run.get("length_spread", 0.5):
         shape = shape.replace("~", "")
-    return f"{shape}\n{run['episodes']} in {run['slots']} slots"
+    ends = {"stop": ", stop ids", "length": ""}.get(run.get("ends", "length"), "")
+    lanes = run.get("lanes", run["slots"])
+    where = f"{run['episodes']} in {run['slots']} slots" + (f", {lanes} lanes" if lanes != run["slots"] else "")
+    return f"{shape}{ends}\n{where}"
 
 
 def main() -> None:
