@@ -22,11 +22,11 @@ observation) fills half a row of 64, and a call's rows are rounded up to a power
 So the call is compacted (`CompactTokens`): each shard's real tokens, in row order, padded
 to n = k x C (k on the ladder 2, 3, 4, 6, 8, 12, ... of `tokens_bucket`), go through every
 layer's token-wise work (embedding, norms, projections, RoPE, MLP; `models.decode.forward`'s
-``token_index``), and only the attention and the KV write see the ``[R, C]`` rows. A call
-computes at most a third more than its real tokens and never fewer than two rows' worth
-(at C = 64, 128 tokens: below that a GPU matmul costs about what reading its weights does);
-where n would reach the rows' R x C, it runs the rows as they are. Each row bucket adds at
-most five token buckets to the compiled set.
+``token_index``), and only the attention and the KV write see the ``[R, C]`` rows. Padding
+is at most a third of what a call computes, above a floor of two rows' worth (at C = 64,
+128 tokens: under a few hundred tokens a GPU matmul is bound by reading its weights, so
+fewer save little) and of a quarter of the rows (which bounds the token buckets per row
+bucket to five); where n would reach the rows' R x C, the call runs the rows as they are.
 """
 
 from __future__ import annotations
