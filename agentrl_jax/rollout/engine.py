@@ -119,6 +119,8 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
       prefill_compaction: run the dense layers of a `prefill_insert` call on its real tokens
         only (padded to a bucket), not on every row's C tokens (`paged_prefill`): the same
         results for less compute, at up to five compiled programs per row bucket instead of one.
+        Default: on for GPU and TPU meshes, where a prefill call's cost is its layers' compute;
+        off on CPU, where compiling the extra programs costs more than the compute they save.
       cache_dtype: dtype of the KV cache (default: the model's compute dtype).
       rules: logical-axis rule table (default: `inference_rules()`).
       attend_granule: the "xla" decode attention reads a window of the first W entries of
@@ -163,7 +165,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         max_prefill_length: int = 512,
         min_prefill_bucket: int = 16,
         prefill_row_tokens: int = 64,
-        prefill_compaction: bool = True,
+        prefill_compaction: bool | None = None,
         cache_dtype: Any = None,
         rules: Rules | None = None,
         attend_granule: int = 256,
@@ -183,6 +185,9 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         if compilation_cache_dir:
             use_compilation_cache(compilation_cache_dir)
         self._mesh = mesh if mesh is not None else make_mesh({"data": -1})
+        if prefill_compaction is None:
+            prefill_compaction = all(d.platform in ("gpu", "tpu") for d in self._mesh.devices.flat)
+        self.prefill_compaction = prefill_compaction
         decode_attention = choose_decode_attention(decode_attention, model, self._mesh, page_size, cache_dtype)
         self.prefill_attention = choose_prefill_attention(prefill_attention, model, self._mesh, page_size)
         self.config = model.config
@@ -198,7 +203,6 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         self._max_prefill = max_prefill_length
         self._min_bucket = min(min_prefill_bucket, max_prefill_length)
         self.prefill_row_tokens = min(prefill_row_tokens, max_prefill_length)
-        self.prefill_compaction = prefill_compaction
         self.cache_dtype = cache_dtype if cache_dtype is not None else model.dtype
         # the pool's pages are split over the data axes exactly like the slots
         self._rows_spec = logical_to_spec(("slots",), self._rules, shape=(self._slots,), mesh=self._mesh)[0]

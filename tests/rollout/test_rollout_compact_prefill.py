@@ -23,7 +23,8 @@ from agentrl_jax.sharding import make_mesh
 pytestmark = pytest.mark.gpu  # also run on a CUDA GPU: see the `gpu` marker in pyproject.toml
 
 KW = {**ENGINE_KW, "max_concurrent_decodes": 32, "max_target_length": 128, "max_prefill_length": 64,
-      "prefill_row_tokens": 16, "page_size": 5}  # pages of 5: no row's reach is a whole number of pages
+      "prefill_row_tokens": 16, "page_size": 5,  # pages of 5: no row's reach is a whole number of pages
+      "prefill_compaction": True}  # (the default on GPU and TPU meshes only)
 
 
 def test_tokens_bucket_hand_values():
@@ -35,6 +36,13 @@ def test_tokens_bucket_hand_values():
     assert [tokens_bucket(t, 2, C) // C for t in (1, 128)] == [2, 2]  # two rows: computed as they are
     assert tokens_bucket(100, 12, 10) == 120  # a row cap of 12: 3, 4, 6, 8, then the 12 rows themselves
     assert tokens_bucket(81, 12, 10) == 120 and tokens_bucket(80, 12, 10) == 80
+
+
+def test_compaction_is_on_by_default_on_accelerators_only(tiny_model):
+    """Off on a CPU mesh (compiling the extra programs costs more than the compute they save there)."""
+    assert not Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), **ENGINE_KW).prefill_compaction
+    assert Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), prefill_compaction=True,
+                  **ENGINE_KW).prefill_compaction
 
 
 def test_shape_counts_of_the_default_and_the_benchmark_engines(tiny_model):
@@ -115,7 +123,7 @@ def test_compacted_prefill_equals_the_rows(tiny_model, mesh_shape, prefill_atten
     mesh = make_mesh(mesh_shape, jax.devices()[:size])
     kw = {**KW, "prefill_attention": prefill_attention}
     on = run_calls(Engine(tiny_model, mesh=mesh, **kw), tiny_model)
-    off = run_calls(Engine(tiny_model, mesh=mesh, prefill_compaction=False, **kw), tiny_model)
+    off = run_calls(Engine(tiny_model, mesh=mesh, **{**kw, "prefill_compaction": False}), tiny_model)
     for (tokens, logprobs, pools, shape), (want_tokens, want_logprobs, want_pools, rows_shape) in zip(
             on, off, strict=True):
         assert shape.tokens < shape.rows * shape.row_tokens == rows_shape.tokens  # compacted
@@ -152,7 +160,7 @@ def test_compacted_program_moves_nothing_between_data_shards(tiny_model):
     gather back run inside each shard."""
     programs = {}
     for compaction in (False, True):
-        engine = Engine(tiny_model, mesh=make_mesh({"data": 4, "tensor": 2}), prefill_compaction=compaction, **KW)
+        engine = Engine(tiny_model, mesh=make_mesh({"data": 4, "tensor": 2}), **{**KW, "prefill_compaction": compaction})
         params, state = engine.load_params(tiny_model), engine.init_decode_state()
         shape = min((s for s in engine.prefill_shapes(256) if s.rows == 16), key=lambda s: s.tokens)
         packed = empty_pack(rows=shape.rows, row_tokens=shape.row_tokens, window=shape.window,

@@ -77,7 +77,7 @@ def test_the_prefill_kernel_needs_one_window(tiny_model):
     """The pallas prefill reads each row up to its own reach: its shapes are the (rows, computed
     tokens) layouts at the table's full width, a third of the XLA path's programs here (windows
     16, 32, 64 pages). Rows 1 and 2 compute their rows; 4 rows compact to 2, 3 or 4 rows' worth."""
-    kw = dict(page_size=4, max_target_length=256, max_prefill_length=64, prefill_row_tokens=16)
+    kw = dict(page_size=4, max_target_length=256, max_prefill_length=64, prefill_row_tokens=16, prefill_compaction=True)
     xla = one_device_engine(tiny_model, prefill_attention="xla", **kw).prefill_shapes(64)
     kernel = one_device_engine(tiny_model, prefill_attention="pallas", **kw).prefill_shapes(64)
     layouts = [(1, 16), (2, 32), (4, 32), (4, 48), (4, 64)]
