@@ -162,7 +162,7 @@ class Dispatcher:
                 sched.reserve_pages(lambda track: self._finish(track, "capacity", None, resolved))
             rows, admitted = [], []
             if sched.waiting and not (update is not None and not update_done):
-                rows, admitted = sched.plan_prefill(resolved)
+                rows, admitted = sched.plan_prefill(resolved, pages_pending=bool(self.retired))
         if rows:
             with TraceAnnotation("rollout/prefill_call"):
                 self.state, first = self.engine.prefill_insert(self.params, self.state, rows, row_cap=self.row_cap)

@@ -173,8 +173,11 @@ class Scheduler:
         return (samples <= self.engine.max_concurrent_decodes // self.engine.num_shards
                 and self.pages_needed(pending, samples) <= self.engine.pages.usable_pages)
 
-    def plan_prefill(self, resolved: list) -> tuple[list[PrefillRow], list[Sequence]]:
-        """This tick's prefill rows under the token budget, and the sequences they admit to slots."""
+    def plan_prefill(self, resolved: list, *, pages_pending: bool = False) -> tuple[list[PrefillRow], list[Sequence]]:
+        """This tick's prefill rows under the token budget, and the sequences they admit to slots.
+
+        ``pages_pending``: turns retired this tick still hold their pages until the dispatch in
+        flight is read (later in the tick), so nothing planned now is stuck for good (`unblock`)."""
         engine, P, C = self.engine, self.engine.page_size, self.engine.prefill_row_tokens
         budget = self.budget
         free_slots = {d: [s for s in engine.shard_slots(d) if s not in self.slots] for d in range(engine.num_shards)}
@@ -231,7 +234,7 @@ class Scheduler:
             self.waiting.remove(pending)
         for offer in offers:  # after the lookups: this tick's pages are written by this tick's call
             self.cache.insert(*offer)
-        if not rows and not self.slots:
+        if not rows and not self.slots and not pages_pending:
             self.unblock(resolved)
         return rows, admitted
 

@@ -278,3 +278,26 @@ def test_a_next_turn_sent_at_once_is_prefilled_in_the_next_tick(tiny_model):
                   if kind == "prefill" and any(r[1:] == observation for r in rows))
     assert calls[0][0] == "prefill" and sum(kind == "generate" for kind, _ in calls[:second]) == 2
 
+
+
+def test_a_turn_waiting_for_the_pages_of_a_retired_turn_is_not_failed(tiny_model):
+    """One slot, a pool of 10 pages of 4 tokens. Session B's next turn waits for the slot while A's
+    turn decodes; A's length limit falls in the dispatch in flight, so its slot is retired before
+    that dispatch is read, and for one tick A's pages are held by nobody the scheduler may evict.
+    B's turn must wait that tick (then A's idle session is evicted), not fail as if it could never
+    fit: with nothing else decoding, the driver used to give up on the first waiting sequence."""
+    engine = Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]),
+                    **{**ENGINE_KW, "max_concurrent_decodes": 1, "page_size": 4, "num_pages": 10})
+
+    async def run(driver):
+        b, a = driver.session(), driver.session()
+        await driver.generate(list(range(1, 13)), GREEDY, max_new_tokens=4, session=b)  # B holds 16 tokens
+        first_a = asyncio.ensure_future(driver.generate(list(range(20, 32)), GREEDY, max_new_tokens=8, session=a))
+        await asyncio.sleep(0)  # A is admitted first and takes the slot
+        second_b = await driver.generate(list(range(40, 48)), GREEDY, max_new_tokens=4, session=b)
+        return await first_a, second_b, driver.evictions
+
+    first_a, second_b, evictions = drive(engine, tiny_model, run)
+    assert first_a.finish_reason == "length" and len(first_a.token_ids) == 8
+    assert second_b.finish_reason == "length" and len(second_b.token_ids) == 4
+    assert evictions >= 1  # B's turn took A's idle session's pages
