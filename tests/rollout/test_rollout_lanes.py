@@ -177,6 +177,7 @@ def test_lanes_decode_exactly_what_a_lane_per_slot_decodes(tiny_model, seed):
     assert stats["kept_token_fraction"] > 0.9 and stats["slot_occupancy"] > 0.5
 
 
+@pytest.mark.slow  # ~30 s on 2 CPU cores; the e2e two-step run (tests/e2e) rolls out with lanes on a sharded engine
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_sharded_lanes_equal_a_single_device(tiny_model):
     """Slots and lanes split over data=2 (each shard's lanes take its own slots), kv heads over
