@@ -101,22 +101,23 @@ def test_a_stopped_slot_hands_its_lane_to_the_ready_slot_at_the_next_step(tiny_m
 
 
 def test_a_sampled_stop_id_frees_the_lane_on_the_device(tiny_model):
-    """A's own sampled token at step 1 is made its stop id: it stops there and C decodes from step 2."""
+    """A's first decoded token that it had not sampled before is made its stop id: A stops at that
+    step (its token kept) and C decodes from the next."""
     prompts = [[3, 17, 42, 8], [9, 8, 7], [5, 6, 7, 8, 9]]
     probe = one_device_engine(tiny_model, max_concurrent_decodes=3, decode_batch=3)
     params = probe.load_params(tiny_model)
-    state, _ = admit(probe, params, probe.init_decode_state(), prompts, [20, 20, 20])
-    _, result = probe.generate(params, state, num_steps=4)
-    tokens = np.asarray(result.tokens)
-    stop = int(tokens[1, 0])
-    if stop in tokens[:1, 0]:
-        pytest.skip("the tiny model sampled A's stop token twice; pick other prompts")
+    state, first = admit(probe, params, probe.init_decode_state(), prompts, [20, 20, 20])
+    _, result = probe.generate(params, state, num_steps=6)
+    sampled = [first[0], *np.asarray(result.tokens)[:, 0].tolist()]
+    at = next(j for j in range(1, 6) if sampled[j + 1] not in sampled[: j + 1])  # decode step of A's stop
+    stop = sampled[at + 1]
     engine = one_device_engine(tiny_model, max_concurrent_decodes=3, decode_batch=2)
     state, _ = admit(engine, params, engine.init_decode_state(), prompts, [20, 20, 20], stop_ids=((stop,), (), ()))
-    _, result = engine.generate(params, state, num_steps=4)
+    _, result = engine.generate(params, state, num_steps=6)
     valid = np.asarray(result.valid)
-    assert valid[:, 0].tolist() == [1, 1, 0, 0] and int(np.asarray(result.tokens)[1, 0]) == stop
-    assert valid[:, 2].tolist() == [0, 0, 1, 1]
+    assert valid[:, 0].tolist() == [1] * (at + 1) + [0] * (5 - at)
+    assert int(np.asarray(result.tokens)[at, 0]) == stop
+    assert valid[:, 2].tolist() == [0] * (at + 1) + [1] * (5 - at)
 
 
 def drive(engine, model, coro_fn, steps=4):
