@@ -22,6 +22,11 @@ prefills only [last sampled token] + observation into the session's own pages. A
 waiting on a tool holds its pages until it continues or `close()`s; under memory pressure
 its pages are evicted and its next turn re-prefills its history.
 
+Decode lanes (`Engine(decode_batch=B)`, B below the slot count): the slots beyond B hold
+admitted sequences ready, and the device hands a lane whose sequence stops (a stop id, its
+length limit) to one of them at the next step, so a turn that ends mid-dispatch idles no
+lane while the host has yet to read the stop (docs/architecture.md, "Decode lanes").
+
 Weight updates (`update_params`): the new params are placed in the engine's sharding and
 dtype, then swapped in between two dispatches. By default in-flight requests continue
 on the new weights and every token records the version that sampled it
