@@ -15,7 +15,10 @@ then JAX's own Pallas kernel (`jax.experimental.pallas.ops.gpu.decode_attention.
 ran before). Candidate: `agentrl_jax.models.decode_attention.decode_attention`, which
 does both in one kernel. Each timing runs the op `--reps` times inside one jitted loop
 (the buffers donated and carried, as the engine's 28 layers do), median of `--trials`.
-GB/s counts the K and V bytes a step must read: ``B * KV * context * K * 2 * 2``.
+GB/s counts the K and V bytes a step must read: ``B * KV * context * K * 2 * 2`` (with
+``--ragged s`` the rows' lengths are drawn from context x [1 - s, 1 + s], a rollout's mix,
+and the bytes summed over rows; ``--min-programs 512,1024`` times the default setting with
+each row's entries split into more chunks, which balances ragged rows over the SMs).
 
 With ``--page-size P`` the candidate reads a pool of pages ``[N, KV, P, K]`` through a
 shuffled page table (the same entries as the dense buffers, so the same reference); the
@@ -44,6 +47,11 @@ from agentrl_jax.models.decode import kernel_chunks  # noqa: E402
 from bench.decode import hbm_bandwidth  # noqa: E402
 
 
+def _divisor_chunks(programs: int, blocks: int, min_programs: int) -> int:
+    """k_splits for JAX's `mqa` (which splits the whole buffer evenly: a divisor of its blocks)."""
+    return next((n for n in range(1, blocks + 1) if blocks % n == 0 and programs * n >= min_programs), blocks)
+
+
 def baseline_step(qkv, positions, k_cache, v_cache, *, block_k=64, min_programs=512):
     """The engine's path before the fused kernel: slice q/k/v, scatter, then JAX's Pallas `mqa`."""
     from jax.experimental.pallas.ops.gpu import decode_attention as jax_kernel
@@ -57,7 +65,7 @@ def baseline_step(qkv, positions, k_cache, v_cache, *, block_k=64, min_programs=
     out = jax_kernel.mqa(
         q.reshape(B * KV, G, K), k_cache.reshape(B * KV, S, K), v_cache.reshape(B * KV, S, K),
         kv_seq_len=jnp.repeat(positions + 1, KV), block_k=block_k,
-        k_splits=kernel_chunks(B * KV, S // block_k, min_programs), num_warps=4, num_stages=2,
+        k_splits=_divisor_chunks(B * KV, S // block_k, min_programs), num_warps=4, num_stages=2,
         interpret=jax.default_backend() != "gpu",
     )
     return out.reshape(B, KV, G, K), k_cache, v_cache
@@ -138,11 +146,20 @@ def _reference(qkv, positions, k_cache, v_cache) -> np.ndarray:
     return np.asarray(out[:, 0])
 
 
-def make_inputs(batch, kv, g, s, k, context, dtype, seed=0):
+def make_inputs(batch, kv, g, s, k, context, dtype, seed=0, ragged=0.0):
+    """Random q/k/v and caches; every row at ``context`` filled entries, or with ``ragged`` s > 0 each
+    row's drawn uniformly from context x [1 - s, 1 + s] (a rollout's mix of lengths, the same mean)."""
     keys = jax.random.split(jax.random.key(seed), 3)
     qkv = jax.random.normal(keys[0], (batch, kv, g + 2, k), dtype)
     k_cache, v_cache = (jax.random.normal(key, (batch, kv, s, k), dtype) for key in keys[1:])
-    positions = jnp.full((batch,), context - 1, jnp.int32)
+    if ragged:
+        low, high = round(context * (1 - ragged)), round(context * (1 + ragged))
+        if high > s:
+            raise SystemExit(f"--ragged {ragged}: rows up to {high} entries do not fit --cache {s}")
+        lengths = np.random.default_rng(seed).integers(max(low, 1), high + 1, batch)
+        positions = jnp.asarray(lengths - 1, jnp.int32)
+    else:
+        positions = jnp.full((batch,), context - 1, jnp.int32)
     return qkv, positions, k_cache, v_cache
 
 
@@ -158,6 +175,10 @@ def main(argv=None) -> None:
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--sweep", action="store_true", help="every method/block/warps/stages/chunking setting")
     parser.add_argument("--page-size", type=int, default=0, help="read a paged pool of this page size (0: dense)")
+    parser.add_argument("--ragged", type=float, default=0.0,
+                        help="rows of ragged lengths: each drawn from context x [1 - s, 1 + s] (0: all at --context)")
+    parser.add_argument("--min-programs", default="",
+                        help="comma list: the default setting at each of these min_programs (row chunking) values")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
@@ -169,6 +190,7 @@ def main(argv=None) -> None:
     bandwidth = hbm_bandwidth(device)
     print(f"device: {device}; HBM {bandwidth / 1e12 if bandwidth else '?'} TB/s; jax {jax.__version__}; "
           f"KV={args.kv_heads} G={args.group} K={args.head_dim} S={args.cache} context={args.context} {dtype.__name__}"
+          f"{f'; ragged rows, context x [1 - {args.ragged}, 1 + {args.ragged}]' if args.ragged else ''}"
           f"{f'; pages of {args.page_size}' if args.page_size else ''}")
     from agentrl_jax.models import decode as decode_module
 
@@ -177,14 +199,18 @@ def main(argv=None) -> None:
     if args.page_size:
         default["block_k"] = decode_module.kernel_block(args.cache, args.page_size)
     settings = sweep_settings(args.page_size) if args.sweep else [default]
+    if args.min_programs:
+        settings = [dict(default, min_programs=int(m)) for m in args.min_programs.split(",")]
     if args.tiny:  # a smoke run checks the plumbing, not the speed
         settings = settings[:2]
     rows = []
     print("| batch | impl | setting | us/call | GB/s | % HBM | vs baseline | max abs diff to f32 XLA |")
     print("|---|---|---|---|---|---|---|---|")
     for batch in (int(b) for b in args.batches.split(",")):
-        inputs = make_inputs(batch, args.kv_heads, args.group, args.cache, args.head_dim, args.context, dtype)
-        kv_bytes = batch * args.kv_heads * args.context * args.head_dim * 2 * jnp.dtype(dtype).itemsize
+        inputs = make_inputs(batch, args.kv_heads, args.group, args.cache, args.head_dim, args.context, dtype,
+                             ragged=args.ragged)
+        filled = int(np.sum(np.asarray(inputs[1]) + 1))  # entries attended, the new one included
+        kv_bytes = args.kv_heads * filled * args.head_dim * 2 * jnp.dtype(dtype).itemsize
         copy = functools.partial(jax.tree.map, functools.partial(jnp.array, copy=True), inputs)  # the loop donates
         ref = _reference(*inputs)
         base_s, base_out = time_op(baseline_step, copy(), args.reps, args.trials)

@@ -29,8 +29,11 @@ length, hands its lane to one of them on the device at the next step.
 
 Reported: sampled tokens / wall time of the timed pass, and the raw decode rate of the
 same engine at the same concurrency (every lane's slot filled, a lane per slot, `steps_per_dispatch`-step
-dispatches at the workload's mean context, each dispatch queued before the previous one is read), and their
-ratio; plus preemptions, evictions and shared prefills. Where the ratio goes (`Driver.stats`
+dispatches from a `--prompt`-token prompt for turns x turn_tokens steps, each dispatch queued before the
+previous one is read; with `--lanes` an engine without lanes, so with the kernel's default chunking for
+equal lengths), and their ratio; the mean context a sampled token attended over in the workload
+(`mean_decode_context`: longer than the baseline's, `raw_mean_decode_context`, by the observations
+and the ragged turns); plus preemptions, evictions and shared prefills. Where the ratio goes (`Driver.stats`
 over the timed pass): `slot_occupancy` (lane-steps that advanced a sequence, of all
 dispatched; free lanes at the end of the pass, when the longest episodes finish alone, and
 lanes between turns lower it), `kept_token_fraction` (of those, tokens kept; the rest came after
@@ -84,7 +87,7 @@ async def _rollout(driver, args, vocab: int, seed: int) -> dict:
 
     async def episode(prompt: list[int], index: int) -> int:
         session = driver.session()
-        sampled, pending = 0, prompt
+        sampled, pending, context = 0, prompt, 0
         try:
             for _ in range(args.turns):
                 length = high if stops else int(rng.integers(low, high + 1))
@@ -92,7 +95,12 @@ async def _rollout(driver, args, vocab: int, seed: int) -> dict:
                     pending, SamplingParams(temperature=1.0, seed=seed * 100_003 + index), max_new_tokens=length,
                     session=session, stop_token_ids=stops,
                 )
-                sampled += len(completion.token_ids)
+                n = len(completion.token_ids)
+                context += len(pending)
+                attended[0] += n * context + n * (n - 1) // 2  # the new tokens' contexts: context, ..., context + n - 1
+                attended[1] += n
+                context += n
+                sampled += n
                 await asyncio.sleep(args.tool_latency)
                 pending = rng.integers(0, vocab, args.observation).tolist()
         finally:
@@ -103,6 +111,7 @@ async def _rollout(driver, args, vocab: int, seed: int) -> dict:
     header = np.random.default_rng(0).integers(0, vocab, args.header).tolist()  # the same in every pass
     prompts = [header + rng.integers(0, vocab, args.prompt).tolist() for _ in range(args.groups)]
     peak = {"pages": 0, "slots": 0, "unfinished": args.groups * args.group_size}
+    attended = [0, 0]  # sum over sampled tokens of the entries they attended over; sampled tokens
     sampling = asyncio.ensure_future(_sample_peaks(driver, peak))
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(episode(prompts[i // args.group_size], i)
@@ -110,7 +119,8 @@ async def _rollout(driver, args, vocab: int, seed: int) -> dict:
     seconds = time.perf_counter() - t0
     sampling.cancel()
     page_tokens = driver.engine.page_size
-    return {"sampled_tokens": sum(counts), "seconds": seconds, "peak_kv_held_tokens": peak["pages"] * page_tokens,
+    return {"sampled_tokens": sum(counts), "seconds": seconds,
+            "mean_decode_context": round(attended[0] / max(attended[1], 1)), "peak_kv_held_tokens": peak["pages"] * page_tokens,
             "peak_decoding_sequences": peak["slots"], **_steady(peak, "steady"), **_steady(peak, "full_pool")}
 
 
@@ -239,12 +249,16 @@ def _padded_tokens(engine, rows, row_cap) -> tuple[int, int]:
     return (engine.num_shards * per_shard * T,) * 2
 
 
-def _raw_decode(engine, params, args, vocab: int) -> float:
+def _raw_decode(engine, params, args, vocab: int, trace_dir: str | None = None) -> float:
     """Tokens/s of `engine.generate` with every slot holding a `--prompt`-token prompt (the
     driver's decode loop without prefills, tools or stop checks). Each dispatch is queued
     before the previous one's results are read, as the driver does, so the device does not
     wait for the host between dispatches (reading every result before the next dispatch,
-    as this loop did until the ninth session, made the baseline a few percent slower)."""
+    as this loop did until the ninth session, made the baseline a few percent slower).
+    ``trace_dir``: the timed pass runs under `jax.profiler.trace` (the per-program device time
+    is then written to trace_dir/programs.json)."""
+    import contextlib
+
     import jax
     import numpy as np
 
@@ -255,19 +269,28 @@ def _raw_decode(engine, params, args, vocab: int) -> float:
     prefix, _ = engine.prefill(params=params, padded_tokens=tokens, true_length=tokens.size,
                                sampler=SamplingParams(temperature=1.0, seed=0), num_samples=samples)
     dispatches = max(args.turns * args.turn_tokens // args.steps_per_dispatch, 2)
-    for _ in range(2):  # the first pass compiles
+    for timed in (False, True):  # the first pass compiles
         state = engine.init_decode_state()
         state = _fill(engine, prefix, state, samples)
         jax.block_until_ready(state)
-        t0, previous = time.perf_counter(), None
-        for _ in range(dispatches):
-            state, result = engine.generate(params, state, num_steps=args.steps_per_dispatch)
-            result.copy_to_host_async()
-            if previous is not None:
-                previous.convert_to_numpy()
-            previous = result
-        previous.convert_to_numpy()
-        seconds = time.perf_counter() - t0
+        traced = jax.profiler.trace(trace_dir) if timed and trace_dir else contextlib.nullcontext()
+        with traced:
+            t0, previous = time.perf_counter(), None
+            for _ in range(dispatches):
+                state, result = engine.generate(params, state, num_steps=args.steps_per_dispatch)
+                result.copy_to_host_async()
+                if previous is not None:
+                    previous.convert_to_numpy()
+                previous = result
+            previous.convert_to_numpy()
+            seconds = time.perf_counter() - t0
+    if trace_dir:
+        import timeline
+
+        by_program = {}
+        timeline.load(trace_dir, by_program)
+        with open(os.path.join(trace_dir, "programs.json"), "w") as f:
+            json.dump({"dispatches": dispatches, **timeline.programs(by_program)}, f, indent=1)
     return engine.decode_batch * dispatches * args.steps_per_dispatch / seconds
 
 
@@ -299,17 +322,23 @@ async def _profiled(driver, args, vocab: int, seed: int) -> dict:
     import jax
 
     trace_dir = os.path.join(args.profile, "trace")
+    before = driver.stats()
     with jax.profiler.trace(trace_dir):
         result = await _rollout(driver, args, vocab, seed=seed)
+    after = driver.stats()
     summary = _timeline(trace_dir, os.path.join(args.profile, "timeline.json"))
     return {"profile_wall_s": round(result["seconds"], 2),
-            **{f"profile_{k}": v for k, v in summary.items() if k != "largest_gaps"}}
+            "profile_decode_dispatches": after["decode_dispatches"] - before["decode_dispatches"],
+            **{f"profile_{k}": v for k, v in summary.items() if k not in ("largest_gaps", "device_ms_by_program")},
+            "profile_device_ms_by_program": {k: v["ms"] for k, v in summary["device_ms_by_program"].items()}}
 
 
 def _timeline(trace_dir: str, out: str) -> dict:
     import timeline
 
-    summary = timeline.summarize(*timeline.load(trace_dir))
+    by_program = {}
+    summary = timeline.summarize(*timeline.load(trace_dir, by_program))
+    summary["device_ms_by_program"] = timeline.programs(by_program)
     with open(out, "w") as f:
         json.dump(summary, f, indent=1)
     return summary
@@ -352,6 +381,11 @@ def main(argv=None) -> None:
     parser.add_argument("--steps-per-dispatch", type=int, default=16)
     parser.add_argument("--page-size", type=int, default=32)
     parser.add_argument("--row-tokens", type=int, default=64, help="Engine(prefill_row_tokens=): prefill piece width")
+    parser.add_argument("--kernel", default="",
+                        help="override the Pallas decode kernel's settings, e.g. min_programs=1024 (as bench/decode.py)")
+    parser.add_argument("--kernel-programs", type=int, default=0,
+                        help="Engine(decode_kernel_programs=N) for the rollout's engine (0: its default, 1024 with "
+                             "--lanes, else 512); the raw baseline keeps its default")
     parser.add_argument("--no-compaction", action="store_true",
                         help="Engine(prefill_compaction=False): the prefill's dense layers run on every row's tokens")
     parser.add_argument("--header", type=int, default=0,
@@ -379,6 +413,10 @@ def main(argv=None) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: a < 1 min smoke run")
     parser.add_argument("--json", help="also write the result to this JSON file")
     args = parser.parse_args(argv)
+    if args.kernel:
+        from decode import _set_kernel
+
+        _set_kernel(args.kernel)
     if not 0 <= args.length_spread < 1:
         parser.error(f"--length-spread={args.length_spread} must be in [0, 1)")
     if args.no_untimed and not (args.warmup and args.timed_passes > 0):
@@ -412,7 +450,8 @@ def main(argv=None) -> None:
                      prefill_row_tokens=args.row_tokens,
                      **({"prefill_compaction": False} if args.no_compaction else {}))  # (older trees: no such argument)
     engine = Engine(model, max_concurrent_decodes=slots, decode_batch=lanes,
-                    device_stop_ids=max(len(_stop_ids(args, vocab)), 1), **engine_kw)
+                    device_stop_ids=max(len(_stop_ids(args, vocab)), 1),
+                    decode_kernel_programs=args.kernel_programs or None, **engine_kw)
 
     async def run():
         async with Driver(engine, model, steps_per_dispatch=args.steps_per_dispatch,
@@ -448,7 +487,8 @@ def main(argv=None) -> None:
     timed = passes[-1]
     # the baseline: every lane's slot filled, a lane per slot (the plain step), after the driver freed its pool
     raw_engine = engine if lanes == slots else Engine(model, max_concurrent_decodes=lanes, **engine_kw)
-    raw = None if args.no_raw else _raw_decode(raw_engine, raw_engine.load_params(model), args, vocab)
+    raw = None if args.no_raw else _raw_decode(raw_engine, raw_engine.load_params(model), args, vocab,
+                                               trace_dir=args.profile and os.path.join(args.profile, "raw_trace"))
     # what the lane step's gathers cost: the driver's engine decoding every lane, no slot waiting
     raw_lanes = None if args.no_raw or raw_engine is engine else _raw_decode(engine, engine.load_params(model),
                                                                                args, vocab)
@@ -456,7 +496,7 @@ def main(argv=None) -> None:
     # the ratio if every dispatched decode step ran at raw-decode speed: what the slot-steps were used for
     bound = counters["slot_occupancy"] * counters["kept_token_fraction"]
     row = {
-        "device": jax.devices()[0].device_kind, "size": args.size, "episodes": episodes, "slots": slots, "lanes": lanes,
+        "device": jax.devices()[0].device_kind, "size": args.size, "episodes": episodes, "slots": slots, "lanes": lanes, "kernel": args.kernel or "default", "kernel_programs": engine.decode_kernel_programs,
         "turns": args.turns, "ends": args.ends, "length_spread": args.length_spread,
         "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size, "row_tokens": engine.prefill_row_tokens,
         "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": raw and round(raw),
@@ -469,7 +509,9 @@ def main(argv=None) -> None:
         "step_efficiency": raw and round(rate / raw / max(bound, 1e-9), 3),
         "header": args.header, "prefix_cache": args.prefix_cache, "max_target_length": engine.max_target_length,
         "warmup_s": round(warm["seconds"], 1), "timed_s": round(timed["seconds"], 2),
-        "sampled_tokens": timed["sampled_tokens"], "peak_kv_held_tokens": timed["peak_kv_held_tokens"],
+        "sampled_tokens": timed["sampled_tokens"], "mean_decode_context": timed["mean_decode_context"],
+        "raw_mean_decode_context": args.header + args.prompt + max(args.turns * args.turn_tokens // args.steps_per_dispatch, 2) * args.steps_per_dispatch // 2,
+        "peak_kv_held_tokens": timed["peak_kv_held_tokens"],
         "peak_decoding_sequences": timed["peak_decoding_sequences"], **counters,
         "compiled_prefill_shapes": len(engine._paged_prefill_fns), "compiled_decode_shapes": len(engine._generate_fns),
         "memory_plan": engine.memory_plan.describe(),

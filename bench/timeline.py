@@ -29,8 +29,20 @@ PHASES = ("prepare", "prefill_call", "decode_call", "copy_async", "wait", "accep
 GAP_BUCKETS_MS = (0.1, 1.0, 5.0)  # idle gaps under 0.1 ms, 0.1-1 ms, 1-5 ms, over 5 ms
 
 
-def load(trace_dir: str) -> tuple[list[tuple[int, int]], int, dict[str, list[tuple[int, int]]]]:
-    """(device kernel intervals, memcpy ns, {annotation: host intervals}) of the newest trace."""
+def _module(event) -> str:
+    """The XLA program a device event belongs to (its ``hlo_module`` stat), or "?"."""
+    try:
+        stats = dict(event.stats)
+    except Exception:  # noqa: BLE001 - older ProfileData without stats
+        return "?"
+    return str(stats.get("hlo_module") or stats.get("hlo_module_name") or "?")
+
+
+def load(trace_dir: str, by_program: dict | None = None) -> tuple[list[tuple[int, int]], int, dict[str, list[tuple[int, int]]]]:
+    """(device kernel intervals, memcpy ns, {annotation: host intervals}) of the newest trace.
+
+    ``by_program``, when given, is filled with {program: {"ns": kernel ns, "kernels": {kernel name:
+    [count, ns]}}}: where the device's busy time went, per jitted program and kernel."""
     from jax.profiler import ProfileData
 
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
@@ -47,6 +59,12 @@ def load(trace_dir: str) -> tuple[list[tuple[int, int]], int, dict[str, list[tup
                         memcpy_ns += event.duration_ns
                     else:
                         kernels.append((int(event.start_ns), int(event.end_ns)))
+                        if by_program is not None:
+                            program = by_program.setdefault(_module(event), {"ns": 0, "kernels": {}})
+                            program["ns"] += event.duration_ns
+                            kernel = program["kernels"].setdefault(event.name, [0, 0])
+                            kernel[0] += 1
+                            kernel[1] += event.duration_ns
         elif plane.name.startswith("/host:CPU"):
             for line in plane.lines:
                 for event in line.events:
@@ -117,3 +135,13 @@ def summarize(kernels, memcpy_ns: int, host: dict, top: int = 8) -> dict:
                            for name, iv in host.items() if name.startswith("engine/")},
         "largest_gaps": [{"ms": round(ns / 1e6, 2), "host_ms": inside} for ns, inside in largest[:top]],
     }
+
+
+def programs(by_program: dict, top: int = 12) -> dict:
+    """`load`'s per-program kernel time as ms, largest first, each with its ``top`` kernels."""
+    out = {}
+    for name, p in sorted(by_program.items(), key=lambda kv: -kv[1]["ns"]):
+        kernels = sorted(p["kernels"].items(), key=lambda kv: -kv[1][1])[:top]
+        out[name] = {"ms": round(p["ns"] / 1e6, 1),
+                     "kernels": {k[:80]: {"count": c, "ms": round(ns / 1e6, 2)} for k, (c, ns) in kernels}}
+    return out

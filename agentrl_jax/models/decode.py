@@ -222,6 +222,7 @@ def forward(
     prefill_attention: str = "xla",
     token_index: jax.Array | None = None,
     row_tokens: int | None = None,
+    kernel_programs: int | None = None,
 ) -> tuple[jax.Array, LayerCache]:
     """Final hidden states of ``[B, T]`` new tokens and the cache with their keys/values.
 
@@ -246,6 +247,9 @@ def forward(
       page_table: ``[B, T]`` int32 local page ids: the cache buffers are then pools of pages
         ``[N, KV, P, K]`` and row b's entry t lives at entry ``t % P`` of page
         ``page_table[b, t // P]`` (`paged_xla_attend_and_write`); ``attend_len <= T * P``.
+      kernel_programs: with the "pallas" attention, the fewest (row, kv head, chunk) programs
+        the kernel runs per shard: each row's entries are split into chunks to reach it
+        (`kernel_chunks`; default `PALLAS_MIN_PROGRAMS`).
       write_len: ``[B]`` int32, with a page table: row b's real tokens; the keys/values of its
         padding tokens (``t >= write_len[b]``) are not written anywhere, and the real ones,
         which the caller guarantees land on distinct entries, are scattered as unique indices.
@@ -313,7 +317,8 @@ def forward(
         # the QKV split-K sum, bias, QK-norm, RoPE, the cache write and attention all happen in the kernel
         def kernel(table, *args):
             return pallas_attend_and_write(
-                *args, inv_freq=inv_freq, eps=config.rms_norm_eps, dtype=dtype, page_table=table
+                *args, inv_freq=inv_freq, eps=config.rms_norm_eps, dtype=dtype, page_table=table,
+                min_programs=kernel_programs,
             )
 
         attend = kernel
@@ -443,9 +448,9 @@ def kernel_block(length: int, page_size: int | None = None, preferred: int | Non
 
 
 def kernel_chunks(programs: int, blocks: int, min_programs: int) -> int:
-    """Chunks per (row, kv head): the fewest that divide the ``blocks`` cache blocks and give at
-    least ``min_programs`` programs in all (every block its own chunk if none does)."""
-    return next((n for n in range(1, blocks + 1) if blocks % n == 0 and programs * n >= min_programs), blocks)
+    """Chunks per (row, kv head): the fewest that give at least ``min_programs`` programs in all,
+    at most one per cache block (the kernel splits each row's own entries into that many runs)."""
+    return max(1, min(-(-min_programs // programs), blocks))
 
 
 def pallas_attend_and_write(
@@ -464,8 +469,8 @@ def pallas_attend_and_write(
       k_cache, v_cache: ``[B, KV, S, K]``.
       inv_freq: ``[K / 2]`` RoPE inverse frequencies; eps: the QK-norm epsilon; dtype: the
         compute dtype.
-      min_programs: split each row's entries into the fewest chunks (a divisor of the
-        cache's blocks) that give at least this many (row, kv head, chunk) programs.
+      min_programs: split each row's entries into the fewest chunks that give at least
+        this many (row, kv head, chunk) programs (`kernel_chunks`).
       page_table: ``[B, Tp]`` page ids: the caches are then pools ``[N, KV, P, K]`` (see
         `paged_xla_attend_and_write`); the kernel's block is `kernel_block`'s.
 

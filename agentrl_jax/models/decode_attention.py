@@ -17,8 +17,9 @@ plus a bias, and
 So the engine's step has no split-K reduction, no QK-norm/RoPE pass, no scatter into the
 cache and no combine after the kernel: 6 fewer kernels per layer than XLA + JAX's
 ``pallas.ops.gpu.decode_attention`` (docs/benchmarks.md). One program per (row, kv head)
-when there are many rows; with few rows each row's entries are split into chunks (more
-programs keep the SMs busy) whose float32 partial results a few XLA ops combine.
+when there are many rows; with few rows, or rows of ragged lengths, each row's own entries
+are split evenly into chunks of whole blocks (more, smaller programs keep the SMs busy and
+even out long and short rows) whose float32 partial results a few XLA ops combine.
 
 Two ways to compute a block's logits and outputs: ``"dot"`` (``tl.dot`` on the tensor
 cores with the G heads padded to a 16-row tile; the faster one on H200) and ``"vector"``
@@ -51,7 +52,7 @@ METHODS = ("vector", "dot")
 _DOT_ROWS = 16  # the smallest M of a tensor-core tile
 
 
-def _kernel(*refs, G, block_k, chunk, method, normalize, partials, bias, rope, norm, eps, dtype, page_size, length):
+def _kernel(*refs, G, block_k, chunks, method, normalize, partials, bias, rope, norm, eps, dtype, page_size, length):
     """One (row, kv head, chunk) program.
 
     Refs, in order: qkv [G + 2, K] (G query rows, the new key, the new value; with
@@ -71,8 +72,11 @@ def _kernel(*refs, G, block_k, chunk, method, normalize, partials, bias, rope, n
     S, K = length, k_ref.shape[-1]
     c = pl.program_id(2)
     pos = pos_ref[...]
+    filled = jnp.minimum(pos, S)  # cache entries [0, filled) are read; pos is the new one
+    # the row's own entries split evenly into ``chunks`` runs of whole blocks (ragged rows balance)
+    chunk = pl.cdiv(pl.cdiv(filled, chunks), block_k) * block_k
     start = c * chunk
-    end = jnp.minimum(start + chunk, pos)  # cache entries [start, end) are read; pos is the new one
+    end = jnp.minimum(start + chunk, filled)
     scale = 1.0 / math.sqrt(K)
     first = c == 0
     cols = jnp.arange(K)
@@ -250,7 +254,7 @@ def decode_attention(
         sums of a split-K projection, which the kernel adds up (and rounds to ``dtype``).
       positions: ``[B]`` int32; the new entry goes to index ``positions[b]`` (dropped if
         ``>= S``) and row b attends over entries ``[0, positions[b]]``.
-      k_cache, v_cache: ``[B, KV, S, K]``, donated; S a multiple of ``block_k * chunks``.
+      k_cache, v_cache: ``[B, KV, S, K]``, donated; S a multiple of ``block_k``.
         With ``page_table``: pools of pages ``[N, KV, P, K]`` (P a multiple or a divisor of ``block_k``).
       page_table: ``[B, T]`` int32, row b's cache entry t lives at entry ``t % P`` of page
         ``page_table[b, t // P]``; S = T * P. Rows that must not write anywhere real point
@@ -264,8 +268,9 @@ def decode_attention(
       eps: the QK-norm epsilon.
       dtype: the model's compute dtype (default: qkv's; required with partials).
       block_k: cache entries per loop iteration.
-      chunks: programs per (row, kv head), each over ``S / chunks`` entries; more than one
-        adds a float32 combine in XLA (for few rows).
+      chunks: programs per (row, kv head), each over a ``1 / chunks`` share of the row's own
+        entries (whole blocks; a row shorter than ``chunks`` blocks leaves some empty); more
+        than one adds a float32 combine in XLA (for few rows, or rows of ragged lengths).
       method: "dot" or "vector" (see the module docstring).
       num_warps, num_stages: Triton launch parameters.
       interpret: run in Pallas's interpreter (default: off GPU).
@@ -301,8 +306,9 @@ def decode_attention(
         raise ValueError(f"decode_attention: bias {bias.shape} must be [KV, G + 2, K] = {(KV, R, K)}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("decode_attention: pass both q_norm and k_norm, or neither")
-    if S % (block_k * chunks):
-        raise ValueError(f"decode_attention: cache length {S} must be a multiple of block_k * chunks")
+    if S % block_k or chunks < 1:
+        raise ValueError(f"decode_attention: cache length {S} must be a multiple of block_k={block_k}, and "
+                         f"chunks={chunks} at least 1")
     if method == "dot" and G > _DOT_ROWS:
         raise ValueError(f"decode_attention: method 'dot' takes at most {_DOT_ROWS} query heads per kv head")
     if interpret is None:
@@ -310,7 +316,6 @@ def decode_attention(
     if not interpret and (K & (K - 1) or K < 16):
         raise ValueError(f"decode_attention: the Triton kernel needs a power-of-two head dim >= 16, got {K}")
     normalize = chunks == 1
-    chunk = S // chunks
     rows = _DOT_ROWS if method == "dot" else G  # the output block's query rows
 
     def head(*tail):  # a block of one (row, kv head); tail: the trailing block dims
@@ -334,7 +339,7 @@ def decode_attention(
             jax.ShapeDtypeStruct((chunks, B, KV, G, *tail), jnp.float32) for tail in ((K,), (), ())
         ]
     rope, norm = inv_freq is not None, q_norm is not None
-    kernel = functools.partial(_kernel, G=G, block_k=block_k, chunk=chunk, method=method, normalize=normalize,
+    kernel = functools.partial(_kernel, G=G, block_k=block_k, chunks=chunks, method=method, normalize=normalize,
                                partials=partials, bias=bias is not None, rope=rope, norm=norm, eps=eps, dtype=dtype,
                                page_size=page_size, length=S)
     per_row = pl.BlockSpec((None,), lambda b, h, c: (b,))

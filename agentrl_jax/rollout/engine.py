@@ -64,6 +64,7 @@ from jax.profiler import TraceAnnotation
 from jax.sharding import Mesh
 
 from agentrl_jax.models import Decoder, split_params
+from agentrl_jax.models import decode as model_decode
 from agentrl_jax.models.decode import DecodeParams
 from agentrl_jax.rollout.compile_cache import use_compilation_cache
 from agentrl_jax.rollout.decode_step import (
@@ -109,6 +110,14 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
       device_stop_ids: stop token ids per slot that the device checks with decode lanes (a
         request's lowest ones; the host checks them all, so one past this many still ends the
         turn, a dispatch later, as without lanes).
+      decode_kernel_programs: the GPU decode kernel ("pallas" attention) splits each row's
+        entries into chunks until it runs at least this many (row, kv head, chunk) programs
+        per device (a float32 combine joins the chunks). More programs spread rows of ragged
+        lengths, and the few rows left at the end of a batch, over the SMs; with rows of one
+        length they only add the combine. Default `models.decode.PALLAS_MIN_PROGRAMS` (512),
+        twice that with decode lanes (B < S), whose rows are by design a mix of lengths
+        (docs/benchmarks.md, "Decode kernel chunks": +5% tokens/s on the multi-turn workload
+        at 64 lanes, -6% on a batch of 64 equal lengths).
       max_target_length: M, the longest sequence (prompt + every turn + generated).
       max_prefill_length: the largest prompt chunk one prefill takes.
       min_prefill_bucket: the smallest padded prefill length (JetStream `prefill`).
@@ -161,6 +170,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         max_concurrent_decodes: int = 8,
         decode_batch: int | None = None,
         device_stop_ids: int = STOP_IDS,
+        decode_kernel_programs: int | None = None,
         max_target_length: int = 1024,
         max_prefill_length: int = 512,
         min_prefill_bucket: int = 16,
@@ -220,6 +230,12 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         if device_stop_ids < 1:
             raise ValueError(f"Engine: device_stop_ids must be >= 1, got {device_stop_ids}")
         self.device_stop_ids = device_stop_ids
+        if decode_kernel_programs is None:
+            # read at construction, so bench/decode.py's --kernel override reaches it
+            decode_kernel_programs = model_decode.PALLAS_MIN_PROGRAMS * (2 if self.decode_batch < self._slots else 1)
+        if decode_kernel_programs < 1:
+            raise ValueError(f"Engine: decode_kernel_programs must be >= 1, got {decode_kernel_programs}")
+        self.decode_kernel_programs = decode_kernel_programs
         self._budget = (num_pages, kv_cache_bytes, kv_cache_memory_fraction)
         # Weights are stored in the compute dtype: `models.decode.forward` casts every weight to it
         # before use, so casting once at load gives the same values and halves the bytes a decode
@@ -441,6 +457,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
                 generate_steps, num_steps=num_steps, config=self.config, attend_len=attend_len, dtype=self._dtype,
                 truncation=truncation, attention=self.decode_attention, cache_spec=self.state_shardings.cache.k[0].spec,
                 mesh=self._mesh, max_length=self.max_target_length, shards=self.num_shards,
+                kernel_programs=self.decode_kernel_programs,
             )
             self._generate_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None))
         return self._generate_fns[key]

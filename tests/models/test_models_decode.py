@@ -136,7 +136,7 @@ def test_grouped_attention_matches_a_numpy_reference():
 
 
 @pytest.mark.parametrize("method", decode_attention.METHODS)
-@pytest.mark.parametrize("G,chunks", [(2, 1), (2, 4), (3, 1), (1, 2)])
+@pytest.mark.parametrize("G,chunks", [(2, 1), (2, 4), (3, 1), (1, 2), (2, 3)])
 def test_decode_attention_kernel_writes_then_attends(method, G, chunks):
     """The fused kernel == scatter the new entry, then attend over [0, position] (float64 NumPy)."""
     rng = np.random.default_rng(G * 10 + chunks)
@@ -261,9 +261,9 @@ def test_kernel_chunks_hand_values():
     from agentrl_jax.models.decode import kernel_chunks
 
     assert kernel_chunks(512, 56, 512) == 1  # batch 64 x 8 kv heads: one program each
-    assert kernel_chunks(128, 56, 512) == 4  # 4 divides 56 and 128 * 4 = 512
-    assert kernel_chunks(48, 56, 512) == 14  # 8 would reach 384 only; 14 is the next divisor
-    assert kernel_chunks(8, 56, 512) == 56  # none reaches it: every block its own chunk
+    assert kernel_chunks(128, 56, 512) == 4  # 128 * 4 = 512
+    assert kernel_chunks(48, 56, 512) == 11  # 10 would reach 480 only
+    assert kernel_chunks(8, 56, 512) == 56  # 64 would: at most every block its own chunk
 
 
 @pytest.mark.parametrize("method,page_size,block_k,chunks", [

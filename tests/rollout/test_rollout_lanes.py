@@ -120,6 +120,34 @@ def test_a_sampled_stop_id_frees_the_lane_on_the_device(tiny_model):
     assert valid[:, 2].tolist() == [0] * (at + 1) + [1] * (5 - at)
 
 
+def test_the_decode_kernels_chunking_changes_no_token_or_logprob(tiny_model):
+    """`Engine(decode_kernel_programs=)` only splits the GPU kernel's work (here interpreted): rows of
+    ragged lengths, one program per (row, kv head) or each row's entries in 4 chunks (some empty), sample the same
+    tokens with the same logprobs. The default is twice the kernel's with decode lanes."""
+    from agentrl_jax.models.decode import PALLAS_MIN_PROGRAMS, kernel_block, kernel_chunks
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 128, n).tolist() for n in (20, 35, 41)]  # several 16-entry blocks each
+    runs = {}
+    for programs in (1, 64):
+        engine = one_device_engine(tiny_model, max_concurrent_decodes=3, page_size=16, max_prefill_length=48,
+                                   max_target_length=128, decode_attention="pallas", decode_kernel_programs=programs)
+        params = engine.load_params(tiny_model)
+        state, first = admit(engine, params, engine.init_decode_state(), prompts, [10, 10, 10])
+        state, result = engine.generate(params, state, num_steps=5)
+        runs[programs] = first, np.asarray(result.tokens), np.asarray(result.log_prob)
+    S = engine.table_width * engine.page_size
+    # 4 chunks a row: [0, 32) and [32, 41) for the longest (blocks of 32 entries over 2 pages), 2 empty ones
+    assert kernel_chunks(3 * tiny_model.config.num_kv_heads, S // kernel_block(S, 16), 64) == 4
+    assert runs[1][0] == runs[64][0]
+    np.testing.assert_array_equal(runs[1][1], runs[64][1])
+    np.testing.assert_allclose(runs[1][2], runs[64][2], atol=1e-5)  # the float32 combine reassociates (2e-6 seen)
+    assert one_device_engine(tiny_model).decode_kernel_programs == PALLAS_MIN_PROGRAMS
+    assert one_device_engine(tiny_model, decode_batch=2).decode_kernel_programs == 2 * PALLAS_MIN_PROGRAMS
+    with pytest.raises(ValueError, match="decode_kernel_programs"):
+        one_device_engine(tiny_model, decode_kernel_programs=0)
+
+
 def drive(engine, model, coro_fn, steps=4):
     async def main():
         async with Driver(engine, model, steps_per_dispatch=steps, detokenize=lambda ids: " ".join(map(str, ids))) \
