@@ -115,9 +115,10 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         per device (a float32 combine joins the chunks). More programs spread rows of ragged
         lengths, and the few rows left at the end of a batch, over the SMs; with rows of one
         length they only add the combine. Default `models.decode.PALLAS_MIN_PROGRAMS` (512),
-        twice that with decode lanes (B < S), whose rows are by design a mix of lengths
-        (docs/benchmarks.md, "Decode kernel chunks": +5% tokens/s on the multi-turn workload
-        at 64 lanes, -6% on a batch of 64 equal lengths).
+        twice that with decode lanes (B < S), whose rows are a mix of lengths and drain to a
+        few at the end of a batch (docs/benchmarks.md, "the decode kernel's chunks": +4.5%
+        tokens/s on the multi-turn workload at 64 lanes, gained in the batch's tail; -6.5%
+        on a batch of 64 equal lengths).
       max_target_length: M, the longest sequence (prompt + every turn + generated).
       max_prefill_length: the largest prompt chunk one prefill takes.
       min_prefill_bucket: the smallest padded prefill length (JetStream `prefill`).

@@ -8,7 +8,7 @@ import random
 import jax
 import numpy as np
 import pytest
-from rollout_helpers import ENGINE_KW
+from rollout_helpers import ENGINE_KW, make_model
 
 from agentrl_jax.rollout.decode_step import assign_lanes
 from agentrl_jax.rollout.driver import Driver
@@ -97,7 +97,9 @@ def test_a_stopped_slot_hands_its_lane_to_the_ready_slot_at_the_next_step(tiny_m
     np.testing.assert_array_equal(tokens[:2, 0], tokens_w[:2, 0])
     np.testing.assert_array_equal(tokens[:, 1], tokens_w[:, 1])
     np.testing.assert_array_equal(tokens[2:, 2], tokens_w[:6, 2])
-    np.testing.assert_allclose(log_prob[2:, 2], log_prob_w[:6, 2], atol=1e-6)
+    # on GPU the two engines' kernels split rows into different chunk counts (2 lanes vs 3 rows; lanes
+    # double the programs): the float32 combine reassociates (1.9e-6 seen on an H200)
+    np.testing.assert_allclose(log_prob[2:, 2], log_prob_w[:6, 2], atol=1e-5)
 
 
 def test_a_sampled_stop_id_frees_the_lane_on_the_device(tiny_model):
@@ -120,12 +122,13 @@ def test_a_sampled_stop_id_frees_the_lane_on_the_device(tiny_model):
     assert valid[:, 2].tolist() == [0] * (at + 1) + [1] * (5 - at)
 
 
-def test_the_decode_kernels_chunking_changes_no_token_or_logprob(tiny_model):
+def test_the_decode_kernels_chunking_changes_no_token_or_logprob():
     """`Engine(decode_kernel_programs=)` only splits the GPU kernel's work (here interpreted): rows of
     ragged lengths, one program per (row, kv head) or each row's entries in 4 chunks (some empty), sample the same
     tokens with the same logprobs. The default is twice the kernel's with decode lanes."""
     from agentrl_jax.models.decode import PALLAS_MIN_PROGRAMS, kernel_block, kernel_chunks
 
+    tiny_model = make_model(head_dim=16)  # the Triton kernel's smallest head dim (on GPU; interpreted on CPU)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, 128, n).tolist() for n in (20, 35, 41)]  # several 16-entry blocks each
     runs = {}
