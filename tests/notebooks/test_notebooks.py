@@ -111,6 +111,7 @@ def test_quickstart_runs_plots_and_shows_the_loss_mask(tmp_path, kernel_env, mon
     assert (run / "export" / "config.json").exists()
 
 
+@pytest.mark.slow  # ~70 s on 2 CPU cores; a registered loss training end to end is in tests/train/test_custom_loss.py
 def test_custom_loss_trains_with_the_registered_loss(tmp_path, kernel_env, monkeypatch):
     nb = execute("custom_loss.ipynb", tmp_path, kernel_env, monkeypatch)
     assert outputs(nb, "error") == []
