@@ -33,7 +33,8 @@ dispatches from a `--prompt`-token prompt for turns x turn_tokens steps, each di
 previous one is read; with `--lanes` an engine without lanes, so with the kernel's default chunking for
 equal lengths), and their ratio; the mean context a sampled token attended over in the workload
 (`mean_decode_context`: longer than the baseline's, `raw_mean_decode_context`, by the observations
-and the ragged turns); plus preemptions, evictions and shared prefills. Where the ratio goes (`Driver.stats`
+and the ragged turns; `--matched-baseline` also runs the baseline from a prompt that much longer,
+`ratio_context_matched`); plus preemptions, evictions and shared prefills. Where the ratio goes (`Driver.stats`
 over the timed pass): `slot_occupancy` (lane-steps that advanced a sequence, of all
 dispatched; free lanes at the end of the pass, when the longest episodes finish alone, and
 lanes between turns lower it), `kept_token_fraction` (of those, tokens kept; the rest came after
@@ -249,14 +250,15 @@ def _padded_tokens(engine, rows, row_cap) -> tuple[int, int]:
     return (engine.num_shards * per_shard * T,) * 2
 
 
-def _raw_decode(engine, params, args, vocab: int, trace_dir: str | None = None) -> float:
+def _raw_decode(engine, params, args, vocab: int, trace_dir: str | None = None, extra_context: int = 0) -> float:
     """Tokens/s of `engine.generate` with every slot holding a `--prompt`-token prompt (the
     driver's decode loop without prefills, tools or stop checks). Each dispatch is queued
     before the previous one's results are read, as the driver does, so the device does not
     wait for the host between dispatches (reading every result before the next dispatch,
     as this loop did until the ninth session, made the baseline a few percent slower).
     ``trace_dir``: the timed pass runs under `jax.profiler.trace` (the per-program device time
-    is then written to trace_dir/programs.json)."""
+    is then written to trace_dir/programs.json). ``extra_context``: a prompt this many tokens
+    longer (`--matched-baseline`: the workload's mean context)."""
     import contextlib
 
     import jax
@@ -264,7 +266,7 @@ def _raw_decode(engine, params, args, vocab: int, trace_dir: str | None = None) 
 
     from agentrl_jax.rollout import SamplingParams
 
-    tokens = np.random.default_rng(1).integers(0, vocab, args.header + args.prompt).astype(np.int32)
+    tokens = np.random.default_rng(1).integers(0, vocab, args.header + args.prompt + extra_context).astype(np.int32)
     samples = args.group_size if args.raw_layout == "group" else 1
     prefix, _ = engine.prefill(params=params, padded_tokens=tokens, true_length=tokens.size,
                                sampler=SamplingParams(temperature=1.0, seed=0), num_samples=samples)
@@ -383,6 +385,10 @@ def main(argv=None) -> None:
     parser.add_argument("--row-tokens", type=int, default=64, help="Engine(prefill_row_tokens=): prefill piece width")
     parser.add_argument("--kernel", default="",
                         help="override the Pallas decode kernel's settings, e.g. min_programs=1024 (as bench/decode.py)")
+    parser.add_argument("--matched-baseline", action="store_true",
+                        help="also the raw baseline from a prompt longer by the workload's mean context minus the "
+                             "baseline's (raw_matched_decode_tokens_per_s, ratio_context_matched): the engine's own "
+                             "loss apart from the workload attending over more entries")
     parser.add_argument("--kernel-programs", type=int, default=0,
                         help="Engine(decode_kernel_programs=N) for the rollout's engine (0: its default, 1024 with "
                              "--lanes, else 512); the raw baseline keeps its default")
@@ -493,6 +499,12 @@ def main(argv=None) -> None:
     raw_lanes = None if args.no_raw or raw_engine is engine else _raw_decode(engine, engine.load_params(model),
                                                                                args, vocab)
     rate = timed["sampled_tokens"] / timed["seconds"]
+    raw_context = args.header + args.prompt + max(args.turns * args.turn_tokens // args.steps_per_dispatch, 2) * args.steps_per_dispatch // 2
+    matched = None
+    if args.matched_baseline and not args.no_raw:  # the same baseline from a prompt as much longer as the workload attends
+        room = raw_engine.max_prefill_length - args.header - args.prompt  # one prefill call
+        extra = min(max(timed["mean_decode_context"] - raw_context, 0), room)
+        matched = _raw_decode(raw_engine, raw_engine.load_params(model), args, vocab, extra_context=extra)
     # the ratio if every dispatched decode step ran at raw-decode speed: what the slot-steps were used for
     bound = counters["slot_occupancy"] * counters["kept_token_fraction"]
     row = {
@@ -510,7 +522,10 @@ def main(argv=None) -> None:
         "header": args.header, "prefix_cache": args.prefix_cache, "max_target_length": engine.max_target_length,
         "warmup_s": round(warm["seconds"], 1), "timed_s": round(timed["seconds"], 2),
         "sampled_tokens": timed["sampled_tokens"], "mean_decode_context": timed["mean_decode_context"],
-        "raw_mean_decode_context": args.header + args.prompt + max(args.turns * args.turn_tokens // args.steps_per_dispatch, 2) * args.steps_per_dispatch // 2,
+        "raw_mean_decode_context": raw_context,
+        "raw_matched_decode_tokens_per_s": matched and round(matched),
+        "raw_matched_mean_decode_context": matched and raw_context + extra,
+        "ratio_context_matched": matched and round(rate / matched, 3),
         "peak_kv_held_tokens": timed["peak_kv_held_tokens"],
         "peak_decoding_sequences": timed["peak_decoding_sequences"], **counters,
         "compiled_prefill_shapes": len(engine._paged_prefill_fns), "compiled_decode_shapes": len(engine._generate_fns),

@@ -99,8 +99,9 @@ def lane_decode_step(params, state: DecodeState, *, config, attend_len, dtype, a
 
     A lane's slot is fed, written and sampled exactly as `decode_step` would (same key, same
     position, same pages), so tokens and logprobs do not depend on lanes. A slot advances while
-    its length is below ``min(limits, max_length)``; when it samples one of its ``stop_ids`` or
-    reaches that length it is deactivated, and its lane takes a ready slot at the next step.
+    its length is below ``min(limits, max_length)``; when it samples one of its ``stop_ids``,
+    completes one of its ``stop_seqs`` (its turn's newest tokens, kept in ``recent``) or reaches
+    that length it is deactivated, and its lane takes a ready slot at the next step.
     """
     S = state.lengths.shape[0]
     lane_slot = assign_lanes(state.lane_slot, state.active, state.order, shards=shards)
@@ -122,7 +123,9 @@ def lane_decode_step(params, state: DecodeState, *, config, attend_len, dtype, a
                                          jax.tree.map(lanes, state.sampling), truncation=truncation)
     limit = jnp.minimum(lanes(state.limits), max_length)
     valid = live & (lengths < limit)
-    stopped = (tokens[:, None] == lanes(state.stop_ids)).any(axis=-1) | (lengths + 1 >= limit)
+    recent = jnp.concatenate([lanes(state.recent)[:, 1:], tokens[:, None]], axis=1)  # [B, L], newest last
+    stopped = ((tokens[:, None] == lanes(state.stop_ids)).any(axis=-1) | completes_sequence(recent, lanes(state.stop_seqs))
+               | (lengths + 1 >= limit))
     to = jnp.where(valid, slot, S)  # S: dropped (idle or stopped lanes)
 
     def put(field, values):
@@ -133,6 +136,7 @@ def lane_decode_step(params, state: DecodeState, *, config, attend_len, dtype, a
         lengths=state.lengths.at[to].add(1, mode="drop"),
         last_tokens=put(state.last_tokens, tokens),
         generated=state.generated.at[to].add(1, mode="drop"),
+        recent=put(state.recent, recent),
         # a slot that stops, or that a lane took at its limit (a one-token turn), leaves its lane
         active=state.active.at[jnp.where(live & (stopped | ~valid), slot, S)].set(False, mode="drop"),
         lane_slot=lane_slot,
@@ -141,6 +145,15 @@ def lane_decode_step(params, state: DecodeState, *, config, attend_len, dtype, a
     out_valid = jnp.zeros((S,), bool).at[to].set(True, mode="drop")
     return new_state, (put(jnp.zeros((S,), jnp.int32), tokens), out_valid, new_state.generated,
                        put(zeros, log_prob), put(zeros, truncated))
+
+
+def completes_sequence(recent: jax.Array, sequences: jax.Array) -> jax.Array:
+    """``[B]`` whether each row's newest tokens ``recent [B, L]`` (newest last, -1 before the turn's
+    first) end with one of its ``sequences [B, Q, L]`` (right-aligned, -1 before them; a row of
+    -1 is no sequence)."""
+    used = sequences[:, :, -1] >= 0
+    matches = ((sequences < 0) | (sequences == recent[:, None, :])).all(axis=-1)
+    return (used & matches).any(axis=-1)
 
 
 def generate_steps(params, state: DecodeState, *, num_steps: int | None, **step_kw) -> tuple[DecodeState, ResultTokens]:

@@ -108,6 +108,8 @@ def insert_step(prefix: Prefix, state: DecodeState, slots, pages, order, *, num_
         active=put(state.active, True),
         limits=put(state.limits, max_length),
         stop_ids=put(state.stop_ids, -1),
+        stop_seqs=put(state.stop_seqs, -1),
+        recent=put(state.recent, -1),
         order=put(state.order, order),
     )
 

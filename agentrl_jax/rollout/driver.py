@@ -74,6 +74,10 @@ class Driver:
       params_version: the version tag of `params`.
       eos_token_ids: ids that end every request.
       detokenize: `token_ids -> str`, needed for stop strings.
+      tokenize: `str -> token_ids` (no special tokens added): each stop string's tokens, which
+        end a turn without decoding text, and which the device checks too with decode lanes
+        (`StopMatcher.sequences`, `Engine(device_stop_sequences=)`); a stop string the model
+        writes with other tokens is still found in the text.
       steps_per_dispatch: decode steps per jitted `generate` call.
       seed: base seed for requests that carry none.
       prefill_token_budget: new tokens prefilled per tick, over all sequences (default: 4 x
@@ -91,6 +95,7 @@ class Driver:
         params_version: int = 0,
         eos_token_ids: Sequence[int] = (),
         detokenize: Callable[[Sequence[int]], str] | None = None,
+        tokenize: Callable[[str], Sequence[int]] | None = None,
         steps_per_dispatch: int = 8,
         seed: int = 0,
         prefill_token_budget: int | None = None,
@@ -110,6 +115,8 @@ class Driver:
         self._eos = frozenset(int(t) for t in eos_token_ids)
         self._detokenize = detokenize
         self._texts = TokenTexts(detokenize) if detokenize is not None else None
+        self._tokenize = tokenize
+        self._stop_tokens: dict[str, tuple[int, ...]] = {}  # stop string -> its tokens, encoded once
         self._seeds = itertools.count(seed * 1_000_003 + 1)
         self._sched = self._dispatcher.sched
         self._inbox: list[Request] = []
@@ -296,7 +303,8 @@ class Driver:
             raise ValueError("generate: stop_strings need a detokenize callback (Driver(detokenize=...))")
         request = make_request(
             self.engine, prompt_ids, sampling, stop_token_ids=frozenset(int(t) for t in stop_token_ids) | self._eos,
-            stops=StopMatcher(tuple(stop_strings), self._texts) if stop_strings else None,
+            stops=StopMatcher(tuple(stop_strings), self._texts, sequences=self._stop_sequences(stop_strings))
+            if stop_strings else None,
             max_new_tokens=max_new_tokens, num_samples=n, session=session,
             future=asyncio.get_running_loop().create_future(),
         )
@@ -310,6 +318,15 @@ class Driver:
         finally:
             if session is not None:
                 session.busy = False
+
+    def _stop_sequences(self, stop_strings: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Each stop string's tokens (`tokenize`), or () without a tokenize callback."""
+        if self._tokenize is None:
+            return ()
+        for stop in stop_strings:
+            if stop not in self._stop_tokens:
+                self._stop_tokens[stop] = tuple(int(t) for t in self._tokenize(stop))
+        return tuple(self._stop_tokens[stop] for stop in stop_strings)
 
     def _ensure_running(self) -> None:
         if self._task is None or self._task.done():

@@ -80,6 +80,7 @@ from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.slot_table import SlotTable
 from agentrl_jax.rollout.state import (
     STOP_IDS,
+    STOP_SEQUENCES,
     DecodeState,
     attend_bucket,
     decode_state_shardings,
@@ -110,6 +111,11 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
       device_stop_ids: stop token ids per slot that the device checks with decode lanes (a
         request's lowest ones; the host checks them all, so one past this many still ends the
         turn, a dispatch later, as without lanes).
+      device_stop_sequences: ``(Q, L)``: with decode lanes, the device also stops a slot whose
+        newest tokens are one of its first Q stop strings' token sequences of at most L tokens
+        (`StopMatcher.sequences`, from `Driver(tokenize=)`: ReTool's ``</code>`` is several
+        tokens). The host checks the same sequences, so both stop at the same token; a stop
+        string written with other tokens is found by the host's text check, a dispatch later.
       decode_kernel_programs: the GPU decode kernel ("pallas" attention) splits each row's
         entries into chunks until it runs at least this many (row, kv head, chunk) programs
         per device (a float32 combine joins the chunks). More programs spread rows of ragged
@@ -171,6 +177,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         max_concurrent_decodes: int = 8,
         decode_batch: int | None = None,
         device_stop_ids: int = STOP_IDS,
+        device_stop_sequences: tuple[int, int] = STOP_SEQUENCES,
         decode_kernel_programs: int | None = None,
         max_target_length: int = 1024,
         max_prefill_length: int = 512,
@@ -231,6 +238,10 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         if device_stop_ids < 1:
             raise ValueError(f"Engine: device_stop_ids must be >= 1, got {device_stop_ids}")
         self.device_stop_ids = device_stop_ids
+        if len(device_stop_sequences) != 2 or min(device_stop_sequences) < 1:
+            raise ValueError(f"Engine: device_stop_sequences must be (sequences >= 1, tokens >= 1), got "
+                             f"{device_stop_sequences}")
+        self.device_stop_sequences = tuple(device_stop_sequences)
         if decode_kernel_programs is None:
             # read at construction, so bench/decode.py's --kernel override reaches it
             decode_kernel_programs = model_decode.PALLAS_MIN_PROGRAMS * (2 if self.decode_batch < self._slots else 1)
@@ -313,11 +324,11 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         num_pages = self.num_shards * plan.pages_per_shard
         self.state_shardings = decode_state_shardings(
             self.config, self._slots, num_pages, P, self.table_width, self.cache_dtype, self._mesh, self._rules,
-            lanes=self.decode_batch, stop_ids=self.device_stop_ids,
+            lanes=self.decode_batch, stop_ids=self.device_stop_ids, stop_seqs=self.device_stop_sequences,
         )
         make = functools.partial(
             init_decode_state, self.config, self._slots, num_pages, P, self.table_width, self.cache_dtype,
-            lanes=self.decode_batch, stop_ids=self.device_stop_ids,
+            lanes=self.decode_batch, stop_ids=self.device_stop_ids, stop_seqs=self.device_stop_sequences,
         )
         self._init_state = jax.jit(make, out_shardings=self.state_shardings)
         self._deactivate = jax.jit(

@@ -42,7 +42,7 @@ from agentrl_jax.models.decode import forward
 from agentrl_jax.rollout.pages import TRASH_PAGE, pages_for
 from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, next_token_logits, sample, step_keys
-from agentrl_jax.rollout.state import STOP_IDS, DecodeState
+from agentrl_jax.rollout.state import STOP_IDS, STOP_SEQUENCES, DecodeState
 
 
 @dataclasses.dataclass
@@ -61,6 +61,11 @@ class Admission:
         None: ``max_target_length``).
       stop_ids: token ids that stop it on the device (as many as the state holds, the lowest first;
         the host checks them all).
+      stop_sequences: token sequences that stop it on the device when its newest tokens are one of
+        them (its stop strings' `StopMatcher.sequences`; the first ones the state holds room for,
+        longer ones skipped: the host checks them all).
+      recent: the turn's tokens before the one it feeds first (a resumed sequence's; the device
+        matches stop sequences against them and the tokens after).
     """
 
     slot: int
@@ -71,6 +76,8 @@ class Admission:
     forced_token: int = -1
     limit: int | None = None
     stop_ids: Sequence[int] = ()
+    stop_sequences: Sequence[Sequence[int]] = ()
+    recent: Sequence[int] = ()
 
 
 @dataclasses.dataclass
@@ -120,7 +127,8 @@ class PackedRows:
     adm_forced: np.ndarray  # [M], -1 = sample
     adm_length: np.ndarray  # [M] the slot's length after the prefill
     adm_limit: np.ndarray  # [M] the length at which it stops (`DecodeState.limits`)
-    adm_stops: np.ndarray  # [M, I] its device-side stop ids, -1 padded
+    adm_stops: tuple[np.ndarray, np.ndarray, np.ndarray]  # device-side stops: ids [M, I], sequences [M, Q, L]
+    # (right-aligned), the turn's tokens before its first [M, L] (right-aligned); -1 padded
     adm_order: np.ndarray  # [M] admission order (ready slots take free decode lanes in this order)
     sampling: tuple[np.ndarray, np.ndarray, np.ndarray]  # temperature, top_k, top_p [M]
     copy_src: np.ndarray  # [max(S, copies)] global page ids
@@ -172,6 +180,7 @@ def pack_rows(
     rows: Sequence[PrefillRow], *, num_shards: int, num_slots: int, slots_per_shard: int, pages_per_shard: int,
     page_size: int, row_tokens: int, row_cap: int | None, window: int, max_prefill: int, max_length: int,
     compaction: bool, first_order: int = 0, stop_width: int = STOP_IDS,
+    stop_seqs: tuple[int, int] = STOP_SEQUENCES,
 ) -> PackedRows:
     """Cut the rows into pieces of ``row_tokens`` and lay them out in their shards' blocks of rows;
     with ``compaction``, also the compact tokens where they are fewer than the rows' (`call_layout`);
@@ -208,7 +217,7 @@ def pack_rows(
     admitted = [(last[id(r)], a) for r in rows for a in r.admissions]  # results in the caller's order
     M = max(num_slots, len(admitted))  # fixed: one compiled shape fewer per prefill call
     out = PackedRows(
-        tokens, tables, starts, lengths, *_admission_arrays(M, num_slots, stop_width),
+        tokens, tables, starts, lengths, *_admission_arrays(M, num_slots, stop_width, stop_seqs),
         *_copies(rows, pages_per_shard, num_slots), admitted=[a for _, a in admitted],
         num_copies=sum(len(r.copies) for r in rows), compact=compact,
     )
@@ -220,7 +229,14 @@ def pack_rows(
         out.adm_forced[m], out.adm_length[m] = a.forced_token, starts[i] + lengths[i]
         out.adm_limit[m] = max_length if a.limit is None else min(a.limit, max_length)
         stops = sorted(a.stop_ids)[:stop_width]
-        out.adm_stops[m, : len(stops)] = stops
+        ids, seqs, recent = out.adm_stops
+        ids[m, : len(stops)] = stops
+        fitting = [list(q) for q in a.stop_sequences if 1 <= len(q) <= stop_seqs[1]][: stop_seqs[0]]
+        for j, q in enumerate(fitting):
+            seqs[m, j, stop_seqs[1] - len(q):] = q
+        before = list(a.recent)[-stop_seqs[1]:]
+        if before:
+            recent[m, stop_seqs[1] - len(before):] = before
         out.adm_order[m] = first_order + m
         for field, value in zip(out.sampling, (a.sampling.temperature, a.sampling.top_k, a.sampling.top_p)):
             field[m] = value
@@ -228,7 +244,7 @@ def pack_rows(
 
 
 def empty_pack(*, rows: int, row_tokens: int, window: int, num_slots: int, tokens: int | None = None,
-               stop_width: int = STOP_IDS) -> PackedRows:
+               stop_width: int = STOP_IDS, stop_seqs: tuple[int, int] = STOP_SEQUENCES) -> PackedRows:
     """A pack of padding rows only (no admission, padding page copies that copy nothing): the
     arrays a warm-up call compiles with, compacted to ``tokens`` (all padding) when fewer than the
     rows'. Its rows write nothing."""
@@ -238,16 +254,18 @@ def empty_pack(*, rows: int, row_tokens: int, window: int, num_slots: int, token
                                 np.full((tokens,), rows * row_tokens, np.int32))
     return PackedRows(
         np.zeros((rows, row_tokens), np.int32), np.full((rows, window), TRASH_PAGE, np.int32),
-        np.zeros((rows,), np.int32), np.zeros((rows,), np.int32), *_admission_arrays(num_slots, num_slots, stop_width),
+        np.zeros((rows,), np.int32), np.zeros((rows,), np.int32), *_admission_arrays(num_slots, num_slots, stop_width, stop_seqs),
         np.zeros((num_slots,), np.int32), np.full((num_slots,), -1, np.int32), admitted=[], compact=compact,
     )
 
 
-def _admission_arrays(M: int, num_slots: int, stop_width: int) -> tuple:
+def _admission_arrays(M: int, num_slots: int, stop_width: int, stop_seqs: tuple[int, int]) -> tuple:
     """`PackedRows`' M admission fields, every one padding (slot S: dropped), from ``adm_token`` to ``sampling``."""
     zeros = lambda dtype=np.int32: np.zeros((M,), dtype)  # noqa: E731
+    stops = (np.full((M, stop_width), -1, np.int32), np.full((M, *stop_seqs), -1, np.int32),
+             np.full((M, stop_seqs[1]), -1, np.int32))
     return (zeros(), np.full((M,), num_slots, np.int32), np.zeros((M, 2), np.uint32), zeros(),
-            np.full((M,), -1, np.int32), zeros(), zeros(), np.full((M, stop_width), -1, np.int32), zeros(),
+            np.full((M,), -1, np.int32), zeros(), zeros(), stops, zeros(),
             (zeros(np.float32), zeros(), np.ones((M,), np.float32)))
 
 
@@ -324,6 +342,8 @@ def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, leng
     sampled, log_prob, truncated = sample(logits, step_keys(adm_key, adm_generated), sampling, truncation=truncation)
     forced = adm_forced >= 0
     first = jnp.where(forced, adm_forced, sampled)
+    stop_ids, stop_seqs, before = adm_stops
+    recent = jnp.concatenate([before[:, 1:], first[:, None]], axis=1)  # the turn's tokens so far, newest last
     generated = jnp.where(forced, adm_generated, adm_generated + 1)
 
     def put(field, values):
@@ -338,7 +358,9 @@ def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, leng
         sampling=jax.tree.map(put, state.sampling, sampling),
         active=put(state.active, True),
         limits=put(state.limits, adm_limit),
-        stop_ids=put(state.stop_ids, adm_stops),
+        stop_ids=put(state.stop_ids, stop_ids),
+        stop_seqs=put(state.stop_seqs, stop_seqs),
+        recent=put(state.recent, recent),
         order=put(state.order, adm_order),
     )
     valid = ~forced & (adm_slot < state.lengths.shape[0])

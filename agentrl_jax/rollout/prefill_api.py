@@ -87,7 +87,7 @@ class PagedPrefillAPI:
             pages_per_shard=self.memory_plan.pages_per_shard, page_size=self.page_size,
             row_tokens=self.prefill_row_tokens, row_cap=row_cap, window=self._prefill_window(reach),
             max_prefill=self._max_prefill, max_length=self.max_target_length, compaction=self.prefill_compaction,
-            first_order=self._admissions, stop_width=self.device_stop_ids,
+            first_order=self._admissions, stop_width=self.device_stop_ids, stop_seqs=self.device_stop_sequences,
         )
         self._admissions += len(packed.admitted)
         return packed
@@ -196,7 +196,8 @@ class PagedPrefillAPI:
         variants = (False, True) if truncation else (False,)
         for shape, truncates in itertools.product(self.prefill_shapes(token_budget), variants):
             packed = empty_pack(rows=shape.rows, row_tokens=shape.row_tokens, window=shape.window,
-                                num_slots=self._slots, tokens=shape.tokens, stop_width=self.device_stop_ids)
+                                num_slots=self._slots, tokens=shape.tokens, stop_width=self.device_stop_ids,
+                                stop_seqs=self.device_stop_sequences)
             decode_state, _ = self._run_prefill(params, self._sync(decode_state), packed, truncates)
         steps = 1 if num_steps is None else num_steps
         lengths = [self.table_width * self.page_size] if self.decode_attention in KERNEL_ATTENTION else sorted(

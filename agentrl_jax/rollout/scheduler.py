@@ -291,10 +291,15 @@ class Scheduler:
             # the pages of its first dispatch (checked free with the prefill's)
             reach = min(length + self.steps, engine.max_target_length)
             pages = pages + engine.pages.alloc(pending.shard, max(pages_for(reach, P) - len(pages), 0))
-            request = track.request  # with decode lanes the device stops it at its stop ids and max_new_tokens
-            row.admissions.append(Admission(slot, pages, key, generated, request.sampling, pending.forced,
-                                            limit=track.kv_start + request.max_new_tokens - 1,
-                                            stop_ids=request.stop_token_ids))
+            # with decode lanes the device stops it at its stop ids, its stop strings' tokens (matched
+            # against the turn's tokens: a resumed sequence brings those before its forced one) and
+            # max_new_tokens
+            request = track.request
+            row.admissions.append(Admission(
+                slot, pages, key, generated, request.sampling, pending.forced,
+                limit=track.kv_start + request.max_new_tokens - 1, stop_ids=request.stop_token_ids,
+                stop_sequences=request.stops.sequences if request.stops is not None else (),
+                recent=track.tokens[:-1] if pending.forced >= 0 else ()))
 
     def unblock(self, resolved: list) -> None:
         """Nothing decodes and nothing could be admitted: waiting sequences hold pages each other need.

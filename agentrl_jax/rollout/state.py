@@ -19,8 +19,10 @@ Decode lanes: a decode step computes B rows (lanes), B = `DecodeState.lane_slot`
 B == S every slot is its own lane (the plain step). With B < S (`Engine(decode_batch=B)`) the
 slots are the sequences held, and a slot admitted beyond the B lanes waits, ready (prefilled,
 its first token sampled, its pages held), until a lane frees: on the device, a slot that
-samples one of its `stop_ids` or reaches its `limits` length is deactivated within the
-dispatch, and at the next step its lane takes the ready slot admitted first (`order`).
+samples one of its `stop_ids`, completes one of its `stop_seqs` (a stop string's tokens,
+matched against the `recent` tokens of its turn) or reaches its `limits` length is
+deactivated within the dispatch, and at the next step its lane takes the ready slot
+admitted first (`order`).
 So a stop costs its lane nothing although the host only reads it a dispatch later
 (`decode_step.lane_decode_step`).
 
@@ -41,6 +43,7 @@ from agentrl_jax.sharding import Rules, tree_shardings
 
 
 STOP_IDS = 8  # default stop token ids per slot that the lane step checks on the device (the host checks them all)
+STOP_SEQUENCES = (2, 8)  # default stop sequences per slot the lane step checks, and their most tokens
 
 
 @struct.dataclass
@@ -60,6 +63,12 @@ class DecodeState:
       stop_ids: [S, I] int32 token ids that end the slot's turn on the device (-1: none; I:
         `Engine(device_stop_ids=)`, default `STOP_IDS`);
         read by the lane step only (the host checks every stop id and string itself).
+      stop_seqs: [S, Q, L] int32 token sequences that end the slot's turn on the device when
+        its newest tokens are one of them: a stop string's tokens (`StopMatcher.sequences`),
+        right-aligned, -1 before them; a row of -1: none (Q, L: `Engine(device_stop_sequences=)`,
+        default `STOP_SEQUENCES`); read by the lane step only.
+      recent: [S, L] int32 the turn's last L tokens, the newest last (-1 before its first);
+        kept by the lane step only.
       limits: [S] int32 the length at which the slot stops advancing (its turn's last token is
         sampled at length limits - 1); read by the lane step only.
       order: [S] int32 admission order: ready slots take free lanes first come, first served.
@@ -75,6 +84,8 @@ class DecodeState:
     sampling: SlotSampling
     active: jax.Array
     stop_ids: jax.Array
+    stop_seqs: jax.Array
+    recent: jax.Array
     limits: jax.Array
     order: jax.Array
     lane_slot: jax.Array
@@ -140,6 +151,8 @@ def _slot_axes(config: DecoderConfig) -> DecodeState:
         sampling=SlotSampling(temperature=per_slot, top_k=per_slot, top_p=per_slot),
         active=per_slot,
         stop_ids=("slots", None),
+        stop_seqs=("slots", None, None),
+        recent=("slots", None),
         limits=per_slot,
         order=per_slot,
         lane_slot=per_slot,  # lanes split over the data axes like the slots they take
@@ -163,19 +176,21 @@ def _prefix_axes(config: DecoderConfig) -> Prefix:
 
 def decode_state_shapes(
     config: DecoderConfig, slots: int, num_pages: int, page_size: int, table_width: int, cache_dtype,
-    lanes: int | None = None, stop_ids: int = STOP_IDS,
+    lanes: int | None = None, stop_ids: int = STOP_IDS, stop_seqs: tuple[int, int] = STOP_SEQUENCES,
 ) -> DecodeState:
     """`jax.ShapeDtypeStruct` of every DecodeState leaf."""
-    return jax.eval_shape(
-        lambda: init_decode_state(config, slots, num_pages, page_size, table_width, cache_dtype, lanes, stop_ids))
+    return jax.eval_shape(lambda: init_decode_state(config, slots, num_pages, page_size, table_width, cache_dtype,
+                                                    lanes, stop_ids, stop_seqs))
 
 
 def decode_state_shardings(
     config: DecoderConfig, slots: int, num_pages: int, page_size: int, table_width: int, cache_dtype,
     mesh: Mesh, rules: Rules, lanes: int | None = None, stop_ids: int = STOP_IDS,
+    stop_seqs: tuple[int, int] = STOP_SEQUENCES,
 ) -> DecodeState:
     """NamedSharding of every DecodeState leaf (non-divisible dims replicated)."""
-    shapes = decode_state_shapes(config, slots, num_pages, page_size, table_width, cache_dtype, lanes, stop_ids)
+    shapes = decode_state_shapes(config, slots, num_pages, page_size, table_width, cache_dtype, lanes, stop_ids,
+                                 stop_seqs)
     return tree_shardings(_slot_axes(config), mesh, rules, shapes=shapes)
 
 
@@ -201,10 +216,11 @@ def prefix_shardings(
 
 def init_decode_state(
     config: DecoderConfig, slots: int, num_pages: int, page_size: int, table_width: int, cache_dtype,
-    lanes: int | None = None, stop_ids: int = STOP_IDS,
+    lanes: int | None = None, stop_ids: int = STOP_IDS, stop_seqs: tuple[int, int] = STOP_SEQUENCES,
 ) -> DecodeState:
     """All slots free: zero pages, every table entry on the trash page, greedy sampling, inactive;
-    ``lanes`` decode lanes (default: one per slot), all free; room for ``stop_ids`` device-side stop ids."""
+    ``lanes`` decode lanes (default: one per slot), all free; room for ``stop_ids`` device-side stop ids
+    and ``stop_seqs`` = (Q, L): Q stop sequences of at most L tokens."""
     zeros = jnp.zeros((slots,), jnp.int32)
     lanes = slots if lanes is None else lanes
     return DecodeState(
@@ -221,6 +237,8 @@ def init_decode_state(
         ),
         active=jnp.zeros((slots,), bool),
         stop_ids=jnp.full((slots, stop_ids), -1, jnp.int32),
+        stop_seqs=jnp.full((slots, *stop_seqs), -1, jnp.int32),
+        recent=jnp.full((slots, stop_seqs[1]), -1, jnp.int32),
         limits=zeros,
         order=zeros,
         lane_slot=jnp.full((lanes,), -1, jnp.int32),

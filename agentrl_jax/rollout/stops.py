@@ -11,6 +11,13 @@ A single token's text can differ from its text in context (byte-fallback pieces 
 UTF-8 character, SentencePiece's leading space), so tokens whose own text is empty or
 holds a replacement character always get the full check, and so does every token when a
 stop string ends in whitespace.
+
+A stop string may also be given as its tokens (`StopMatcher(sequences=)`, the tokenizer's
+encoding of the string: ReTool's ``</code>`` is several tokens). A sequence's newest tokens
+equal to them end the turn there too, before any text is decoded; with decode lanes the
+device checks the same sequences (`DecodeState.stop_seqs`) and stops the sequence at the
+same token, without waiting for the host. Text written with other tokens is still found by
+the text check.
 """
 
 from __future__ import annotations
@@ -41,15 +48,26 @@ class StopMatcher:
       tail_tokens: tokens decoded per full check beyond the longest stop string's length
         in characters (a token is at least one character except for byte-fallback pieces,
         which the extra tokens cover).
+      sequences: per stop string, its tokens (the tokenizer's encoding of it), or empty: a
+        turn whose newest tokens are those ends at that string.
 
     Attributes:
       full_checks: how many times a tail was detokenized (the rest were skipped).
     """
 
-    def __init__(self, stop_strings: Sequence[str], texts: TokenTexts, tail_tokens: int = 4):
+    def __init__(self, stop_strings: Sequence[str], texts: TokenTexts, tail_tokens: int = 4,
+                 sequences: Sequence[Sequence[int]] = ()):
         if any(not s for s in stop_strings):
             raise ValueError("stop_strings: an empty stop string would stop at once")
+        if sequences and len(sequences) != len(stop_strings):
+            raise ValueError(f"stop_strings: {len(sequences)} token sequences for {len(stop_strings)} strings")
         self.stop_strings = tuple(stop_strings)
+        self.sequences = tuple(tuple(int(t) for t in q) for q in sequences)
+        self._by_last = {}  # a sequence's last token -> [(sequence, its string)]
+        for q, stop in zip(self.sequences, self.stop_strings):
+            if q:
+                self._by_last.setdefault(q[-1], []).append((q, stop))
+        self._longest = max((len(q) for q in self.sequences), default=0)
         self._texts = texts
         self._last_chars = frozenset(s[-1] for s in stop_strings)
         self._always = any(c.isspace() for c in self._last_chars)
@@ -64,7 +82,11 @@ class StopMatcher:
         return not text or "\ufffd" in text or any(c in text for c in self._last_chars)
 
     def match(self, tokens: Sequence[int]) -> str | None:
-        """The stop string that the text of ``tokens`` contains near its end, or None."""
+        """The stop string that ``tokens`` end with (as its token sequence) or whose text they contain
+        near their end, or None."""
+        stop = self._sequence_stop(tokens)
+        if stop is not None:
+            return stop
         if not self.could_complete(tokens[-1]):
             return None
         return self._check(tokens[-self._window :])
@@ -73,12 +95,23 @@ class StopMatcher:
         """The first of ``new`` (appended to ``before``) that completes a stop string: ``(index in new, stop)``,
         or ``(None, None)``. Equals calling `match` after each appended token, one dispatch at a time."""
         for i, token in enumerate(new):
+            if token in self._by_last:
+                stop = self._sequence_stop(list(before[-self._longest:]) + list(new[: i + 1]))
+                if stop is not None:
+                    return i, stop
             if self.could_complete(token):
                 tail = list(before[-self._window :]) + list(new[: i + 1])
                 stop = self._check(tail[-self._window :])
                 if stop is not None:
                     return i, stop
         return None, None
+
+    def _sequence_stop(self, tokens: Sequence[int]) -> str | None:
+        """The stop string whose token sequence ``tokens`` end with, or None."""
+        for q, stop in self._by_last.get(tokens[-1], ()) if len(tokens) else ():
+            if len(tokens) >= len(q) and tuple(tokens[-len(q):]) == q:
+                return stop
+        return None
 
     def _check(self, tail: Sequence[int]) -> str | None:
         self.full_checks += 1

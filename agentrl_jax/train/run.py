@@ -180,7 +180,7 @@ class _Job:
         c, r = self.config, self.config.rollout
         driver = Driver(self.engine, self.engine_params(self.params), eos_token_ids=self.tokenizer.eos_token_ids,
                         detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-                        steps_per_dispatch=r.steps_per_dispatch, seed=c.seed,
+                        tokenize=self.tokenizer.encode, steps_per_dispatch=r.steps_per_dispatch, seed=c.seed,
                         prefill_token_budget=r.prefill_token_budget or None, prefix_cache=r.prefix_cache)
         async with driver:
             results: dict[str, Any] = {"config": c.name, "seed": c.seed}

@@ -16,6 +16,7 @@ from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.paged_prefill import Admission, PrefillRow
 from agentrl_jax.rollout.pages import pages_for
 from agentrl_jax.rollout.sampling import SamplingParams, request_keys
+from agentrl_jax.rollout.stops import StopMatcher, TokenTexts
 from agentrl_jax.sharding import make_mesh
 
 pytestmark = pytest.mark.gpu  # also run on a CUDA GPU: see the `gpu` marker in pyproject.toml
@@ -60,15 +61,20 @@ def test_assign_lanes_matches_a_plain_reference(shards):
         assert got == reference_lanes(lane_slot.tolist(), active.tolist(), order.tolist(), shards)
 
 
-def admit(engine, params, state, prompts, limits, stop_ids=((),)):
+def admit(engine, params, state, prompts, limits, stop_ids=((),), stop_sequences=((),), forced=(), recent=()):
     """Prefill each prompt into slot i (its own pages), with a device-side length limit of
-    ``limits[i]`` new tokens and ``stop_ids[i]``; returns the state and the first tokens."""
+    ``limits[i]`` new tokens, ``stop_ids[i]`` and ``stop_sequences[i]``, and for a resumed one
+    ``forced[i]`` >= 0 (the token it feeds) with ``recent[i]`` (its turn's tokens before that);
+    returns the state and the first tokens."""
     rows = []
     for i, (prompt, new_tokens) in enumerate(zip(prompts, limits)):
         pages = engine.pages.alloc(0, pages_for(len(prompt) + new_tokens + 8, engine.page_size))
         key = request_keys(i + 1, 1)[0]
         admission = Admission(i, pages, key, 0, SamplingParams(temperature=1.0, seed=i + 1),
-                              limit=len(prompt) + new_tokens - 1, stop_ids=stop_ids[i % len(stop_ids)])
+                              forced_token=forced[i] if i < len(forced) else -1,
+                              limit=len(prompt) + new_tokens - 1, stop_ids=stop_ids[i % len(stop_ids)],
+                              stop_sequences=stop_sequences[i % len(stop_sequences)],
+                              recent=recent[i] if i < len(recent) else ())
         rows.append(PrefillRow(shard=0, pages=pages, start=0, tokens=np.asarray(prompt, np.int32),
                                admissions=[admission]))
     state, first = engine.prefill_insert(params, state, rows)
@@ -122,6 +128,42 @@ def test_a_sampled_stop_id_frees_the_lane_on_the_device(tiny_model):
     assert valid[:, 2].tolist() == [0] * (at + 1) + [1] * (5 - at)
 
 
+def test_a_completed_stop_sequence_frees_the_lane_on_the_device(tiny_model):
+    """A stops at the step whose token completes one of its stop sequences (a stop string's
+    tokens): a pair of tokens it samples at two decode steps, first seen there; C decodes from
+    the next step. A resumed A (its token forced) matches the tokens of its turn before that one
+    too: (r, forced, next) stops it at the first decode step, which it would not without them."""
+    prompts = [[3, 17, 42, 8], [9, 8, 7], [5, 6, 7, 8, 9]]
+    probe = one_device_engine(tiny_model, max_concurrent_decodes=3, decode_batch=3)
+    params = probe.load_params(tiny_model)
+    state, first = admit(probe, params, probe.init_decode_state(), prompts, [20, 20, 20])
+    _, result = probe.generate(params, state, num_steps=6)
+    sampled = [first[0], *np.asarray(result.tokens)[:, 0].tolist()]
+    pairs = list(zip(sampled, sampled[1:]))
+    at = next(j for j in range(1, 5) if pairs[j] not in pairs[:j])  # decode step at which A's pair completes
+    engine = one_device_engine(tiny_model, max_concurrent_decodes=3, decode_batch=2)
+    never = (pairs[at][1], pairs[at][0], pairs[at][1], 127)  # a longer sequence it does not complete
+    state, _ = admit(engine, params, engine.init_decode_state(), prompts, [20, 20, 20],
+                     stop_sequences=((pairs[at], never), (), ()))
+    _, result = engine.generate(params, state, num_steps=6)
+    valid = np.asarray(result.valid)
+    assert valid[:, 0].tolist() == [1] * (at + 1) + [0] * (5 - at)
+    assert int(np.asarray(result.tokens)[at, 0]) == pairs[at][1]
+    assert valid[:, 2].tolist() == [0] * (at + 1) + [1] * (5 - at)
+
+    # resumed: A feeds a forced token f after its turn's tokens r; what it samples next is x
+    f, r = 11, [40, 41]
+    state, _ = admit(probe, params, probe.init_decode_state(), prompts, [20, 20, 20], forced=(f,), recent=(r,))
+    _, result = probe.generate(params, state, num_steps=2)
+    x = int(np.asarray(result.tokens)[0, 0])
+    for sequence, stops_at_once in (((r[-1], f, x), True), ((r[0], f, x), False)):
+        state, first = admit(engine, params, engine.init_decode_state(), prompts, [20, 20, 20],
+                             stop_sequences=((sequence,), (), ()), forced=(f,), recent=(r,))
+        assert first[0] == f
+        _, result = engine.generate(params, state, num_steps=3)
+        assert np.asarray(result.valid)[:, 0].tolist() == ([1, 0, 0] if stops_at_once else [1, 1, 1]), sequence
+
+
 def test_the_decode_kernels_chunking_changes_no_token_or_logprob():
     """`Engine(decode_kernel_programs=)` only splits the GPU kernel's work (here interpreted): rows of
     ragged lengths, one program per (row, kv head) or each row's entries in 4 chunks (some empty), sample the same
@@ -151,10 +193,10 @@ def test_the_decode_kernels_chunking_changes_no_token_or_logprob():
         one_device_engine(tiny_model, decode_kernel_programs=0)
 
 
-def drive(engine, model, coro_fn, steps=4):
+def drive(engine, model, coro_fn, steps=4, tokenize=None):
     async def main():
-        async with Driver(engine, model, steps_per_dispatch=steps, detokenize=lambda ids: " ".join(map(str, ids))) \
-                as driver:
+        async with Driver(engine, model, steps_per_dispatch=steps, detokenize=lambda ids: " ".join(map(str, ids)),
+                          tokenize=tokenize) as driver:
             return await coro_fn(driver), driver.stats()
 
     return asyncio.run(main())
@@ -207,6 +249,51 @@ def test_lanes_decode_exactly_what_a_lane_per_slot_decodes(tiny_model, seed):
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
     # with 2 lanes and plenty of ready slots, few lane-steps go to tokens that are dropped
     assert stats["kept_token_fraction"] > 0.9 and stats["slot_occupancy"] > 0.5
+
+
+def test_stop_strings_given_as_tokens_stop_on_the_device_with_the_same_completions(tiny_model):
+    """Each episode's stop string is a pair of tokens it samples (as text "a b", its tokens
+    [a, b] through `Driver(tokenize=)`), first completed there. With 2 lanes for 6 slots the
+    completions equal a lane per slot's, each ends at its pair, and no decoded step is thrown
+    away: the device stopped every turn itself (a turn stopped by the host alone decodes on
+    until the host reads it)."""
+    sampling = [SamplingParams(temperature=1.0, seed=50 + i) for i in range(6)]
+
+    async def free_run(driver):
+        return await asyncio.gather(*(driver.generate([5 + i, 9, 2 * i + 1], s, max_new_tokens=14)
+                                      for i, s in enumerate(sampling)))
+
+    wide = one_device_engine(tiny_model, max_concurrent_decodes=6)
+    probe, _ = drive(wide, tiny_model, free_run)
+    texts = TokenTexts(lambda ids: " ".join(map(str, ids)))
+    stops = []
+    for completion in probe:
+        tokens = completion.token_ids
+        for j in range(2, len(tokens) - 1):
+            text = f"{tokens[j]} {tokens[j + 1]}"  # first found by the host's text check where the pair ends
+            if StopMatcher([text], texts).first_match([], tokens)[0] == j + 1:
+                stops.append([text])
+                break
+        else:
+            stops.append([])
+    assert sum(map(bool, stops)) >= 4
+
+    async def with_stops(driver):
+        return await asyncio.gather(*(driver.generate([5 + i, 9, 2 * i + 1], s, max_new_tokens=14, stop_strings=stop)
+                                      for i, (s, stop) in enumerate(zip(sampling, stops))))
+
+    def tokenize(text):
+        return [int(t) for t in text.split()]
+
+    want, _ = drive(one_device_engine(tiny_model, max_concurrent_decodes=6), tiny_model, with_stops, tokenize=tokenize)
+    narrow = one_device_engine(tiny_model, max_concurrent_decodes=6, decode_batch=2)
+    got, stats = drive(narrow, tiny_model, with_stops, tokenize=tokenize)
+    for a, b, stop in zip(got, want, stops):
+        assert (a.token_ids, a.finish_reason, a.stop) == (b.token_ids, b.finish_reason, b.stop)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+        if stop:
+            assert a.finish_reason == "stop" and a.stop == stop[0] and a.token_ids[-2:] == tokenize(stop[0])
+    assert stats["kept_token_fraction"] == 1.0
 
 
 @pytest.mark.slow  # ~30 s on 2 CPU cores; the e2e two-step run (tests/e2e) rolls out with lanes on a sharded engine

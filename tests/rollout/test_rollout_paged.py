@@ -330,10 +330,12 @@ def test_sharded_paged_driver_equals_single_device(tiny_model):
 def test_randomized_no_leaks(tiny_model, prefix_cache, decode_batch):
     """Random arrivals, lengths, stops, multi-turn sessions, weight updates, cancellations and a
     tight page pool: every request is answered (or cancelled) and every page ends free (but the
-    prefix cache's own); also with 2 decode lanes for the 4 slots (slots wait ready for a lane)."""
+    prefix cache's own); also with 2 decode lanes for the 4 slots (slots wait ready for a lane) and
+    two-token stop strings given as tokens."""
     engine = one_device_engine(tiny_model, page_size=3, num_pages=12, decode_batch=decode_batch)
     other = make_model(1)
     rng = random.Random(0)
+    pairs = random.Random(1)  # with lanes, stop strings of two tokens the device checks too (their own draws)
     outcomes = {"done": 0, "cancelled": 0, "error": 0}
 
     async def episode(driver, i):
@@ -345,6 +347,7 @@ def test_randomized_no_leaks(tiny_model, prefix_cache, decode_batch):
                 completion = await driver.generate(
                     prompt, SamplingParams(temperature=rng.choice([0.0, 1.0]), seed=i),
                     stop_token_ids=[rng.randrange(128)], max_new_tokens=rng.randrange(1, 14), session=session,
+                    stop_strings=[f"{pairs.randrange(128)} {pairs.randrange(128)}"] if decode_batch else (),
                 )
                 assert 1 <= len(completion.token_ids)
                 prompt = [rng.randrange(1, 128) for _ in range(rng.randrange(1, 6))]
@@ -369,7 +372,8 @@ def test_randomized_no_leaks(tiny_model, prefix_cache, decode_batch):
         await driver.generate([1, 2, 3], GREEDY, max_new_tokens=2)  # one more tick: closed sessions released
         return driver.pages_in_use() - driver.stats().get("prefix_cache_pages", 0), driver.preemptions + driver.evictions
 
-    used, pressure = drive(engine, tiny_model, run, prefix_cache=prefix_cache)
+    used, pressure = drive(engine, tiny_model, run, prefix_cache=prefix_cache,
+                           detokenize=lambda ids: " ".join(map(str, ids)), tokenize=lambda s: [int(t) for t in s.split()])
     assert used == 0
     assert sum(outcomes.values()) == 14 and outcomes["done"] > 0
     assert pressure > 0, "the pool never ran short: the test does not exercise preemption"

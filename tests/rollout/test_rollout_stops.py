@@ -59,3 +59,41 @@ def test_first_match_over_a_dispatch_equals_matching_token_by_token():
                 break
         batched = StopMatcher(["</code>", "bx>", "a b"], texts)
         assert batched.first_match(before, new) == expected, trial
+
+
+def test_a_stop_strings_tokens_end_the_turn_where_its_text_would_and_without_decoding():
+    """Given "</code>" as its tokens [2, 3, 4]: those tokens end the turn at the ">" token, with no
+    text decoded; "</code>" written with other tokens ("</" "code" "x>" has no "</code>", but
+    "</" "code" ">" does) is still found in the text; the sequence also completes across the
+    tokens already held (``before``) and a dispatch's new ones, as token by token."""
+    import numpy as np
+
+    calls = []
+
+    def detokenize(ids):
+        calls.append(len(ids))
+        return "".join(VOCAB[i] for i in ids)
+
+    matcher = StopMatcher(["</code>", "bx>"], TokenTexts(detokenize), sequences=[(2, 3, 4), ()])
+    assert matcher.sequences == ((2, 3, 4), ())
+    assert matcher.first_match([0, 2], [3, 4, 0]) == (1, "</code>")
+    assert matcher.full_checks == 0  # found by its tokens: nothing decoded in context
+    assert matcher.match([1, 2, 3, 4]) == "</code>" and matcher.full_checks == 0
+    assert matcher.first_match([], [0, 1, 5]) == (2, "bx>")  # no sequence given: the text finds it
+    texts = TokenTexts(lambda ids: "".join(VOCAB[i] for i in ids))
+    rng = np.random.default_rng(1)
+    for trial in range(200):  # batched over a dispatch == token by token, sequences and text together
+        sequence = rng.choice([0, 1, 2, 3, 4, 5], 30).tolist()
+        cut = int(rng.integers(0, 30))
+        before, new = sequence[:cut], sequence[cut:]
+        step = StopMatcher(["</code>", "bx>"], texts, sequences=[(2, 3, 4), (1, 5)])
+        expected = (None, None)
+        for i in range(len(new)):
+            stop = step.match(before + new[: i + 1])
+            if stop is not None:
+                expected = (i, stop)
+                break
+        batched = StopMatcher(["</code>", "bx>"], texts, sequences=[(2, 3, 4), (1, 5)])
+        assert batched.first_match(before, new) == expected, trial
+    with pytest.raises(ValueError, match="token sequences"):
+        StopMatcher(["</code>", "bx>"], texts, sequences=[(2, 3, 4)])
