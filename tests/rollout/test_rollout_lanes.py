@@ -108,15 +108,24 @@ def test_a_stopped_slot_hands_its_lane_to_the_ready_slot_at_the_next_step(tiny_m
     np.testing.assert_allclose(log_prob[2:, 2], log_prob_w[:6, 2], atol=1e-5)
 
 
+PROMPTS = [[3, 17, 42, 8], [9, 8, 7], [5, 6, 7, 8, 9]]
+
+
+def probe_a(model):
+    """A lane per slot for `PROMPTS` (A, B, C): ``(the probe engine, params, A's first token then
+    its 6 decoded ones)``."""
+    probe = one_device_engine(model, max_concurrent_decodes=3, decode_batch=3)
+    params = probe.load_params(model)
+    state, first = admit(probe, params, probe.init_decode_state(), PROMPTS, [20, 20, 20])
+    _, result = probe.generate(params, state, num_steps=6)
+    return probe, params, [first[0], *np.asarray(result.tokens)[:, 0].tolist()]
+
+
 def test_a_sampled_stop_id_frees_the_lane_on_the_device(tiny_model):
     """A's first decoded token that it had not sampled before is made its stop id: A stops at that
     step (its token kept) and C decodes from the next."""
-    prompts = [[3, 17, 42, 8], [9, 8, 7], [5, 6, 7, 8, 9]]
-    probe = one_device_engine(tiny_model, max_concurrent_decodes=3, decode_batch=3)
-    params = probe.load_params(tiny_model)
-    state, first = admit(probe, params, probe.init_decode_state(), prompts, [20, 20, 20])
-    _, result = probe.generate(params, state, num_steps=6)
-    sampled = [first[0], *np.asarray(result.tokens)[:, 0].tolist()]
+    prompts = PROMPTS
+    _, params, sampled = probe_a(tiny_model)
     at = next(j for j in range(1, 6) if sampled[j + 1] not in sampled[: j + 1])  # decode step of A's stop
     stop = sampled[at + 1]
     engine = one_device_engine(tiny_model, max_concurrent_decodes=3, decode_batch=2)
@@ -133,12 +142,8 @@ def test_a_completed_stop_sequence_frees_the_lane_on_the_device(tiny_model):
     tokens): a pair of tokens it samples at two decode steps, first seen there; C decodes from
     the next step. A resumed A (its token forced) matches the tokens of its turn before that one
     too: (r, forced, next) stops it at the first decode step, which it would not without them."""
-    prompts = [[3, 17, 42, 8], [9, 8, 7], [5, 6, 7, 8, 9]]
-    probe = one_device_engine(tiny_model, max_concurrent_decodes=3, decode_batch=3)
-    params = probe.load_params(tiny_model)
-    state, first = admit(probe, params, probe.init_decode_state(), prompts, [20, 20, 20])
-    _, result = probe.generate(params, state, num_steps=6)
-    sampled = [first[0], *np.asarray(result.tokens)[:, 0].tolist()]
+    prompts = PROMPTS
+    probe, params, sampled = probe_a(tiny_model)
     pairs = list(zip(sampled, sampled[1:]))
     at = next(j for j in range(1, 5) if pairs[j] not in pairs[:j])  # decode step at which A's pair completes
     engine = one_device_engine(tiny_model, max_concurrent_decodes=3, decode_batch=2)

@@ -39,6 +39,15 @@ def test_stop_matcher_always_checks_pieces_it_cannot_judge():
         StopMatcher([""], texts)
 
 
+def token_by_token(matcher, before, new):
+    """``(index in new, stop)`` of the first of ``new`` at which `match` finds a stop, or ``(None, None)``."""
+    for i in range(len(new)):
+        stop = matcher.match(before + new[: i + 1])
+        if stop is not None:
+            return i, stop
+    return None, None
+
+
 def test_first_match_over_a_dispatch_equals_matching_token_by_token():
     """The driver checks a whole dispatch's tokens per slot at once; the answer (where the first
     stop string completes, and which) must be the one a token-by-token check gives."""
@@ -50,13 +59,7 @@ def test_first_match_over_a_dispatch_equals_matching_token_by_token():
         sequence = rng.integers(0, len(VOCAB), 40).tolist()
         cut = int(rng.integers(0, 40))
         before, new = sequence[:cut], sequence[cut:]
-        step = StopMatcher(["</code>", "bx>", "a b"], texts)
-        expected = (None, None)
-        for i in range(len(new)):
-            stop = step.match(before + new[: i + 1])
-            if stop is not None:
-                expected = (i, stop)
-                break
+        expected = token_by_token(StopMatcher(["</code>", "bx>", "a b"], texts), before, new)
         batched = StopMatcher(["</code>", "bx>", "a b"], texts)
         assert batched.first_match(before, new) == expected, trial
 
@@ -86,13 +89,7 @@ def test_a_stop_strings_tokens_end_the_turn_where_its_text_would_and_without_dec
         sequence = rng.choice([0, 1, 2, 3, 4, 5], 30).tolist()
         cut = int(rng.integers(0, 30))
         before, new = sequence[:cut], sequence[cut:]
-        step = StopMatcher(["</code>", "bx>"], texts, sequences=[(2, 3, 4), (1, 5)])
-        expected = (None, None)
-        for i in range(len(new)):
-            stop = step.match(before + new[: i + 1])
-            if stop is not None:
-                expected = (i, stop)
-                break
+        expected = token_by_token(StopMatcher(["</code>", "bx>"], texts, sequences=[(2, 3, 4), (1, 5)]), before, new)
         batched = StopMatcher(["</code>", "bx>"], texts, sequences=[(2, 3, 4), (1, 5)])
         assert batched.first_match(before, new) == expected, trial
     with pytest.raises(ValueError, match="token sequences"):
