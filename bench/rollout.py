@@ -508,7 +508,8 @@ def main(argv=None) -> None:
     # the ratio if every dispatched decode step ran at raw-decode speed: what the slot-steps were used for
     bound = counters["slot_occupancy"] * counters["kept_token_fraction"]
     row = {
-        "device": jax.devices()[0].device_kind, "size": args.size, "episodes": episodes, "slots": slots, "lanes": lanes, "kernel": args.kernel or "default", "kernel_programs": engine.decode_kernel_programs,
+        "device": jax.devices()[0].device_kind, "size": args.size, "episodes": episodes, "slots": slots, "lanes": lanes,
+        "kernel": args.kernel or "default", "kernel_programs": engine.decode_kernel_programs,
         "turns": args.turns, "ends": args.ends, "length_spread": args.length_spread,
         "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size, "row_tokens": engine.prefill_row_tokens,
         "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": raw and round(raw),

@@ -38,7 +38,8 @@ def _module(event) -> str:
     return str(stats.get("hlo_module") or stats.get("hlo_module_name") or "?")
 
 
-def load(trace_dir: str, by_program: dict | None = None) -> tuple[list[tuple[int, int]], int, dict[str, list[tuple[int, int]]]]:
+def load(trace_dir: str, by_program: dict | None = None
+         ) -> tuple[list[tuple[int, int]], int, dict[str, list[tuple[int, int]]]]:
     """(device kernel intervals, memcpy ns, {annotation: host intervals}) of the newest trace.
 
     ``by_program``, when given, is filled with {program: {"ns": kernel ns, "kernels": {kernel name:

@@ -124,8 +124,8 @@ def lane_decode_step(params, state: DecodeState, *, config, attend_len, dtype, a
     limit = jnp.minimum(lanes(state.limits), max_length)
     valid = live & (lengths < limit)
     recent = jnp.concatenate([lanes(state.recent)[:, 1:], tokens[:, None]], axis=1)  # [B, L], newest last
-    stopped = ((tokens[:, None] == lanes(state.stop_ids)).any(axis=-1) | completes_sequence(recent, lanes(state.stop_seqs))
-               | (lengths + 1 >= limit))
+    stopped = ((tokens[:, None] == lanes(state.stop_ids)).any(axis=-1)
+               | completes_sequence(recent, lanes(state.stop_seqs)) | (lengths + 1 >= limit))
     to = jnp.where(valid, slot, S)  # S: dropped (idle or stopped lanes)
 
     def put(field, values):

@@ -427,10 +427,12 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         """One decode step for every slot ([S] results), or `num_steps` steps in one dispatch ([N, S]).
 
         With ``decode_batch`` B < S a step computes B lanes and a slot without one has valid = 0
-        (`decode_step.lane_decode_step`); results are per slot all the same. The decode state is donated. Every live slot first gets the pages its new tokens
-        need (`reserve`; OutOfPages when a shard has too few: the `Driver` preempts before
-        that happens). A slot stops advancing (valid = 0) once it is inactive or at
-        `max_target_length`; every other stop condition is checked by the caller.
+        (`decode_step.lane_decode_step`); results are per slot all the same. The decode state
+        is donated. Every live slot first gets the pages its new tokens need (`reserve`;
+        OutOfPages when a shard has too few: the `Driver` preempts before that happens). A slot
+        stops advancing (valid = 0) once it is inactive or at `max_target_length` (with lanes
+        also at its device-side stops and limit); every other stop condition is checked by the
+        caller.
 
         With the "xla" attention every slot reads the pages of the first W entries, W =
         `attend_window` (from the host's length bounds: no device read). A caller may pass

@@ -254,7 +254,8 @@ def empty_pack(*, rows: int, row_tokens: int, window: int, num_slots: int, token
                                 np.full((tokens,), rows * row_tokens, np.int32))
     return PackedRows(
         np.zeros((rows, row_tokens), np.int32), np.full((rows, window), TRASH_PAGE, np.int32),
-        np.zeros((rows,), np.int32), np.zeros((rows,), np.int32), *_admission_arrays(num_slots, num_slots, stop_width, stop_seqs),
+        np.zeros((rows,), np.int32), np.zeros((rows,), np.int32),
+        *_admission_arrays(num_slots, num_slots, stop_width, stop_seqs),
         np.zeros((num_slots,), np.int32), np.full((num_slots,), -1, np.int32), admitted=[], compact=compact,
     )
 

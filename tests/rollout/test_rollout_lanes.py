@@ -167,6 +167,8 @@ def test_a_completed_stop_sequence_frees_the_lane_on_the_device(tiny_model):
         assert first[0] == f
         _, result = engine.generate(params, state, num_steps=3)
         assert np.asarray(result.valid)[:, 0].tolist() == ([1, 0, 0] if stops_at_once else [1, 1, 1]), sequence
+    with pytest.raises(ValueError, match="device_stop_sequences"):
+        one_device_engine(tiny_model, device_stop_sequences=(2, 0))
 
 
 def test_the_decode_kernels_chunking_changes_no_token_or_logprob():
