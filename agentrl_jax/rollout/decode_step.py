@@ -8,10 +8,10 @@ longest sequence. N steps run in one `lax.fori_loop` and stack their results as 
 
 With fewer decode lanes than slots (`DecodeState.lane_slot`, `Engine(decode_batch=)`), a
 step computes the B lanes instead (`lane_decode_step`): each lane keeps its slot until the
-slot stops (a stop id, its length limit, or a deactivation by the host), then takes the
-ready slot admitted first (`assign_lanes`); the lanes' inputs are gathered from their slots
-and their results scattered back, so results stay [N, S] per slot (valid = 0 where a slot
-did not run). A slot's tokens depend only on its own key and history, never on its lane.
+slot stops (a stop id, a stop string's tokens, its length limit, or a deactivation by the
+host), then takes the ready slot admitted first (`assign_lanes`); the lanes' inputs are
+gathered from their slots and their results scattered back, so results stay [N, S] per slot
+(valid = 0 where a slot did not run). A slot's tokens depend only on its own key and history, never on its lane.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ A tick (`Dispatcher.tick`):
    a string decodes the rest of its dispatch and one dispatch more, which are discarded).
 
 With fewer decode lanes than slots (`Engine.decode_batch`), the device itself stops a slot at
-its stop ids and length limit and hands its lane to a ready slot at the next step, so those
-steps are not lost; a slot's valid tokens in a dispatch are then the steps it held a lane.
+its stop ids, its stop strings' tokens and its length limit and hands its lane to a ready slot
+at the next step, so those steps are not lost; a slot's valid tokens in a dispatch are then
+the steps it held a lane.
 Step 1's retirement is off there (a ready slot may not run in the dispatch in flight, so its
 end is not known to fall inside it), and each read settles the slots' length bounds to what
 they hold (`SlotTable.settle`), so a slot waiting for a lane does not collect pages.
