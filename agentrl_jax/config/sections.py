@@ -98,9 +98,9 @@ class RolloutConfig(_Section):
     max_concurrent: int = _f(64, "Decode slots in the KV cache (trajectories in flight at once).")
     decode_batch: int = _f(
         0, "Sequences decoded per step (0: every slot). Fewer than max_concurrent: the other slots hold admitted "
-        "sequences ready, and a sequence that stops (eos, a stop id, its token limit) hands its decode lane to one "
-        "of them at the next step, on the device, instead of idling it until the host reads the stop "
-        "(docs/architecture.md, 'Decode lanes'). A multiple of the mesh's data shards."
+        "sequences ready, and a sequence that stops (eos, a stop id, a stop string's tokens, its token limit) hands "
+        "its decode lane to one of them at the next step, on the device, instead of idling it until the host reads "
+        "the stop (docs/architecture.md, 'Decode lanes'). A multiple of the mesh's data shards."
     )
     max_prompt_length: int = _f(1024, "Longest prompt (tokens) the engine prefills.")
     max_sequence_length: int = _f(4096, "KV-cache length per slot: prompt + all turns + observations.")
