@@ -96,7 +96,8 @@ class StopMatcher:
         or ``(None, None)``. Equals calling `match` after each appended token, one dispatch at a time."""
         for i, token in enumerate(new):
             if token in self._by_last:
-                stop = self._sequence_stop(list(before[-self._longest:]) + list(new[: i + 1]))
+                n = self._longest
+                stop = self._sequence_stop(list(before[-n:]) + list(new[max(i + 1 - n, 0): i + 1]))
                 if stop is not None:
                     return i, stop
             if self.could_complete(token):
