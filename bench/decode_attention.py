@@ -152,6 +152,8 @@ def make_inputs(batch, kv, g, s, k, context, dtype, seed=0, ragged=0.0):
     keys = jax.random.split(jax.random.key(seed), 3)
     qkv = jax.random.normal(keys[0], (batch, kv, g + 2, k), dtype)
     k_cache, v_cache = (jax.random.normal(key, (batch, kv, s, k), dtype) for key in keys[1:])
+    if not 0 <= ragged < 1:
+        raise SystemExit(f"--ragged {ragged}: the spread must be in [0, 1)")
     if ragged:
         low, high = round(context * (1 - ragged)), round(context * (1 + ragged))
         if high > s:
