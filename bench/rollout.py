@@ -502,9 +502,13 @@ def main(argv=None) -> None:
     raw_context = args.header + args.prompt + max(args.turns * args.turn_tokens // args.steps_per_dispatch, 2) * args.steps_per_dispatch // 2
     matched = None
     if args.matched_baseline and not args.no_raw:  # the same baseline from a prompt as much longer as the workload attends
-        room = raw_engine.max_prefill_length - args.header - args.prompt  # one prefill call
-        extra = min(max(timed["mean_decode_context"] - raw_context, 0), room)
-        matched = _raw_decode(raw_engine, raw_engine.load_params(model), args, vocab, extra_context=extra)
+        extra = max(timed["mean_decode_context"] - raw_context, 0)
+        # its own engine: the longer prompt is one prefill call, longer than the workload's prompts
+        matched_engine = Engine(model, max_concurrent_decodes=lanes,
+                                **{**engine_kw, "max_prefill_length": max(prompt + extra, 16)})
+        matched = _raw_decode(matched_engine, matched_engine.load_params(model), args, vocab, extra_context=extra)
+        matched_context = raw_context + extra
+        del matched_engine
     # the ratio if every dispatched decode step ran at raw-decode speed: what the slot-steps were used for
     bound = counters["slot_occupancy"] * counters["kept_token_fraction"]
     row = {
@@ -525,7 +529,7 @@ def main(argv=None) -> None:
         "sampled_tokens": timed["sampled_tokens"], "mean_decode_context": timed["mean_decode_context"],
         "raw_mean_decode_context": raw_context,
         "raw_matched_decode_tokens_per_s": matched and round(matched),
-        "raw_matched_mean_decode_context": matched and raw_context + extra,
+        "raw_matched_mean_decode_context": matched and matched_context,
         "ratio_context_matched": matched and round(rate / matched, 3),
         "peak_kv_held_tokens": timed["peak_kv_held_tokens"],
         "peak_decoding_sequences": timed["peak_decoding_sequences"], **counters,
