@@ -121,88 +121,103 @@ def _kernel(*refs, G, block_k, chunks, method, normalize, partials, bias, rope, 
             x = rounded(x * cos + x_rot * sin)
         return x
 
-    one = jnp.zeros((1,), jnp.int32)
-    k_new = prepare(one + G, one == 0, True, k_norm_ref)  # [1, K]
-    v_new = prepare(one + G + 1, one == 0, False)
-
-    def entries(ref, index, size):  # ``size`` entries from cache index ``index`` (one page at most)
-        if not page_size:
-            return ref.at[pl.ds(index, size), :]
-        return ref.at[table_ref[index // page_size], pl.ds(index % page_size, size), :]
-
-    @pl.when(first & (pos < S))
-    def _write():
-        entries(k_out, pos, 1)[...] = k_new.astype(k_out.dtype)
-        entries(v_out, pos, 1)[...] = v_new.astype(v_out.dtype)
-
     offsets = jnp.arange(block_k)
     num_blocks = jnp.maximum(pl.cdiv(end - start, block_k), 0)
     gather = page_size and block_k > page_size  # a block spans block_k / P pages
-
-    def locate(i):
-        """Block i's entries: (where to read them, which are valid). A block inside one page is
-        a slice of it; a block over several pages gathers each entry's page from the table once
-        for both the key and the value load."""
-        index = start + i * block_k + offsets
-        valid = index < end
-        if not gather:
-            return start + i * block_k, valid
-        pages = plgpu.load(table_ref.at[index // page_size], mask=valid, other=0)
-        return (pages[:, None], (index % page_size)[:, None]), valid
-
-    def load(ref, where, valid):
-        source = ref.at[where[0], where[1], cols[None, :]] if gather else entries(ref, where, block_k)
-        return plgpu.load(source, mask=valid[:, None], other=0.0)
-
     neg = jnp.float32(-1e30)  # finite: exp(neg - m) underflows to 0 without inf - inf
-    seed = jnp.maximum(1 - c, 0).astype(jnp.float32)  # 1 in chunk 0, else 0 (no bool -> float: Triton)
-    if method == "vector":
-        qs = [prepare(one + g, one == 0, True, q_norm_ref) * scale for g in range(G)]  # [1, K] each
-        # seed with the new entry: m = its logit, denom = 1, o = its value (chunk 0 only)
-        init = [(v_new * seed, jnp.where(first, jnp.sum(q * k_new), neg), seed) for q in qs]
+    # A chunk past the end of its row's entries (short rows, idle lanes, many chunks for few
+    # live rows) reads nothing: it stores an empty partial (weight 0 in the combine) and skips
+    # the projection, so the empty programs of a wide grid cost little more than their launch.
+    works = first | (num_blocks > 0)
 
-        def body(i, carry):
-            where, valid = locate(i)
-            k, v = load(k_ref, where, valid).astype(jnp.float32), load(v_ref, where, valid).astype(jnp.float32)
-            out = []
-            for q, (o, m, denom) in zip(qs, carry, strict=True):
-                s = jnp.where(valid, jnp.sum(k * q, axis=1), neg)  # [block_k]
-                m_next = jnp.maximum(m, jnp.max(s))
-                p = jnp.exp(s - m_next)
+    if not normalize:  # (one chunk: every program is its row's first)
+        @pl.when(jnp.logical_not(works))
+        def _empty():
+            n = _DOT_ROWS if method == "dot" else 1
+            zero = jnp.zeros((n,), jnp.float32)
+            for g in range(1 if method == "dot" else G):
+                _store(outs, pl.ds(g, n), jnp.zeros((n, K), jnp.float32), zero + neg, zero, False,
+                       mask=jnp.arange(n) < G if method == "dot" else None)
+
+    @pl.when(works)
+    def _attend():
+        one = jnp.zeros((1,), jnp.int32)
+        k_new = prepare(one + G, one == 0, True, k_norm_ref)  # [1, K]
+        v_new = prepare(one + G + 1, one == 0, False)
+
+        def entries(ref, index, size):  # ``size`` entries from cache index ``index`` (one page at most)
+            if not page_size:
+                return ref.at[pl.ds(index, size), :]
+            return ref.at[table_ref[index // page_size], pl.ds(index % page_size, size), :]
+
+        @pl.when(first & (pos < S))
+        def _write():
+            entries(k_out, pos, 1)[...] = k_new.astype(k_out.dtype)
+            entries(v_out, pos, 1)[...] = v_new.astype(v_out.dtype)
+
+        def locate(i):
+            """Block i's entries: (where to read them, which are valid). A block inside one page is
+            a slice of it; a block over several pages gathers each entry's page from the table once
+            for both the key and the value load."""
+            index = start + i * block_k + offsets
+            valid = index < end
+            if not gather:
+                return start + i * block_k, valid
+            pages = plgpu.load(table_ref.at[index // page_size], mask=valid, other=0)
+            return (pages[:, None], (index % page_size)[:, None]), valid
+
+        def load(ref, where, valid):
+            source = ref.at[where[0], where[1], cols[None, :]] if gather else entries(ref, where, block_k)
+            return plgpu.load(source, mask=valid[:, None], other=0.0)
+
+        seed = jnp.maximum(1 - c, 0).astype(jnp.float32)  # 1 in chunk 0, else 0 (no bool -> float: Triton)
+        if method == "vector":
+            qs = [prepare(one + g, one == 0, True, q_norm_ref) * scale for g in range(G)]  # [1, K] each
+            # seed with the new entry: m = its logit, denom = 1, o = its value (chunk 0 only)
+            init = [(v_new * seed, jnp.where(first, jnp.sum(q * k_new), neg), seed) for q in qs]
+
+            def body(i, carry):
+                where, valid = locate(i)
+                k, v = load(k_ref, where, valid).astype(jnp.float32), load(v_ref, where, valid).astype(jnp.float32)
+                out = []
+                for q, (o, m, denom) in zip(qs, carry, strict=True):
+                    s = jnp.where(valid, jnp.sum(k * q, axis=1), neg)  # [block_k]
+                    m_next = jnp.maximum(m, jnp.max(s))
+                    p = jnp.exp(s - m_next)
+                    correction = jnp.exp(m - m_next)
+                    o = o * correction + jnp.sum(p[:, None] * v, axis=0)[None, :]
+                    out.append((o, m_next, denom * correction + jnp.sum(p)))
+                return tuple(out)
+
+            final = lax.fori_loop(0, num_blocks, body, tuple(init))
+            o = [o for o, _, _ in final]
+            m = [m for _, m, _ in final]
+            denom = [denom for _, _, denom in final]
+            for g in range(G):
+                _store(outs, pl.ds(g, 1), o[g], m[g], denom[g], normalize, mask=None)
+        else:
+            rows = jnp.arange(_DOT_ROWS)
+            q = prepare(rows, rows < G, True, q_norm_ref).astype(dtype)  # [16, K], rows >= G zero
+            s_new = jnp.sum(q.astype(jnp.float32) * k_new, axis=1) * scale  # [16]
+            m0 = jnp.where(first, s_new, neg)
+            denom0 = jnp.zeros_like(s_new) + seed
+            o0 = jnp.broadcast_to(v_new, (_DOT_ROWS, K)) * seed
+
+            def body(i, carry):
+                o, m, denom = carry
+                where, valid = locate(i)
+                k = load(k_ref, where, valid)
+                s = plgpu.dot(q, k.astype(dtype).T).astype(jnp.float32) * scale  # [16, block_k]
+                s = jnp.where(valid[None, :], s, neg)
+                m_next = jnp.maximum(m, jnp.max(s, axis=1))
+                p = jnp.exp(s - m_next[:, None])
                 correction = jnp.exp(m - m_next)
-                o = o * correction + jnp.sum(p[:, None] * v, axis=0)[None, :]
-                out.append((o, m_next, denom * correction + jnp.sum(p)))
-            return tuple(out)
+                v = load(v_ref, where, valid)
+                o = o * correction[:, None] + plgpu.dot(p.astype(dtype), v.astype(dtype)).astype(jnp.float32)
+                return o, m_next, denom * correction + jnp.sum(p, axis=1)
 
-        final = lax.fori_loop(0, num_blocks, body, tuple(init))
-        o = [o for o, _, _ in final]
-        m = [m for _, m, _ in final]
-        denom = [denom for _, _, denom in final]
-        for g in range(G):
-            _store(outs, pl.ds(g, 1), o[g], m[g], denom[g], normalize, mask=None)
-    else:
-        rows = jnp.arange(_DOT_ROWS)
-        q = prepare(rows, rows < G, True, q_norm_ref).astype(dtype)  # [16, K], rows >= G zero
-        s_new = jnp.sum(q.astype(jnp.float32) * k_new, axis=1) * scale  # [16]
-        m0 = jnp.where(first, s_new, neg)
-        denom0 = jnp.zeros_like(s_new) + seed
-        o0 = jnp.broadcast_to(v_new, (_DOT_ROWS, K)) * seed
-
-        def body(i, carry):
-            o, m, denom = carry
-            where, valid = locate(i)
-            k = load(k_ref, where, valid)
-            s = plgpu.dot(q, k.astype(dtype).T).astype(jnp.float32) * scale  # [16, block_k]
-            s = jnp.where(valid[None, :], s, neg)
-            m_next = jnp.maximum(m, jnp.max(s, axis=1))
-            p = jnp.exp(s - m_next[:, None])
-            correction = jnp.exp(m - m_next)
-            v = load(v_ref, where, valid)
-            o = o * correction[:, None] + plgpu.dot(p.astype(dtype), v.astype(dtype)).astype(jnp.float32)
-            return o, m_next, denom * correction + jnp.sum(p, axis=1)
-
-        o, m, denom = lax.fori_loop(0, num_blocks, body, (o0, m0, denom0))
-        _store(outs, pl.ds(0, _DOT_ROWS), o, m, denom, normalize, mask=rows < G)
+            o, m, denom = lax.fori_loop(0, num_blocks, body, (o0, m0, denom0))
+            _store(outs, pl.ds(0, _DOT_ROWS), o, m, denom, normalize, mask=rows < G)
 
 
 def _store(outs, rows, o, m, denom, normalize, mask):

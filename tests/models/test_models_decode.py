@@ -136,7 +136,7 @@ def test_grouped_attention_matches_a_numpy_reference():
 
 
 @pytest.mark.parametrize("method", decode_attention.METHODS)
-@pytest.mark.parametrize("G,chunks", [(2, 1), (2, 4), (3, 1), (1, 2), (2, 3)])
+@pytest.mark.parametrize("G,chunks", [(2, 1), (2, 4), (3, 1), (1, 2), (2, 3), (2, 16)])
 def test_decode_attention_kernel_writes_then_attends(method, G, chunks):
     """The fused kernel == scatter the new entry, then attend over [0, position] (float64 NumPy)."""
     rng = np.random.default_rng(G * 10 + chunks)
