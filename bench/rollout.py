@@ -392,9 +392,6 @@ def main(argv=None) -> None:
     parser.add_argument("--kernel-programs", type=int, default=0,
                         help="Engine(decode_kernel_programs=N) for the rollout's engine (0: its default, 1024 with "
                              "--lanes, else 512); the raw baseline keeps its default")
-    parser.add_argument("--fixed-chunks", action="store_true",
-                        help="Engine(decode_kernel_adaptive=False): the kernel's chunks of the full batch in every "
-                             "dispatch, not more of them when few rows are live")
     parser.add_argument("--no-compaction", action="store_true",
                         help="Engine(prefill_compaction=False): the prefill's dense layers run on every row's tokens")
     parser.add_argument("--header", type=int, default=0,
@@ -460,8 +457,7 @@ def main(argv=None) -> None:
                      **({"prefill_compaction": False} if args.no_compaction else {}))  # (older trees: no such argument)
     engine = Engine(model, max_concurrent_decodes=slots, decode_batch=lanes,
                     device_stop_ids=max(len(_stop_ids(args, vocab)), 1),
-                    decode_kernel_programs=args.kernel_programs or None, decode_kernel_adaptive=not args.fixed_chunks,
-                    **engine_kw)
+                    decode_kernel_programs=args.kernel_programs or None, **engine_kw)
 
     async def run():
         async with Driver(engine, model, steps_per_dispatch=args.steps_per_dispatch,
@@ -476,10 +472,9 @@ def main(argv=None) -> None:
                 shapes = len(engine._paged_prefill_fns) + len(engine._generate_fns)
             passes = [warm]
             for seed in range(2, 2 + args.timed_passes):
-                before, chunks_before = driver.stats(), dict(engine.kernel_chunk_dispatches)
+                before = driver.stats()
                 passes.append(await _rollout(driver, args, vocab, seed=seed))
             after = driver.stats()
-            chunk_dispatches = {c: n - chunks_before.get(c, 0) for c, n in sorted(engine.kernel_chunk_dispatches.items())}
             timed_compiles = len(engine._paged_prefill_fns) + len(engine._generate_fns) - shapes
             if args.call_times:  # after the timed passes, so it does not change them
                 times = CallTimes(engine)
@@ -488,10 +483,7 @@ def main(argv=None) -> None:
             if args.profile:  # last: tracing slows the host a little
                 warmup.update(await _profiled(driver, args, vocab, seed=3 + args.timed_passes))
             counters = {**warmup, **{k: after.get(k, 0) - before.get(k, 0) for k in ("preemptions", "evictions", "shared_prefills", "split_groups")},
-                        "shapes_compiled_in_timed_passes": timed_compiles,
-                        "kernel_chunk_ladder": list(engine.decode_kernel_chunk_ladder()),
-                        "kernel_chunk_dispatches": {str(c): n for c, n in chunk_dispatches.items() if n},
-                        **_occupancy(before, after, lanes, args.steps_per_dispatch),
+                        "shapes_compiled_in_timed_passes": timed_compiles, **_occupancy(before, after, lanes, args.steps_per_dispatch),
                         **_host(before, after, passes[-1]["seconds"]),
                         **{k: after[k] - before.get(k, 0) for k in ("prefix_cache_hits", "prefix_cache_hit_tokens")
                            if k in after}}

@@ -223,7 +223,6 @@ def forward(
     token_index: jax.Array | None = None,
     row_tokens: int | None = None,
     kernel_programs: int | None = None,
-    kernel_chunks: int | None = None,
 ) -> tuple[jax.Array, LayerCache]:
     """Final hidden states of ``[B, T]`` new tokens and the cache with their keys/values.
 
@@ -251,8 +250,6 @@ def forward(
       kernel_programs: with the "pallas" attention, the fewest (row, kv head, chunk) programs
         the kernel runs per shard: each row's entries are split into chunks to reach it
         (`kernel_chunks`; default `PALLAS_MIN_PROGRAMS`).
-      kernel_chunks: with the "pallas" attention, the chunks per (row, kv head) instead
-        (at most one per cache block): the engine's choice for the rows live in a dispatch.
       write_len: ``[B]`` int32, with a page table: row b's real tokens; the keys/values of its
         padding tokens (``t >= write_len[b]``) are not written anywhere, and the real ones,
         which the caller guarantees land on distinct entries, are scattered as unique indices.
@@ -321,7 +318,7 @@ def forward(
         def kernel(table, *args):
             return pallas_attend_and_write(
                 *args, inv_freq=inv_freq, eps=config.rms_norm_eps, dtype=dtype, page_table=table,
-                min_programs=kernel_programs, chunks=kernel_chunks,
+                min_programs=kernel_programs,
             )
 
         attend = kernel
@@ -438,7 +435,6 @@ PALLAS_WARPS = 4
 PALLAS_STAGES = 3
 PALLAS_QKV_SPLITS = 4  # the QKV projection as 4 partial products over slices of D, summed in the kernel
 PALLAS_MIN_PROGRAMS = 512  # fewer (row, kv head) programs than this: split rows into chunks
-PALLAS_MAX_CHUNKS = 16  # the most chunks the engine asks for when few rows are live (`Engine.decode_kernel_chunks`)
 
 
 def kernel_block(length: int, page_size: int | None = None, preferred: int | None = None) -> int:
@@ -459,7 +455,7 @@ def kernel_chunks(programs: int, blocks: int, min_programs: int) -> int:
 
 def pallas_attend_and_write(
     positions, rope_positions, partials, bias, norms, k_cache, v_cache, *, inv_freq, eps, dtype,
-    min_programs: int | None = None, page_table=None, chunks: int | None = None,
+    min_programs: int | None = None, page_table=None,
 ):
     """One token per row through `decode_attention.decode_attention`: the QKV split-K sum, bias,
     QK-norm, RoPE, the cache write and attention in one kernel.
@@ -475,7 +471,6 @@ def pallas_attend_and_write(
         compute dtype.
       min_programs: split each row's entries into the fewest chunks that give at least
         this many (row, kv head, chunk) programs (`kernel_chunks`).
-      chunks: that many chunks instead (at most one per block).
       page_table: ``[B, Tp]`` page ids: the caches are then pools ``[N, KV, P, K]`` (see
         `paged_xla_attend_and_write`); the kernel's block is `kernel_block`'s.
 
@@ -492,7 +487,7 @@ def pallas_attend_and_write(
         S = page_table.shape[1] * page_size
     block = kernel_block(S, page_size)
     min_programs = PALLAS_MIN_PROGRAMS if min_programs is None else min_programs
-    chunks = kernel_chunks(B * KV, S // block, min_programs) if chunks is None else max(1, min(chunks, S // block))
+    chunks = kernel_chunks(B * KV, S // block, min_programs)
     q_norm, k_norm = (x.astype(dtype) for x in norms) if norms else (None, None)
     out, k_cache, v_cache = decode_attention(
         partials, positions, k_cache, v_cache, bias=bias, rope_positions=rope_positions,

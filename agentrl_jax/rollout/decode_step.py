@@ -36,21 +36,19 @@ KERNEL_ATTENTION = ("pallas", "pallas_tpu")  # the kernels read each slot up to 
 
 
 def decode_step(params, state: DecodeState, *, config, attend_len, dtype, attention, cache_spec, mesh, max_length,
-                truncation=True, shards=1, kernel_programs=None, kernel_chunks=None):
+                truncation=True, shards=1, kernel_programs=None):
     """One token for every slot: ``(new state, (tokens, valid, generated, log_prob, truncated))``, each [S];
     ``truncation``: compile the top-k / top-p sampling path (`sampling.sample`). With fewer lanes than
     slots, `lane_decode_step` (``shards``: the data shards the slots and lanes are split over).
-    ``kernel_programs``: the GPU decode kernel's fewest programs per shard, or ``kernel_chunks`` its
-    chunks per row and kv head (`models.decode.forward`)."""
+    ``kernel_programs``: the GPU decode kernel's fewest programs per shard (`models.decode.forward`)."""
     if state.num_lanes < state.lengths.shape[0]:
         return lane_decode_step(params, state, config=config, attend_len=attend_len, dtype=dtype, attention=attention,
                                 cache_spec=cache_spec, mesh=mesh, max_length=max_length, truncation=truncation,
-                                shards=shards, kernel_programs=kernel_programs, kernel_chunks=kernel_chunks)
+                                shards=shards, kernel_programs=kernel_programs)
     hidden, cache = forward(
         params, state.last_tokens[:, None], state.lengths[:, None], state.cache, state.lengths,
         config=config, attend_len=attend_len, dtype=dtype, attention=attention,
         cache_spec=cache_spec, mesh=mesh, page_table=state.page_table, kernel_programs=kernel_programs,
-        kernel_chunks=kernel_chunks,
     )
     logits = next_token_logits(hidden[:, -1], *params.output_embedding())
     tokens, log_prob, truncated = sample(logits, step_keys(state.keys, state.generated), state.sampling,
@@ -96,7 +94,7 @@ def assign_lanes(lane_slot: jax.Array, active: jax.Array, order: jax.Array, *, s
 
 
 def lane_decode_step(params, state: DecodeState, *, config, attend_len, dtype, attention, cache_spec, mesh,
-                     max_length, truncation=True, shards=1, kernel_programs=None, kernel_chunks=None):
+                     max_length, truncation=True, shards=1, kernel_programs=None):
     """One token for each of B < S lanes (see the module docstring); results per slot, each [S].
 
     A lane's slot is fed, written and sampled exactly as `decode_step` would (same key, same
@@ -118,7 +116,7 @@ def lane_decode_step(params, state: DecodeState, *, config, attend_len, dtype, a
     hidden, cache = forward(
         params, lanes(state.last_tokens)[:, None], lengths[:, None], state.cache, lengths,
         config=config, attend_len=attend_len, dtype=dtype, attention=attention,
-        cache_spec=cache_spec, mesh=mesh, page_table=table, kernel_programs=kernel_programs, kernel_chunks=kernel_chunks,
+        cache_spec=cache_spec, mesh=mesh, page_table=table, kernel_programs=kernel_programs,
     )
     logits = next_token_logits(hidden[:, -1], *params.output_embedding())
     tokens, log_prob, truncated = sample(logits, step_keys(lanes(state.keys), lanes(state.generated)),

@@ -125,12 +125,6 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         few at the end of a batch (docs/benchmarks.md, "the decode kernel's chunks": +4.5%
         tokens/s on the multi-turn workload at 64 lanes, gained in the batch's tail; -6.5%
         on a batch of 64 equal lengths).
-      decode_kernel_adaptive: count those programs over the rows a dispatch decodes, not all
-        B: as sequences finish and leave rows idle (a batch's tail), each live row's entries
-        are split into more chunks, up to `models.decode.PALLAS_MAX_CHUNKS`. The host picks the
-        chunk count per dispatch from its live slots, on a ladder of powers of two from the
-        full batch's (`decode_kernel_chunks`; one decode program each, all compiled by
-        `warmup`). False: the full batch's chunks in every dispatch.
       max_target_length: M, the longest sequence (prompt + every turn + generated).
       max_prefill_length: the largest prompt chunk one prefill takes.
       min_prefill_bucket: the smallest padded prefill length (JetStream `prefill`).
@@ -185,7 +179,6 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         device_stop_ids: int = STOP_IDS,
         device_stop_sequences: tuple[int, int] = STOP_SEQUENCES,
         decode_kernel_programs: int | None = None,
-        decode_kernel_adaptive: bool = True,
         max_target_length: int = 1024,
         max_prefill_length: int = 512,
         min_prefill_bucket: int = 16,
@@ -255,8 +248,6 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         if decode_kernel_programs < 1:
             raise ValueError(f"Engine: decode_kernel_programs must be >= 1, got {decode_kernel_programs}")
         self.decode_kernel_programs = decode_kernel_programs
-        self.decode_kernel_adaptive = decode_kernel_adaptive
-        self.kernel_chunk_dispatches: dict[int, int] = {}  # decode dispatches per kernel chunk count
         self._budget = (num_pages, kv_cache_bytes, kv_cache_memory_fraction)
         # Weights are stored in the compute dtype: `models.decode.forward` casts every weight to it
         # before use, so casting once at load gives the same values and halves the bytes a decode
@@ -269,7 +260,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         self.memory_plan: MemoryPlan | None = None
         self.pages: PageAllocator | None = None
         self.state_shardings: DecodeState | None = None
-        self._generate_fns: dict[tuple[int | None, int, bool, int | None], Any] = {}  # (steps, window, truncation, chunks)
+        self._generate_fns: dict[tuple[int | None, int, bool], Any] = {}  # (steps, window, truncation)
         self._prefill_fns: dict[tuple, Any] = {}
         self._paged_prefill_fns: dict[tuple, Any] = {}
         self._copy_fns: dict[int, Any] = {}
@@ -462,76 +453,28 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         elif not 0 < attend_len <= self.max_target_length:
             raise ValueError(f"generate: attend_len={attend_len} must be in [1, {self.max_target_length}]")
         decode_state = self._sync(decode_state)
-        chunks = self.decode_kernel_chunks(self._live_rows())
-        if chunks is not None:
-            self.kernel_chunk_dispatches[chunks] = self.kernel_chunk_dispatches.get(chunks, 0) + 1
         with TraceAnnotation("engine/launch"):
-            out = self._dispatch(params, decode_state, num_steps, attend_len, self.slots.any_truncating(), chunks)
+            out = self._dispatch(params, decode_state, num_steps, attend_len, self.slots.any_truncating())
         self.slots.advance(steps)
         return out
 
     def _dispatch(self, params: DecodeParams, decode_state: DecodeState, num_steps: int | None, attend_len: int,
-                  truncation: bool, chunks: int | None = None):
-        return self._generate_fn(num_steps, attend_len, truncation, chunks)(params, decode_state)
+                  truncation: bool):
+        return self._generate_fn(num_steps, attend_len, truncation)(params, decode_state)
 
-    def _generate_fn(self, num_steps: int | None, attend_len: int, truncation: bool, chunks: int | None):
+    def _generate_fn(self, num_steps: int | None, attend_len: int, truncation: bool):
         """The jitted decode dispatch (compiled at its first call); ``truncation``: with the top-k /
-        top-p sampling path (`sampling.sample`), for dispatches in which a live slot truncates;
-        ``chunks``: the GPU kernel's (`decode_kernel_chunks`; None: the kernel's own rule)."""
-        key = (num_steps, attend_len, truncation, chunks)
+        top-p sampling path (`sampling.sample`), for dispatches in which a live slot truncates."""
+        key = (num_steps, attend_len, truncation)
         if key not in self._generate_fns:
             step = functools.partial(
                 generate_steps, num_steps=num_steps, config=self.config, attend_len=attend_len, dtype=self._dtype,
                 truncation=truncation, attention=self.decode_attention, cache_spec=self.state_shardings.cache.k[0].spec,
                 mesh=self._mesh, max_length=self.max_target_length, shards=self.num_shards,
-                kernel_programs=self.decode_kernel_programs, kernel_chunks=chunks,
+                kernel_programs=self.decode_kernel_programs,
             )
             self._generate_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None))
         return self._generate_fns[key]
-
-    def decode_kernel_chunk_ladder(self) -> tuple[int, ...]:
-        """The GPU decode kernel's chunk counts a dispatch may take (`decode_kernel_chunks`), smallest
-        first: the full batch's (the fewest that give `decode_kernel_programs` programs per device
-        over its B / shards rows), then doubling up to `models.decode.PALLAS_MAX_CHUNKS` or one per
-        cache block. One entry without `decode_kernel_adaptive`; empty without the GPU kernel."""
-        if self.decode_attention != "pallas" or self.state_shardings is None:
-            return ()
-        blocks, kv = self._kernel_layout()
-        full = model_decode.kernel_chunks(self.decode_batch // self.num_shards * kv, blocks, self.decode_kernel_programs)
-        top = max(full, min(blocks, model_decode.PALLAS_MAX_CHUNKS)) if self.decode_kernel_adaptive else full
-        ladder = [full]
-        while ladder[-1] < top:
-            ladder.append(min(2 * ladder[-1], top))
-        return tuple(ladder)
-
-    def decode_kernel_chunks(self, live_rows: int | None = None) -> int | None:
-        """The GPU decode kernel's chunks per (row, kv head) for a dispatch in which at most
-        ``live_rows`` rows of a data shard hold a sequence (default: all of them): the fewest that
-        give `decode_kernel_programs` programs per device over the live rows, rounded up the
-        `decode_kernel_chunk_ladder` (its top if none is enough). None without the GPU kernel."""
-        ladder = self.decode_kernel_chunk_ladder()
-        if not ladder:
-            return None
-        rows = self.decode_batch // self.num_shards
-        live = rows if live_rows is None else min(max(live_rows, 1), rows)
-        blocks, kv = self._kernel_layout()
-        needed = model_decode.kernel_chunks(live * kv, blocks, self.decode_kernel_programs)
-        return next((c for c in ladder if c >= needed), ladder[-1])
-
-    def _kernel_layout(self) -> tuple[int, int]:
-        """(cache blocks per row, kv heads per device) of the GPU decode kernel."""
-        length = self.table_width * self.page_size
-        blocks = length // model_decode.kernel_block(length, self.page_size)
-        heads = self.state_shardings.cache.k[0].spec[1]  # pools [N, KV, P, K]
-        axes = () if heads is None else (heads,) if isinstance(heads, str) else tuple(heads)
-        return blocks, self.config.num_kv_heads // math.prod(self._mesh.shape[a] for a in axes)
-
-    def _live_rows(self) -> int:
-        """The most rows a data shard's decode step computes for a sequence now: its live slots,
-        at most its lanes."""
-        shards = np.bincount(np.asarray(self.slots.live_slots(), np.int64) // self._slots_per_shard,
-                             minlength=self.num_shards)
-        return int(min(shards.max(initial=0), self.decode_batch // self.num_shards))
 
     def attend_window(self, decode_state: DecodeState | None = None, num_steps: int = 1) -> int:
         """The "xla" attention window W for `num_steps` steps (see `generate`): whole pages

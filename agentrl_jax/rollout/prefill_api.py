@@ -179,9 +179,8 @@ class PagedPrefillAPI:
         """Compile now every program a driver with this prefill budget and dispatch length runs.
 
         Runs each shape of `prefill_shapes` once with padding rows only (they write the trash
-        page; no slot changes), the ``num_steps`` decode dispatches ("pallas": one per kernel
-        chunk count of `decode_kernel_chunk_ladder`; "xla": one per attention window) while no
-        slot is live, and
+        page; no slot changes), one ``num_steps`` decode dispatch ("pallas": the only decode
+        program; "xla": one per attention window, each run once) while no slot is live, and
         the batched slot frees of every size. With ``truncation`` the prefill and decode
         programs are compiled twice: also with the top-k / top-p sampling path, which calls
         run while a request with `SamplingParams.truncates` is admitted or decoding.
@@ -204,10 +203,8 @@ class PagedPrefillAPI:
         lengths = [self.table_width * self.page_size] if self.decode_attention in KERNEL_ATTENTION else sorted(
             {min(pages_for(attend_bucket(n, self.max_target_length, self._attend_granule), self.page_size),
                  self.table_width) * self.page_size for n in range(steps, self.max_target_length + steps + 1)})
-        chunk_counts = self.decode_kernel_chunk_ladder() or (None,)  # the GPU kernel: one program per count
-        for attend_len, truncates, chunks in itertools.product(lengths, variants, chunk_counts):
-            # no live slot: all write the trash page
-            decode_state, _ = self._dispatch(params, self._sync(decode_state), num_steps, attend_len, truncates, chunks)
+        for attend_len, truncates in itertools.product(lengths, variants):  # no live slot: all write the trash page
+            decode_state, _ = self._dispatch(params, self._sync(decode_state), num_steps, attend_len, truncates)
         frees = 1
         while True:  # the batched slot frees, padded to powers of two (`SlotTable`; slot S: dropped)
             decode_state = self._deactivate(decode_state, np.full((frees,), self._slots, np.int32))
@@ -215,7 +212,7 @@ class PagedPrefillAPI:
                 break
             frees *= 2
         jax.block_until_ready(decode_state)
-        stats = {"prefill_shapes": len(self.prefill_shapes(token_budget)), "decode_shapes": len(lengths) * len(chunk_counts),
+        stats = {"prefill_shapes": len(self.prefill_shapes(token_budget)), "decode_shapes": len(lengths),
                  "seconds": time.perf_counter() - started}
         logger.info("rollout warm-up: %d prefill and %d decode programs in %.1f s", stats["prefill_shapes"],
                     stats["decode_shapes"], stats["seconds"])

@@ -200,37 +200,6 @@ def test_the_decode_kernels_chunking_changes_no_token_or_logprob():
         one_device_engine(tiny_model, decode_kernel_programs=0)
 
 
-def test_the_kernels_chunks_follow_the_live_rows_and_change_no_token_or_logprob():
-    """`Engine(decode_kernel_adaptive=True)` (the default): once two of three slots are freed, the
-    next dispatch splits the last row's entries into more chunks (the ladder's top), and it samples
-    what the full batch's chunk count samples."""
-    tiny_model = make_model(head_dim=16)
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(1, 128, n).tolist() for n in (20, 35, 41)]
-    runs = {}
-    for adaptive in (False, True):
-        engine = one_device_engine(tiny_model, max_concurrent_decodes=3, page_size=16, max_prefill_length=48,
-                                   max_target_length=128, decode_attention="pallas", decode_kernel_programs=16,
-                                   decode_kernel_adaptive=adaptive)
-        params = engine.load_params(tiny_model)
-        state, _ = admit(engine, params, engine.init_decode_state(), prompts, [12, 12, 12])
-        state, before = engine.generate(params, state, num_steps=3)
-        for slot in (0, 1):
-            engine.free_resource(slot)
-        state, after = engine.generate(params, state, num_steps=4)
-        runs[adaptive] = engine, np.asarray(before.tokens), np.asarray(after.tokens)[:, 2], np.asarray(after.log_prob)[:, 2]
-    # blocks of 32 entries: 4 in the 128-entry table; 4 kv heads; 16 programs: 2 chunks over 3 rows (12
-    # programs a chunk) or 2, 4 over one
-    adaptive, fixed = runs[True][0], runs[False][0]
-    assert adaptive.decode_kernel_chunk_ladder() == (2, 4) and fixed.decode_kernel_chunk_ladder() == (2,)
-    assert [adaptive.decode_kernel_chunks(n) for n in (3, 2, 1)] == [2, 2, 4]
-    assert adaptive.kernel_chunk_dispatches == {2: 1, 4: 1} and fixed.kernel_chunk_dispatches == {2: 2}
-    np.testing.assert_array_equal(runs[True][1], runs[False][1])
-    np.testing.assert_array_equal(runs[True][2], runs[False][2])
-    np.testing.assert_allclose(runs[True][3], runs[False][3], atol=1e-5)
-    assert one_device_engine(tiny_model).decode_kernel_chunk_ladder() == ()  # the xla attention: no kernel
-
-
 def drive(engine, model, coro_fn, steps=4, tokenize=None):
     async def main():
         async with Driver(engine, model, steps_per_dispatch=steps, detokenize=lambda ids: " ".join(map(str, ids)),
