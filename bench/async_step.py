@@ -53,7 +53,7 @@ def latency_env(turns: int, median: float, sigma: float, cap: float, seed: int):
             self.turn += 1
             await asyncio.sleep(min(rng.lognormvariate(0.0, sigma) * median, cap))
             if self.turn >= turns:
-                return StepResult("", float(len(action_text) % 2), True, {"finish_reason": "answer"})
+                return StepResult("", float(len(action_text) % 2), True, finish_reason="answer")
             return StepResult("<interpreter>42</interpreter>", 0.0, False)
 
     return lambda config, pool, verifier, tokenizer: LatencyToolEnv
@@ -98,6 +98,11 @@ def summarize(mode: str, steps: list[dict], warmup: int) -> dict:
     import numpy as np
 
     steady = steps[warmup:] or steps[-1:]
+    empty = [s.get("step") for s in steady if s.get("train/empty_batch")]
+    if empty:  # a step that trained nothing would time a rollout only: not an RL step
+        finishes = {k: v for k, v in steady[0].items() if k.startswith("rollout/finish/") and v}
+        raise SystemExit(f"{mode}: steps {empty} trained no token (every episode masked; finish reasons of the "
+                         f"first: {finishes}); fix the environment before reading the times")
     mean = lambda key: float(np.mean([s.get(key, 0.0) for s in steady]))  # noqa: E731
     return {
         "mode": mode, "step_s": mean("time/step"), "rollout_s": mean("time/rollout"), "update_s": mean("time/update"),
