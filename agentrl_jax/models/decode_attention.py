@@ -19,7 +19,9 @@ cache and no combine after the kernel: 6 fewer kernels per layer than XLA + JAX'
 ``pallas.ops.gpu.decode_attention`` (docs/benchmarks.md). One program per (row, kv head)
 when there are many rows; with few rows, or rows of ragged lengths, each row's own entries
 are split evenly into chunks of whole blocks (more, smaller programs keep the SMs busy and
-even out long and short rows) whose float32 partial results a few XLA ops combine.
+even out long and short rows) whose float32 partial results a few XLA ops combine. A chunk
+with no entries (a short row's upper chunks, an idle row's) stores an empty partial and
+skips the projection and the loads.
 
 Two ways to compute a block's logits and outputs: ``"dot"`` (``tl.dot`` on the tensor
 cores with the G heads padded to a 16-row tile; the faster one on H200) and ``"vector"``
