@@ -127,9 +127,9 @@ def _kernel(*refs, G, block_k, chunks, method, normalize, partials, bias, rope, 
     num_blocks = jnp.maximum(pl.cdiv(end - start, block_k), 0)
     gather = page_size and block_k > page_size  # a block spans block_k / P pages
     neg = jnp.float32(-1e30)  # finite: exp(neg - m) underflows to 0 without inf - inf
-    # A chunk past the end of its row's entries (short rows, idle lanes, many chunks for few
-    # live rows) reads nothing: it stores an empty partial (weight 0 in the combine) and skips
-    # the projection, so the empty programs of a wide grid cost little more than their launch.
+    # A chunk past the end of its row's entries (a short row's upper chunks, an idle lane's)
+    # reads nothing: it stores an empty partial (weight 0 in the combine) and skips the
+    # projection, so an empty program costs little more than its launch.
     works = first | (num_blocks > 0)
 
     if not normalize:  # (one chunk: every program is its row's first)
