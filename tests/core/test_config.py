@@ -4,6 +4,7 @@ import dataclasses
 import textwrap
 
 import pytest
+from repo_scripts import load_script
 
 from agentrl_jax import config as cfg
 from agentrl_jax.config import Config, ConfigError, apply_overrides
@@ -178,12 +179,7 @@ def test_environment_keys_of_the_flat_section_still_set(name):
 
 def _base(name):
     # load_config would ask for the data paths; the keys are what is under test
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"_cfg_{name}", f"configs/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return load_script(f"configs/{name}.py", f"_cfg_{name}").get_config()
 
 
 def test_switching_environment_from_the_command_line():

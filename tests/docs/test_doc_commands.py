@@ -24,7 +24,6 @@ headings.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import re
 import shlex
@@ -32,6 +31,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from repo_scripts import load_script
 
 from agentrl_jax.config import Config, ConfigError, load_config
 
@@ -52,14 +52,7 @@ FILE_SUFFIXES = {"py", "md", "json", "jsonl", "ipynb", "parquet"}
 FENCE = re.compile(r"^```(\S*)[ \t]*(.*?)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 
-def _launcher():
-    spec = importlib.util.spec_from_file_location("tpu_pod_launcher", ROOT / "launch" / "tpu_pod.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-LAUNCHER = _launcher()
+LAUNCHER = load_script("launch/tpu_pod.py", "tpu_pod_launcher")
 
 
 def shell_blocks():

@@ -5,20 +5,14 @@ would time steps that train nothing), and its summary refuses such steps."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from repo_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("async_step", ROOT / "bench" / "async_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/async_step.py")
 
 
 def test_the_latency_env_answers_after_its_turns(bench):

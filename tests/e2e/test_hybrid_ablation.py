@@ -3,7 +3,6 @@ preflight, and (slow) the documented end-to-end check of 1 seed x 2 arms x 3 ste
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import os
@@ -13,18 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from repo_scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("hybrid_ablation", ROOT / "bench" / "hybrid_ablation.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ablation = _script()
+ablation = load_script("bench/hybrid_ablation.py")
 
 
 def test_steps_to_threshold_uses_the_trailing_window():
@@ -170,10 +163,7 @@ def test_documented_end_to_end_check_runs(tmp_path):
 
 
 def _diagnostic():
-    spec = importlib.util.spec_from_file_location("hint_diagnostic", ROOT / "bench" / "hint_diagnostic.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench/hint_diagnostic.py")
 
 
 def test_scripted_failures_diverge_where_the_mistake_is(tmp_path):

@@ -5,7 +5,6 @@ real server on 127.0.0.1 (retries, timeouts, 4xx), and config loading."""
 import asyncio
 import collections
 import http.server
-import importlib.util
 import json
 import math
 import re
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from repo_scripts import load_script
 
 from agentrl_jax.config import ConfigError, load_config
 from agentrl_jax.envs import (
@@ -456,9 +456,7 @@ def test_docs_example_runs(tmp_path, monkeypatch, capsys):
 
 
 def test_docs_launch_command_loads():
-    spec = importlib.util.spec_from_file_location("tpu_pod", DOC.parents[1] / "launch" / "tpu_pod.py")
-    launcher = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(launcher)
+    launcher = load_script("launch/tpu_pod.py")
     (command,) = _doc_blocks("bash")
     argv = shlex.split(command.replace("\\\n", " "))
     assert argv[:2] == ["python", "launch/tpu_pod.py"]
