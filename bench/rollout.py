@@ -250,6 +250,11 @@ def _padded_tokens(engine, rows, row_cap) -> tuple[int, int]:
     return (engine.num_shards * per_shard * T,) * 2
 
 
+def _raw_steps(args) -> int:
+    """The raw baseline's decode steps: turns x turn_tokens in whole dispatches, at least two."""
+    return max(args.turns * args.turn_tokens // args.steps_per_dispatch, 2) * args.steps_per_dispatch
+
+
 def _raw_decode(engine, params, args, vocab: int, trace_dir: str | None = None, extra_context: int = 0) -> float:
     """Tokens/s of `engine.generate` with every slot holding a `--prompt`-token prompt (the
     driver's decode loop without prefills, tools or stop checks). Each dispatch is queued
@@ -270,7 +275,7 @@ def _raw_decode(engine, params, args, vocab: int, trace_dir: str | None = None, 
     samples = args.group_size if args.raw_layout == "group" else 1
     prefix, _ = engine.prefill(params=params, padded_tokens=tokens, true_length=tokens.size,
                                sampler=SamplingParams(temperature=1.0, seed=0), num_samples=samples)
-    dispatches = max(args.turns * args.turn_tokens // args.steps_per_dispatch, 2)
+    dispatches = _raw_steps(args) // args.steps_per_dispatch
     for timed in (False, True):  # the first pass compiles
         state = engine.init_decode_state()
         state = _fill(engine, prefix, state, samples)
@@ -499,7 +504,7 @@ def main(argv=None) -> None:
     raw_lanes = None if args.no_raw or raw_engine is engine else _raw_decode(engine, engine.load_params(model),
                                                                                args, vocab)
     rate = timed["sampled_tokens"] / timed["seconds"]
-    raw_context = args.header + args.prompt + max(args.turns * args.turn_tokens // args.steps_per_dispatch, 2) * args.steps_per_dispatch // 2
+    raw_context = args.header + args.prompt + _raw_steps(args) // 2  # the baseline's mean context
     matched = None
     if args.matched_baseline and not args.no_raw:  # the same baseline from a prompt as much longer as the workload attends
         extra = max(timed["mean_decode_context"] - raw_context, 0)

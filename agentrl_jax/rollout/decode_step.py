@@ -11,7 +11,8 @@ step computes the B lanes instead (`lane_decode_step`): each lane keeps its slot
 slot stops (a stop id, a stop string's tokens, its length limit, or a deactivation by the
 host), then takes the ready slot admitted first (`assign_lanes`); the lanes' inputs are
 gathered from their slots and their results scattered back, so results stay [N, S] per slot
-(valid = 0 where a slot did not run). A slot's tokens depend only on its own key and history, never on its lane.
+(valid = 0 where a slot did not run). A slot's tokens depend only on its own key and history,
+never on its lane.
 """
 
 from __future__ import annotations
