@@ -4,6 +4,8 @@ Usage (GPU):
     python bench/decode.py --sizes 0.6b,1.7b,4b --batches 1,16,64,256 --prompt 512 --gen 1024
 Kernel by kernel (GPU; two dispatches at the run's mean context) and other kernel settings:
     python bench/decode.py --sizes 1.7b --batches 64 --no-hf --profile --kernel block_k=64,stages=2
+XLA's GEMMs against the engine's default cuBLAS ones (`Engine(decode_compiler_options=)`), in one run:
+    python bench/decode.py --sizes 1.7b --batches 64 --no-hf --compiler-options "none;default"
 Quick check (CPU, < 1 min):
     python bench/decode.py --tiny
 
@@ -83,8 +85,35 @@ def qwen3_model(size: str):
     return Decoder(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)), dtype
 
 
+def compiler_options(text: str) -> dict | None:
+    """``--compiler-options`` (one set) as `Engine(decode_compiler_options=)`: "" or "default" -> None
+    (the engine's platform default), "none" -> {} (XLA's defaults), "name=value,..." -> a dict
+    (true / false -> bool, numbers -> int or float, else the string)."""
+    text = text.strip()
+    if text in ("", "default"):
+        return None
+    if text == "none":
+        return {}
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--compiler-options: {item!r} is not name=value")
+        if value.lower() in ("true", "false"):
+            options[key] = value.lower() == "true"
+        else:
+            try:
+                options[key] = int(value)
+            except ValueError:
+                try:
+                    options[key] = float(value)
+                except ValueError:
+                    options[key] = value
+    return options
+
+
 def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int, attention: str,
-                profile: bool = False, page_size: int = 32, max_length: int = 0) -> list[dict]:
+                profile: bool = False, page_size: int = 32, max_length: int = 0, options: str = "") -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -103,8 +132,12 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
             engine = Engine(model, mesh=mesh, max_concurrent_decodes=batch,
                             max_target_length=max_length or prompt + gen + 1,
                             max_prefill_length=prompt, cache_dtype=dtype, page_size=page_size,
-                            decode_attention=None if attention == "default" else attention)
+                            decode_attention=None if attention == "default" else attention,
+                            decode_compiler_options=compiler_options(options))
             row["impl"] = f"agentrl_jax ({engine.decode_attention} attention, pages of {page_size})"
+            row["compiler_options"] = engine.decode_compiler_options
+            if options:
+                row["impl"] += f" options={engine.decode_compiler_options or 'none'}"
             if engine.decode_attention == "pallas":
                 from agentrl_jax.models import decode
 
@@ -264,12 +297,12 @@ def _rates(size: str, batch: int, prompt: int, steps: int, seconds: float, dtype
     }
 
 
-def _run_worker(kind: str, size: str, args, kernel: str = "") -> list[dict]:
+def _run_worker(kind: str, size: str, args, kernel: str = "", options: str = "") -> list[dict]:
     batches = args.hf_batches if kind == "hf" else args.batches
     cmd = [sys.executable, __file__, "--worker", kind, "--sizes", size, "--batches", batches,
            "--prompt", str(args.prompt), "--gen", str(args.gen), "--steps-per-dispatch", str(args.steps_per_dispatch),
            "--hf-cache", args.hf_cache, "--decode-attention", args.decode_attention, "--kernel", kernel,
-           "--page-size", str(args.page_size), "--max-length", str(args.max_length)] + (
+           "--page-size", str(args.page_size), "--max-length", str(args.max_length), "--compiler-options", options] + (
                ["--profile"] if args.profile else [])
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
@@ -343,6 +376,9 @@ def main(argv=None) -> None:
     parser.add_argument("--kernel", default="", help="override the Pallas kernel's settings, e.g. "
                         "method=dot,block_k=32,warps=4,stages=3,min_programs=1024 (models/decode.py PALLAS_*); "
                         "several settings separated by ';' run one after the other ('' = the defaults)")
+    parser.add_argument("--compiler-options", default="",
+                        help="Engine(decode_compiler_options=): 'name=value,...', 'none' (XLA's defaults) or 'default' "
+                             "(the engine's platform default); several sets separated by ';' run one after the other")
     parser.add_argument("--profile", action="store_true", help="print the busiest kernels per step (GPU)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: a < 1 min smoke run")
     parser.add_argument("--json", help="also write the rows to this JSON file")
@@ -359,11 +395,14 @@ def main(argv=None) -> None:
     kernels = args.kernel.split(";")
     for kernel in kernels:  # checks the values here; each worker sets its own in its own process
         _set_kernel(kernel)
+    option_sets = args.compiler_options.split(";")
+    for options in option_sets:
+        compiler_options(options)
     if args.worker:
         size, batches = args.sizes, _ints(args.batches)
         if args.worker == "jax":
             rows = _jax_worker(size, batches, args.prompt, args.gen, args.steps_per_dispatch, args.decode_attention,
-                               args.profile, args.page_size, args.max_length)
+                               args.profile, args.page_size, args.max_length, args.compiler_options)
         else:
             rows = _hf_worker(size, batches, args.prompt, args.gen, args.hf_cache)
         for row in rows:
@@ -374,7 +413,8 @@ def main(argv=None) -> None:
         if size not in QWEN3:
             parser.error(f"--sizes: unknown size {size!r}; known: {sorted(QWEN3)}")
         for kernel in kernels:
-            rows += _run_worker("jax", size, args, kernel)
+            for options in option_sets:
+                rows += _run_worker("jax", size, args, kernel, options)
         if not args.no_hf:
             rows += _run_worker("hf", size, args)
         print(_table(rows, args), flush=True)

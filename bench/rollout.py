@@ -397,6 +397,9 @@ def main(argv=None) -> None:
     parser.add_argument("--kernel-programs", type=int, default=0,
                         help="Engine(decode_kernel_programs=N) for the rollout's engine (0: its default, 1024 with "
                              "--lanes, else 512); the raw baseline keeps its default")
+    parser.add_argument("--compiler-options", default="",
+                        help="Engine(decode_compiler_options=) for every engine of the run (bench/decode.py's "
+                             "syntax: 'name=value,...', 'none' or 'default')")
     parser.add_argument("--no-compaction", action="store_true",
                         help="Engine(prefill_compaction=False): the prefill's dense layers run on every row's tokens")
     parser.add_argument("--header", type=int, default=0,
@@ -437,7 +440,7 @@ def main(argv=None) -> None:
         args.turn_tokens, args.observation, args.steps_per_dispatch, args.page_size = 16, 4, 4, 8
 
     import jax
-    from decode import qwen3_model
+    from decode import compiler_options, qwen3_model
 
     from agentrl_jax.rollout import Driver, Engine
     from agentrl_jax.sharding import make_mesh
@@ -458,7 +461,7 @@ def main(argv=None) -> None:
     engine_kw = dict(mesh=make_mesh({"data": 1}, jax.devices()[:1]),
                      max_target_length=args.max_length or longest, max_prefill_length=max(min(prompt, 2048), 16),
                      cache_dtype=dtype, page_size=args.page_size, kv_cache_memory_fraction=args.kv_fraction,
-                     prefill_row_tokens=args.row_tokens,
+                     prefill_row_tokens=args.row_tokens, decode_compiler_options=compiler_options(args.compiler_options),
                      **({"prefill_compaction": False} if args.no_compaction else {}))  # (older trees: no such argument)
     engine = Engine(model, max_concurrent_decodes=slots, decode_batch=lanes,
                     device_stop_ids=max(len(_stop_ids(args, vocab)), 1),
@@ -519,6 +522,7 @@ def main(argv=None) -> None:
     row = {
         "device": jax.devices()[0].device_kind, "size": args.size, "episodes": episodes, "slots": slots, "lanes": lanes,
         "kernel": args.kernel or "default", "kernel_programs": engine.decode_kernel_programs,
+        "decode_compiler_options": engine.decode_compiler_options,
         "turns": args.turns, "ends": args.ends, "length_spread": args.length_spread,
         "turn_tokens": args.turn_tokens, "tool_latency_s": args.tool_latency, "page_size": args.page_size, "row_tokens": engine.prefill_row_tokens,
         "rollout_tokens_per_s": round(rate), "raw_decode_tokens_per_s": raw and round(raw),

@@ -92,6 +92,12 @@ from agentrl_jax.sharding import Rules, inference_rules, logical_to_spec, make_m
 logger = logging.getLogger(__name__)
 
 DEFAULT_MEMORY_FRACTION = 0.8  # of the free device memory, for the KV pool, when nothing else is set
+# XLA options the decode dispatch compiles with on GPU meshes, when `Engine(decode_compiler_options=)` is None.
+# A decode step's weight matmuls have M = the batch (64): XLA's autotuner picks split-K Triton GEMMs for
+# them, whose float32 partials the next fusion reads again; cuBLAS reads the weights once
+# (docs/benchmarks.md, "cuBLAS for the decode GEMMs"). Per program (`jax.jit(compiler_options=)`), so
+# the trainer's and the prefill's programs keep XLA's own choice.
+GPU_DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
 class Engine(DensePrefixAPI, PagedPrefillAPI):
@@ -125,6 +131,10 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         few at the end of a batch (docs/benchmarks.md, "the decode kernel's chunks": +4.5%
         tokens/s on the multi-turn workload at 64 lanes, gained in the batch's tail; -6.5%
         on a batch of 64 equal lengths).
+      decode_compiler_options: XLA options (``jax.jit(compiler_options=)``) for the decode
+        dispatch programs only, e.g. ``{"xla_gpu_enable_triton_gemm": False}``. Default:
+        `GPU_DECODE_COMPILER_OPTIONS` on GPU meshes (cuBLAS for the decode step's skinny weight
+        matmuls), none elsewhere; ``{}`` compiles with XLA's defaults.
       max_target_length: M, the longest sequence (prompt + every turn + generated).
       max_prefill_length: the largest prompt chunk one prefill takes.
       min_prefill_bucket: the smallest padded prefill length (JetStream `prefill`).
@@ -179,6 +189,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         device_stop_ids: int = STOP_IDS,
         device_stop_sequences: tuple[int, int] = STOP_SEQUENCES,
         decode_kernel_programs: int | None = None,
+        decode_compiler_options: dict[str, Any] | None = None,
         max_target_length: int = 1024,
         max_prefill_length: int = 512,
         min_prefill_bucket: int = 16,
@@ -248,6 +259,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         if decode_kernel_programs < 1:
             raise ValueError(f"Engine: decode_kernel_programs must be >= 1, got {decode_kernel_programs}")
         self.decode_kernel_programs = decode_kernel_programs
+        self.decode_compiler_options = _decode_compiler_options(decode_compiler_options, self._mesh)
         self._budget = (num_pages, kv_cache_bytes, kv_cache_memory_fraction)
         # Weights are stored in the compute dtype: `models.decode.forward` casts every weight to it
         # before use, so casting once at load gives the same values and halves the bytes a decode
@@ -473,7 +485,8 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
                 mesh=self._mesh, max_length=self.max_target_length, shards=self.num_shards,
                 kernel_programs=self.decode_kernel_programs,
             )
-            self._generate_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None))
+            self._generate_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None),
+                                              compiler_options=self.decode_compiler_options or None)
         return self._generate_fns[key]
 
     def attend_window(self, decode_state: DecodeState | None = None, num_steps: int = 1) -> int:
@@ -482,6 +495,24 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         longest = self.slots.longest() if self.slots is not None else 0
         window = attend_bucket(longest + num_steps, self.max_target_length, self._attend_granule)
         return min(pages_for(window, self.page_size), self.table_width) * self.page_size
+
+
+def _decode_compiler_options(options: dict[str, Any] | None, mesh: Mesh) -> dict[str, Any]:
+    """`Engine(decode_compiler_options=)` checked, or the platform's default (`GPU_DECODE_COMPILER_OPTIONS`)."""
+    if options is None:
+        on_gpu = all(d.platform == "gpu" for d in mesh.devices.flat)
+        return dict(GPU_DECODE_COMPILER_OPTIONS) if on_gpu else {}
+    if not isinstance(options, dict) or not all(
+            isinstance(k, str) and isinstance(v, (bool, int, float, str)) for k, v in options.items()):
+        raise ValueError(f"Engine: decode_compiler_options must be a dict of XLA option name -> bool, number or "
+                         f"string, got {options!r}")
+    if options:  # an unknown name or a bad value fails here, not at the first decode's compile
+        probe = jax.jit(lambda x: x + 1, compiler_options=options)
+        try:
+            probe.lower(jax.ShapeDtypeStruct((1,), jnp.int32)).compile()
+        except Exception as e:  # noqa: BLE001  (XLA raises its runtime error type)
+            raise ValueError(f"Engine: decode_compiler_options={options!r}: {e}") from e
+    return dict(options)
 
 
 def _check_sizes(*, num_pages, kv_cache_bytes, kv_cache_memory_fraction, **sizes) -> None:

@@ -1,6 +1,8 @@
 """Engine: teacher-forced parity, exact trainer logprobs, batch/slot invariance, prefix extension,
 group prefill, sharded == single-device."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -324,3 +326,51 @@ def test_compilation_cache_dir_stores_compiled_programs(tmp_path, tiny_model):
         jax.config.update("jax_compilation_cache_dir", None)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
         compilation_cache.reset_cache()
+
+
+def test_decode_compiler_options_default_per_platform_and_bad_options_name_the_field(tiny_model):
+    from agentrl_jax.rollout.engine import GPU_DECODE_COMPILER_OPTIONS
+
+    mesh = make_mesh({"data": 1}, jax.devices()[:1])
+    default = Engine(tiny_model, mesh=mesh, **ENGINE_KW).decode_compiler_options
+    assert default == (GPU_DECODE_COMPILER_OPTIONS if jax.devices()[0].platform == "gpu" else {})
+    assert Engine(tiny_model, mesh=mesh, decode_compiler_options={}, **ENGINE_KW).decode_compiler_options == {}
+    for bad in ({"xla_no_such_option": True}, {"xla_gpu_enable_triton_gemm": "maybe"}, ["xla_gpu_enable_triton_gemm"]):
+        with pytest.raises(ValueError, match="decode_compiler_options"):
+            Engine(tiny_model, mesh=mesh, decode_compiler_options=bad, **ENGINE_KW)
+
+
+def test_decode_compiler_options_decode_the_same_tokens(engine, params, tiny_model):
+    """The decode program compiled with other XLA options (on GPU: XLA's Triton GEMMs instead of the
+    default cuBLAS ones; on CPU: no backend optimization) decodes the same tokens and logprobs."""
+    options = ({"xla_gpu_enable_triton_gemm": True} if jax.devices()[0].platform == "gpu"
+               else {"xla_backend_optimization_level": 0})
+    other = Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), decode_compiler_options=options,
+                   **ENGINE_KW)
+    sampler = SamplingParams(temperature=1.0, seed=5)
+    [(ref_tokens, ref_logp)] = run_requests(engine, params, [PROMPT], [0], sampler)
+    [(tokens, logp)] = run_requests(other, other.load_params(tiny_model), [PROMPT], [0], sampler)
+    assert tokens == ref_tokens
+    np.testing.assert_allclose(logp, ref_logp, atol=1e-5)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the GPU GEMM choice")
+def test_gpu_decode_weight_matmuls_run_on_cublas_by_default():
+    """At the 1.7B shape's batch-64 decode step XLA would pick Triton GEMMs (forced here by turning
+    off its cuBLAS fallback); the engine's default options compile cuBLAS ones instead."""
+    model = Decoder(dataclasses.replace(TINY, vocab_size=4096, hidden_size=2048, intermediate_size=6144, num_layers=1,
+                                        num_heads=16, num_kv_heads=8, head_dim=128),
+                    dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    mesh = make_mesh({"data": 1}, jax.devices()[:1])
+    kw = dict(max_concurrent_decodes=64, max_target_length=256, max_prefill_length=64)
+
+    def compiled_text(options):
+        engine = Engine(model, mesh=mesh, decode_compiler_options=options, **kw)
+        params, state = engine.load_params(model), engine.init_decode_state()
+        attend = engine.table_width * engine.page_size
+        return engine._generate_fn(4, attend, False).lower(params, state).compile().as_text()
+
+    default = compiled_text(None)
+    assert "__cublas$gemm" in default and "__triton_gemm" not in default
+    triton = compiled_text({"xla_gpu_enable_triton_gemm": True, "xla_gpu_cublas_fallback": False})
+    assert "__triton_gemm" in triton
