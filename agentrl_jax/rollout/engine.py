@@ -510,7 +510,7 @@ def _decode_compiler_options(options: dict[str, Any] | None, mesh: Mesh) -> dict
         probe = jax.jit(lambda x: x + 1, compiler_options=options)
         try:
             probe.lower(jax.ShapeDtypeStruct((1,), jnp.int32)).compile()
-        except Exception as e:  # noqa: BLE001  (XLA raises its runtime error type)
+        except jax.errors.JaxRuntimeError as e:
             raise ValueError(f"Engine: decode_compiler_options={options!r}: {e}") from e
     return dict(options)
 

@@ -2,6 +2,7 @@
 group prefill, sharded == single-device."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -362,7 +363,7 @@ def test_gpu_decode_weight_matmuls_run_on_cublas_by_default():
                                         num_heads=16, num_kv_heads=8, head_dim=128),
                     dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     mesh = make_mesh({"data": 1}, jax.devices()[:1])
-    kw = dict(max_concurrent_decodes=64, max_target_length=256, max_prefill_length=64)
+    kw = {"max_concurrent_decodes": 64, "max_target_length": 256, "max_prefill_length": 64}
 
     def compiled_text(options):
         engine = Engine(model, mesh=mesh, decode_compiler_options=options, **kw)
@@ -370,7 +371,12 @@ def test_gpu_decode_weight_matmuls_run_on_cublas_by_default():
         attend = engine.table_width * engine.page_size
         return engine._generate_fn(4, attend, False).lower(params, state).compile().as_text()
 
+    def gemm_calls(text):  # cuBLAS GEMM custom calls: __cublas$gemm, __cublas$lt$matmul
+        return re.findall(r'custom_call_target="(__cublas[^"]*)"', text)
+
     default = compiled_text(None)
-    assert "__cublas$gemm" in default and "__triton_gemm" not in default
-    triton = compiled_text({"xla_gpu_enable_triton_gemm": True, "xla_gpu_cublas_fallback": False})
-    assert "__triton_gemm" in triton
+    forced = compiled_text({"xla_gpu_enable_triton_gemm": True, "xla_gpu_cublas_fallback": False})
+    targets = sorted(set(re.findall(r'custom_call_target="([^"]*)"', default)))
+    # the layer's four weight matmuls (QKV, output, gate/up, down) and the logits
+    assert len(gemm_calls(default)) >= 5, f"default: {len(gemm_calls(default))} cuBLAS GEMMs; custom calls {targets}"
+    assert len(gemm_calls(forced)) < len(gemm_calls(default)), "the options did not reach the decode program"
