@@ -86,30 +86,13 @@ def qwen3_model(size: str):
 
 
 def compiler_options(text: str) -> dict | None:
-    """``--compiler-options`` (one set) as `Engine(decode_compiler_options=)`: "" or "default" -> None
-    (the engine's platform default), "none" -> {} (XLA's defaults), "name=value,..." -> a dict
-    (true / false -> bool, numbers -> int or float, else the string)."""
-    text = text.strip()
-    if text in ("", "default"):
-        return None
-    if text == "none":
-        return {}
-    options = {}
-    for item in filter(None, text.split(",")):
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--compiler-options: {item!r} is not name=value")
-        if value.lower() in ("true", "false"):
-            options[key] = value.lower() == "true"
-        else:
-            try:
-                options[key] = int(value)
-            except ValueError:
-                try:
-                    options[key] = float(value)
-                except ValueError:
-                    options[key] = value
-    return options
+    """``--compiler-options`` (one set) as `Engine(decode_compiler_options=)` (`config.sections.parse_compiler_options`)."""
+    from agentrl_jax.config.sections import parse_compiler_options
+
+    try:
+        return parse_compiler_options(text)
+    except ValueError as e:
+        raise SystemExit(f"--compiler-options: {e}") from e
 
 
 def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int, attention: str,

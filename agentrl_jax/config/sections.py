@@ -130,6 +130,11 @@ class RolloutConfig(_Section):
         "", "JAX persistent compilation cache directory ('~' expanded), so a restarted run does not compile the "
         "rollout (or anything else) again ('': off)."
     )
+    decode_compiler_options: str = _f(
+        "default", "XLA options for the decode dispatch only, as 'name=value,...' ('default': the engine's, which "
+        "on GPU puts the decode step's weight matmuls on cuBLAS, xla_gpu_enable_triton_gemm=false; 'none': XLA's "
+        "own defaults). Engine(decode_compiler_options=); docs/architecture.md, 'Decode lanes'."
+    )
 
     def engine_kwargs(self) -> dict:
         """The paged-cache, decode-lane and compilation-cache arguments of `rollout.Engine` from this section."""
@@ -139,6 +144,7 @@ class RolloutConfig(_Section):
             "kv_cache_bytes": self.kv_cache_bytes or None,
             "kv_cache_memory_fraction": self.kv_cache_memory_fraction or None,
             "compilation_cache_dir": self.compilation_cache_dir or None,
+            "decode_compiler_options": parse_compiler_options(self.decode_compiler_options),
         }
 
     def validate(self) -> None:
@@ -174,10 +180,44 @@ class RolloutConfig(_Section):
             self._path("max_prompt_length"),
             f"({self.max_prompt_length}) must be < rollout.max_sequence_length ({self.max_sequence_length})",
         )
+        try:
+            parse_compiler_options(self.decode_compiler_options)
+        except ValueError as e:
+            _require(False, self._path("decode_compiler_options"), str(e))
         if self.compilation_cache_dir:
             problem = _unusable_directory(self.compilation_cache_dir)
             _require(problem is None, self._path("compilation_cache_dir"), f"{self.compilation_cache_dir!r} {problem} "
                      "(the engine creates it and writes compiled programs there; '' turns the cache off)")
+
+
+def parse_compiler_options(text: str) -> dict[str, Any] | None:
+    """XLA options written as text (``rollout.decode_compiler_options``, the benches' ``--compiler-options``)
+    as `Engine(decode_compiler_options=)`: "" or "default" -> None (the engine's platform default), "none"
+    -> {} (XLA's own defaults), "name=value,..." -> a dict (true / false -> bool, numbers -> int or float,
+    else the string). ValueError on an item that is not name=value."""
+    text = text.strip()
+    if text in ("", "default"):
+        return None
+    if text == "none":
+        return {}
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name or not value:
+            raise ValueError(f"{item!r} is not name=value (in {text!r}; or 'default', 'none')")
+        if value.lower() in ("true", "false"):
+            options[name] = value.lower() == "true"
+            continue
+        for kind in (int, float):
+            try:
+                options[name] = kind(value)
+                break
+            except ValueError:
+                pass
+        else:
+            options[name] = value
+    return options
 
 
 def _unusable_directory(path: str) -> str | None:

@@ -193,3 +193,16 @@ def test_switching_environment_from_the_command_line():
     with pytest.raises(cfg.ConfigError, match=r"environment\.name: unknown environment 'serach'; registered:"):
         cfg.apply_overrides(demo, ["environment.name=serach"])
     assert isinstance(cfg.Config().environment, cfg.ArithmeticEnvConfig)
+
+
+def test_decode_compiler_options_text_reaches_the_engine_as_a_dict_and_bad_text_names_the_field():
+    def engine_options(text):
+        return apply_overrides(Config(), [f"rollout.decode_compiler_options={text}"]).rollout.engine_kwargs()[
+            "decode_compiler_options"]
+
+    assert Config().rollout.engine_kwargs()["decode_compiler_options"] is None  # the engine's platform default
+    assert engine_options("none") == {}
+    assert engine_options("xla_gpu_enable_triton_gemm=false, xla_gpu_autotune_level=2") == {
+        "xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 2}
+    with pytest.raises(ConfigError, match=r"rollout.decode_compiler_options: 'cublas' is not name=value"):
+        apply_overrides(Config(), ["rollout.decode_compiler_options=cublas"])
