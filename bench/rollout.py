@@ -50,6 +50,8 @@ after the timed ones in which every engine call is run to completion before the 
 dispatch, their share, prefill tokens real, laid out in rows (`diag_prefill_padded_tokens`:
 the rows' R x C) and computed by the dense layers (`diag_prefill_computed_tokens`: N of a
 compacted call, else R x C), compiles. `--no-compaction`: `Engine(prefill_compaction=False)`.
+`--compiler-options`: `Engine(decode_compiler_options=)` for every engine of the run, the
+baselines' included ('none': XLA's own GEMMs instead of the GPU default's cuBLAS ones).
 `steady_*` is the decoded tokens/s over the part of the timed pass in which new episodes
 still waited for a slot, `full_pool_*` over the part in which at least as many episodes
 were unfinished as there are slots (the pool can be kept full, as with partial rollouts; no
