@@ -392,7 +392,8 @@ def test_rollout_config_page_fields_are_validated():
         apply_overrides(Config(), ["rollout.max_concurrent=8", "rollout.decode_batch=9"])
     rollout = apply_overrides(Config(), ["rollout.page_size=32", "rollout.kv_cache_bytes=1000000"]).rollout
     assert rollout.engine_kwargs() == {"decode_batch": None, "page_size": 32, "kv_cache_bytes": 1000000,
-                                       "kv_cache_memory_fraction": None, "compilation_cache_dir": None}
+                                       "kv_cache_memory_fraction": None, "compilation_cache_dir": None,
+                                       "decode_compiler_options": None}
     assert apply_overrides(Config(), ["rollout.decode_batch=16"]).rollout.engine_kwargs()["decode_batch"] == 16
 
 
