@@ -94,9 +94,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MEMORY_FRACTION = 0.8  # of the free device memory, for the KV pool, when nothing else is set
 # XLA options the decode dispatch compiles with on GPU meshes, when `Engine(decode_compiler_options=)` is None.
 # A decode step's weight matmuls have M = the batch (64): XLA's autotuner picks split-K Triton GEMMs for
-# them, whose float32 partials the next fusion reads again; cuBLAS reads the weights once
-# (docs/benchmarks.md, "cuBLAS for the decode GEMMs"). Per program (`jax.jit(compiler_options=)`), so
-# the trainer's and the prefill's programs keep XLA's own choice.
+# them, whose float32 partials the next fusion reads again; cuBLAS measured 2.3% faster per step at batch
+# 64 on the 1.7B shape (docs/benchmarks.md, "cuBLAS for the decode step's weight matmuls"). Per program
+# (`jax.jit(compiler_options=)`), so the trainer's and the prefill's programs keep XLA's own choice.
 GPU_DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
@@ -508,8 +508,9 @@ def _decode_compiler_options(options: dict[str, Any] | None, mesh: Mesh) -> dict
                          f"string, got {options!r}")
     if options:  # an unknown name or a bad value fails here, not at the first decode's compile
         probe = jax.jit(lambda x: x + 1, compiler_options=options)
+        device = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])  # the mesh's backend
         try:
-            probe.lower(jax.ShapeDtypeStruct((1,), jnp.int32)).compile()
+            probe.lower(jax.ShapeDtypeStruct((1,), jnp.int32, sharding=device)).compile()
         except jax.errors.JaxRuntimeError as e:
             raise ValueError(f"Engine: decode_compiler_options={options!r}: {e}") from e
     return dict(options)
