@@ -12,7 +12,9 @@ Host-side bookkeeping only (no device calls); `driver.Driver` runs it inside its
   the rest follows (`Scheduler.split_group`).
 - Out of pages: the prefix cache gives pages back first, then idle sessions (their next
   turn re-prefills the history), then the newest decoding sequence is preempted (it is
-  re-prefilled later from its kept tokens, exactly). A new episode never evicts a session
+  re-prefilled later from its kept tokens, exactly); a sequence left alone in its shard takes
+  the pages of work waiting there (a session's next turn waiting for a slot re-prefills its
+  history), and only one the whole shard cannot hold ends with "capacity". A new episode never evicts a session
   or takes the pages decoding slots are about to need while anything decodes; it waits.
 - With a `PrefixCache`, a pending sequence with nothing prefilled starts, when it is
   planned, from the cached full pages of its leading tokens, and every prefill but a
@@ -365,7 +367,9 @@ class Scheduler:
 
     def reserve_pages(self, finish: Callable[[Sequence], None]) -> None:
         """Pages for every decoding slot's next dispatch, oldest first; when a shard runs out, evict
-        an idle session, else preempt the newest sequence of that shard."""
+        an idle session, else preempt the newest sequence of that shard; a sequence alone in its
+        shard takes the pages of work waiting there (`release_waiting`), and only a sequence that
+        the whole shard cannot hold ends with "capacity"."""
         engine = self.engine
         for track in sorted(self.slots.values(), key=lambda t: t.admitted):
             while track.slot is not None:
@@ -377,10 +381,24 @@ class Scheduler:
                     if self.free_pages(shard, engine.pages.num_free(shard) + 1):
                         continue
                     victims = [t for t in self.slots.values() if t is not track and engine.shard_of(t.slot) == shard]
-                    if not victims:  # alone in its shard and still too long: the budget cannot hold it
+                    if victims:
+                        self.preempt(max(victims, key=lambda t: t.admitted))
+                    elif not self.release_waiting(shard):  # alone in its shard and still too long
                         finish(track)  # ends with "capacity"
                         break
-                    self.preempt(max(victims, key=lambda t: t.admitted))
+
+    def release_waiting(self, shard: int) -> bool:
+        """Give back the pages of the newest waiting work in ``shard`` that holds any (a session's
+        next turn waiting for a slot, a prompt prefilled in part): it re-prefills every token
+        later, exactly, as an evicted session's turn does. Counted in ``evictions``. False if
+        no waiting work there holds pages."""
+        for pending in reversed(self.waiting):
+            if pending.shard == shard and pending.pages:
+                self.engine.pages.release(shard, pending.pages)
+                pending.pages, pending.shard, pending.done = [], None, 0
+                self.evictions += 1
+                return True
+        return False
 
     def preempt(self, track: Sequence) -> None:
         """Free a decoding sequence's slot and pages; it waits (first in line) to be re-prefilled."""

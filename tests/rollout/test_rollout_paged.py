@@ -519,3 +519,27 @@ def test_a_new_prompt_waits_rather_than_evicting_a_session_while_others_decode(t
         return driver.evictions, driver.preemptions
 
     assert drive(engine, tiny_model, run) == (0, 0)
+
+
+def test_a_decoding_sequence_alone_in_its_shard_takes_the_pages_of_a_waiting_session_turn(tiny_model):
+    """One slot: a long request decodes while a session's next turn waits for the slot, holding the
+    session's pages. When the decoding sequence needs pages the pool no longer has, the waiting
+    turn gives its pages back and re-prefills its history later (counted as an eviction), instead of
+    the decoding sequence being cut short with "capacity" although it fits the pool alone."""
+    engine = one_device_engine(tiny_model, max_concurrent_decodes=1, page_size=4, num_pages=15)
+    long_prompt = list(range(1, 21))
+    observation = [70, 71, 72]
+
+    async def run(driver):
+        session = driver.session()
+        turn1 = await driver.generate(PROMPT, GREEDY, max_new_tokens=2, session=session)
+        decoding = asyncio.ensure_future(driver.generate(long_prompt, GREEDY, max_new_tokens=30))
+        await asyncio.sleep(0)  # the long request is submitted first, so it takes the slot
+        turn2 = await driver.generate(observation, GREEDY, max_new_tokens=3, session=session)
+        session.close()
+        return turn1, turn2, await decoding, driver.evictions, driver.preemptions
+
+    turn1, turn2, long, evictions, preemptions = drive(engine, tiny_model, run)
+    assert long.finish_reason == "length" and long.token_ids == greedy_reference(tiny_model, long_prompt, 30)
+    assert turn2.token_ids == greedy_reference(tiny_model, PROMPT + turn1.token_ids + observation, 3)
+    assert (evictions, preemptions) == (1, 0)
