@@ -316,8 +316,7 @@ class Scheduler:
         freed = False
         for pending in rest:
             if pending.pages:
-                self.engine.pages.release(pending.shard, pending.pages)
-                pending.pages, pending.shard, pending.done = [], None, 0
+                self._drop_pages(pending)
                 freed = True
         if freed:
             return  # the next tick admits the head
@@ -394,11 +393,15 @@ class Scheduler:
         no waiting work there holds pages."""
         for pending in reversed(self.waiting):
             if pending.shard == shard and pending.pages:
-                self.engine.pages.release(shard, pending.pages)
-                pending.pages, pending.shard, pending.done = [], None, 0
+                self._drop_pages(pending)
                 self.evictions += 1
                 return True
         return False
+
+    def _drop_pages(self, pending: Pending) -> None:
+        """``pending`` gives its pages back and will prefill every token again."""
+        self.engine.pages.release(pending.shard, pending.pages)
+        pending.pages, pending.shard, pending.done = [], None, 0
 
     def preempt(self, track: Sequence) -> None:
         """Free a decoding sequence's slot and pages; it waits (first in line) to be re-prefilled."""
