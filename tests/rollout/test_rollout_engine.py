@@ -371,14 +371,14 @@ def test_gpu_decode_weight_matmuls_run_on_cublas_by_default():
         attend = engine.table_width * engine.page_size
         return engine._generate_fn(4, attend, False).lower(params, state).compile().as_text()
 
+    def targets(text):
+        return sorted(set(re.findall(r'custom_call_target="([^"]*)"', text)))
+
     def gemm_calls(text):  # cuBLAS GEMM custom calls: __cublas$gemm, __cublas$lt$matmul
         return re.findall(r'custom_call_target="(__cublas[^"]*)"', text)
 
     default = compiled_text(None)
     forced = compiled_text({"xla_gpu_enable_triton_gemm": True, "xla_gpu_cublas_fallback": False})
-    def targets(text):
-        return sorted(set(re.findall(r'custom_call_target="([^"]*)"', text)))
-
     # the layer's four weight matmuls (QKV, output, gate/up, down), and the logits'
     assert len(gemm_calls(default)) >= 4, f"default: {len(gemm_calls(default))} cuBLAS GEMMs; {targets(default)}"
     assert len(gemm_calls(forced)) < len(gemm_calls(default)), (
