@@ -120,7 +120,7 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
             row["impl"] = f"agentrl_jax ({engine.decode_attention} attention, pages of {page_size})"
             row["compiler_options"] = engine.decode_compiler_options
             if options:
-                row["impl"] += f" options={engine.decode_compiler_options or 'none'}"
+                row["impl"] += f" options {options}: {engine.decode_compiler_options or 'none'}"
             if engine.decode_attention == "pallas":
                 from agentrl_jax.models import decode
 

@@ -355,7 +355,7 @@ def test_decode_compiler_options_decode_the_same_tokens(engine, params, tiny_mod
     np.testing.assert_allclose(logp, ref_logp, atol=1e-5)
 
 
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the GPU GEMM choice")
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="XLA chooses between cuBLAS and Triton GEMMs on GPU only")
 def test_gpu_decode_weight_matmuls_run_on_cublas_by_default():
     """At the 1.7B shape's batch-64 decode step XLA would pick Triton GEMMs (forced here by turning
     off its cuBLAS fallback); the engine's default options compile cuBLAS ones instead."""
