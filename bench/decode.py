@@ -45,8 +45,10 @@ QWEN3 = {
     "4b": (151936, 2560, 9728, 36, 32, 8, 128, True),
     "tiny": (512, 64, 128, 2, 4, 2, 16, True),
     "retool_small": (768, 512, 1536, 8, 8, 4, 64, True),  # configs/retool_small.py's scratch model
+    "smollm2": (49152, 576, 1536, 30, 9, 3, 64, True),  # SmolLM2-135M-Instruct (configs/smollm2_tools.py)
 }
-FLOAT32_SIZES = ("tiny", "retool_small")  # run in float32, as their configs do
+FLOAT32_SIZES = ("tiny", "retool_small", "smollm2")  # run in float32, as their configs do
+LLAMA_SIZES = ("smollm2",)  # Llama layers (no q/k norm, rope theta 1e5); the others are Qwen3
 HBM_BYTES_PER_S = (("H200", 4.8e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12), ("A100", 2.0e12))
 
 
@@ -76,10 +78,11 @@ def qwen3_model(size: str):
     from agentrl_jax.models import Decoder, DecoderConfig
 
     vocab, d, f, layers, heads, kv, k, tie = QWEN3[size]
+    llama = size in LLAMA_SIZES
     config = DecoderConfig(
-        architecture="qwen3", vocab_size=vocab, hidden_size=d, intermediate_size=f, num_layers=layers,
-        num_heads=heads, num_kv_heads=kv, head_dim=k, qk_norm=True, tie_word_embeddings=tie,
-        rope_theta=1_000_000.0, max_position_embeddings=40960,
+        architecture="llama" if llama else "qwen3", vocab_size=vocab, hidden_size=d, intermediate_size=f,
+        num_layers=layers, num_heads=heads, num_kv_heads=kv, head_dim=k, qk_norm=not llama, tie_word_embeddings=tie,
+        rope_theta=100_000.0 if llama else 1_000_000.0, max_position_embeddings=40960,
     )
     dtype = jnp.float32 if size in FLOAT32_SIZES else jnp.bfloat16
     return Decoder(config, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0)), dtype
@@ -228,12 +231,13 @@ def _hf_worker(size: str, batches: list[int], prompt: int, gen: int, cache: str)
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda and size not in FLOAT32_SIZES else torch.float32
-    config = transformers.Qwen3Config(
+    llama = size in LLAMA_SIZES
+    config = (transformers.LlamaConfig if llama else transformers.Qwen3Config)(
         vocab_size=vocab, hidden_size=d, intermediate_size=f, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=kv, head_dim=k, tie_word_embeddings=tie, max_position_embeddings=40960,
     )
     with torch.device(device):
-        model = transformers.Qwen3ForCausalLM(config).to(dtype).eval()
+        model = (transformers.LlamaForCausalLM if llama else transformers.Qwen3ForCausalLM)(config).to(dtype).eval()
     name = torch.cuda.get_device_name() if cuda else "cpu"
     rows = []
     for batch in batches:
