@@ -1,12 +1,16 @@
 """Table, mean +- sd and learning curves of a multi-seed run (bench/demo_seeds.sh writes one).
 
-    python bench/seeds_summary.py OUT_DIR SEED [SEED ...] [--plots DIR]
+    python bench/seeds_summary.py OUT_DIR SEED [SEED ...] [--plots DIR] [--base BASE_DIR]
 
 Reads OUT_DIR/seed<S>/results.json (held-out evaluation after SFT = "start", after RL =
 "end") and metrics/metrics.jsonl, prints a markdown table per seed, the mean and sample
 standard deviation (ddof=1) over seeds, the median rollout throughput of the RL steps, and
 with --plots (matplotlib) writes PNG learning curves: RL reward, tool use, calls per
 episode, error-recovery rate and throughput per step, and the SFT loss.
+
+With --base, BASE_DIR/seed<S>/results.json is a run of the same config with no SFT and no RL
+step (``--set sft.steps=0 --set total_steps=0``): its "start" evaluation is the untrained
+model's on the same held-out tasks, printed as a third stage, with pass@1 per held-out split.
 """
 
 from __future__ import annotations
@@ -33,23 +37,34 @@ def _fmt(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def table(runs: dict[str, dict]) -> list[str]:
-    keys = [(k, name) for k, name in COLUMNS if any(k in r.get(s, {}) for r in runs.values() for s in ("start", "end"))]
-    head = "| seed | " + " | ".join(f"SFT {n} | RL {n}" for _, n in keys) + " | total s |"
-    lines = [head, "|---" * (2 * len(keys) + 2) + "|"]
+STAGE_NAMES = {"base": "base", "start": "SFT", "end": "RL"}
+
+
+def table(runs: dict[str, dict], columns=COLUMNS) -> list[str]:
+    """One row per seed and the mean / sd over seeds; a column per key and stage (base if present, SFT, RL)."""
+    stages = [s for s in ("base", "start", "end") if any(s in r for r in runs.values())]
+    keys = [(k, name) for k, name in columns if any(k in r.get(s, {}) for r in runs.values() for s in stages)]
+    head = "| seed | " + " | ".join(f"{STAGE_NAMES[s]} {n}" for _, n in keys for s in stages) + " | total s |"
+    lines = [head, "|---" * (len(stages) * len(keys) + 2) + "|"]
     for seed, r in runs.items():
-        cells = [f"{_fmt(r['start'].get(k))} | {_fmt(r['end'].get(k))}" for k, _ in keys]
+        cells = [_fmt(r.get(s, {}).get(k)) for k, _ in keys for s in stages]
         lines.append(f"| {seed} | " + " | ".join(cells) + f" | {r.get('total_seconds', 0):.0f} |")
     for stat, fn in (("mean", statistics.mean), ("sd", statistics.stdev)):
         if len(runs) < 2 and stat == "sd":
             continue
         cells = []
         for k, _ in keys:
-            for stage in ("start", "end"):
-                values = [r[stage][k] for r in runs.values() if k in r[stage]]
+            for stage in stages:
+                values = [r[stage][k] for r in runs.values() if k in r.get(stage, {})]
                 cells.append(_fmt(fn(values)) if len(values) >= (2 if stat == "sd" else 1) else "-")
         lines.append(f"| {stat} | " + " | ".join(cells) + " | |")
     return lines
+
+
+def split_columns(runs: dict[str, dict]) -> list[tuple[str, str]]:
+    """pass@1 and pass@4 of every held-out split the evaluations report (``<split>/pass_at_1``)."""
+    splits = sorted({k.split("/")[0] for r in runs.values() for k in r.get("end", {}) if "/" in k})
+    return [(f"{split}/{k}", f"{split} {n}") for split in splits for k, n in COLUMNS[:2]]
 
 
 def throughput(out: Path, seeds: list[str]) -> list[str]:
@@ -122,6 +137,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("seeds", nargs="+")
     parser.add_argument("--plots", type=Path, help="write PNG learning curves into this directory")
+    parser.add_argument("--base", type=Path, help="runs of the untrained model (BASE_DIR/seed<S>/results.json)")
     args = parser.parse_args()
     runs = {}
     for seed in args.seeds:
@@ -130,8 +146,16 @@ def main() -> None:
             runs[seed] = json.loads(path.read_text())
         else:
             print(f"seed {seed}: no finished results.json ({path})")
+    for seed, run in runs.items():
+        base = args.base / f"seed{seed}" / "results.json" if args.base else None
+        if base is not None and base.exists():
+            run["base"] = json.loads(base.read_text())["start"]
+        elif base is not None:
+            print(f"seed {seed}: no base results.json ({base})")
     if runs:
         print("\n".join(table(runs)))
+        print()
+        print("\n".join(table(runs, split_columns(runs))))
     print("\n".join(throughput(args.out, args.seeds)))
     if args.plots and runs:
         for path in plots(args.out, list(runs), args.plots):
