@@ -58,7 +58,11 @@ def main(argv=None) -> int:
         return 2
     from agentrl_jax.train.run import train
 
-    train(config)
+    try:
+        train(config)
+    except ConfigError as e:  # found while preparing the run, e.g. a model.path that cannot be read
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -38,7 +38,7 @@ class ScratchModelConfig(_Section):
 
 @dataclass(frozen=True)
 class ModelConfig(_Section):
-    path: str = _f("", "Local HF checkpoint directory of the policy; empty: train model.scratch from scratch.")
+    path: str = _f("", "The policy: a local HF checkpoint directory or a .gguf file; empty: train model.scratch from scratch.")
     tokenizer_path: str = _f("", "Local HF tokenizer directory; empty: the model path.")
     reference_path: str = _f("", "Checkpoint of the frozen reference; empty: the initial policy.")
     compute_dtype: DType = _f("bfloat16", "Activation / matmul dtype.")

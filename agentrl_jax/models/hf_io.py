@@ -405,7 +405,20 @@ def save_hf_checkpoint(
         raise ValueError(f"save_hf_checkpoint: dtype {np_dtype} cannot be written to safetensors")
     out = os.fspath(path)
     os.makedirs(out, exist_ok=True)
-    tensors = list(_hf_tensors(config, params, np_dtype))
+    write_safetensors(out, list(_hf_tensors(config, params, np_dtype)), np_dtype, max_shard_bytes)
+    dtype_name = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(
+        np_dtype.name, np_dtype.name
+    )
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config.to_hf_dict(dtype=dtype_name), f, indent=2)
+    return out
+
+
+def write_safetensors(
+    directory: str, tensors: list, np_dtype: np.dtype, max_shard_bytes: int = 2 * 1024**3
+) -> None:
+    """Write ``(HF name, shape, thunk)`` tensors as ``model.safetensors``, or as several files
+    with an index above ``max_shard_bytes``; each thunk is called once, when its tensor is written."""
     shards: list[list] = [[]]
     shard_bytes = 0
     for entry in tensors:
@@ -421,18 +434,12 @@ def save_hf_checkpoint(
         files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for file, shard in zip(files, shards, strict=True):
-        _write_safetensors(os.path.join(out, file), shard, np_dtype)
+        _write_safetensors(os.path.join(directory, file), shard, np_dtype)
         weight_map.update({name: file for name, _, _ in shard})
     if len(shards) > 1:
         total = sum(math.prod(shape) for _, shape, _ in tensors) * np_dtype.itemsize
-        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    dtype_name = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(
-        np_dtype.name, np_dtype.name
-    )
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config.to_hf_dict(dtype=dtype_name), f, indent=2)
-    return out
 
 
 def _write_safetensors(path: str, entries: list, np_dtype: np.dtype) -> None:

@@ -22,6 +22,7 @@ from agentrl_jax.train.guidance.hindsight import ArithmeticOracleJudge, ModelJud
 from agentrl_jax.train.guidance.old_policy import OldPolicy
 from agentrl_jax.train.guidance.signal import Teacher
 from agentrl_jax.train.rl.roles import RL, Roles, loss_settings
+from agentrl_jax.train.setup import checkpoint_directory
 from agentrl_jax.train.step import make_optimizer
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -111,7 +112,8 @@ def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, dr
     teacher = None
     if h.mode != "none" and h.teacher == "checkpoint":
         teacher_graphdef, teacher_params = split_params(load_hf_checkpoint(
-            h.teacher_path, dtype=DTYPES[h.teacher_dtype], compute_dtype=DTYPES[m.compute_dtype], mesh=mesh,
+            checkpoint_directory("hybrid.teacher_path", h.teacher_path), dtype=DTYPES[h.teacher_dtype],
+            compute_dtype=DTYPES[m.compute_dtype], mesh=mesh,
             rules=DEFAULT_RULES, attention_impl=attention_implementation(m.attention_impl, m.compute_dtype),
             remat="none", lm_head_dtype=m.lm_head_dtype))
         teacher = Teacher(teacher_graphdef, "checkpoint", frozen=teacher_params)
@@ -139,7 +141,8 @@ def reference_params(config: Config, initial_params, mesh):
     m = config.model
     if not m.reference_path:
         return frozen_copy(initial_params, m.reference_dtype)
-    reference = load_hf_checkpoint(m.reference_path, dtype=DTYPES[m.reference_dtype],
+    reference = load_hf_checkpoint(checkpoint_directory("model.reference_path", m.reference_path),
+                                   dtype=DTYPES[m.reference_dtype],
                                    compute_dtype=DTYPES[m.compute_dtype], mesh=mesh, rules=DEFAULT_RULES,
                                    attention_impl=attention_implementation(m.attention_impl, m.compute_dtype))
     _, params = split_params(reference)
@@ -154,8 +157,9 @@ def check_reference_architecture(config: Config, policy_config) -> None:
         return
     from agentrl_jax.models import DecoderConfig
 
+    directory = checkpoint_directory("model.reference_path", config.model.reference_path)
     try:
-        reference = DecoderConfig.from_hf(config.model.reference_path)
+        reference = DecoderConfig.from_hf(directory)
     except (OSError, ValueError, KeyError) as e:
         raise ConfigError(f"model.reference_path: cannot read the checkpoint's config.json: {e}") from e
     diff = {f: (getattr(reference, f), getattr(policy_config, f)) for f in _SHAPE_FIELDS

@@ -182,8 +182,22 @@ def arithmetic_demonstrations(config: Config, tasks: list[dict[str, Any]]) -> li
     return conversations
 
 
+def checkpoint_directory(key: str, path: str) -> str:
+    """The HF directory of the checkpoint path of config field ``key``: ``path``, or for a ``.gguf``
+    file its float32 conversion, made once per file in the user cache (``models/gguf.py``)."""
+    from agentrl_jax.models.gguf import GGUFError, hf_directory
+
+    try:
+        return hf_directory(path)
+    except GGUFError as e:
+        raise ConfigError(f"{key}: {e}") from e
+
+
 def prepare_model_assets(config: Config, corpus: list[str]) -> tuple[str, str]:
     """(model dir, tokenizer dir): the configured checkpoint, or a fresh scratch model.
+
+    A ``.gguf`` model path (or tokenizer, reference or teacher path) is converted to an HF
+    directory once and cached by the file's sha256 (``checkpoint_directory``).
 
     A scratch model gets a byte-level BPE tokenizer trained on ``corpus`` (digits split
     into single tokens, as Llama 3 and Qwen do) and random-init weights (JAX, no PyTorch
@@ -192,9 +206,15 @@ def prepare_model_assets(config: Config, corpus: list[str]) -> tuple[str, str]:
     """
     m = config.model
     if m.path:
-        if not os.path.isfile(os.path.join(m.path, "config.json")):
-            raise ConfigError(f"model.path: {m.path!r} has no config.json (expected a local HF checkpoint)")
-        return m.path, m.tokenizer_path or m.path
+        model_dir = checkpoint_directory("model.path", m.path)
+        if not os.path.isfile(os.path.join(model_dir, "config.json")):
+            raise ConfigError(f"model.path: {m.path!r} has no config.json (expected a local HF checkpoint "
+                              "or a .gguf file)")
+        tokenizer_dir = checkpoint_directory("model.tokenizer_path", m.tokenizer_path) if m.tokenizer_path else None
+        # converted here, on the host that prepares assets, so that loading them later finds them cached
+        checkpoint_directory("model.reference_path", m.reference_path)
+        checkpoint_directory("hybrid.teacher_path", config.hybrid.teacher_path)
+        return model_dir, tokenizer_dir or model_dir
     from agentrl_jax.models import DecoderConfig
     from agentrl_jax.models.tiny import save_scratch_checkpoint, train_tiny_tokenizer
 
