@@ -92,11 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args(argv)
 
-    base_path = args.base
-    if base_path.endswith(".gguf"):
-        from agentrl_jax.models.gguf import convert_gguf
+    from agentrl_jax.models.gguf import hf_directory
 
-        base_path = str(convert_gguf(base_path, Path(args.out).with_suffix("").as_posix() + "_base_hf"))
+    base_path = hf_directory(args.base)  # a .gguf file: its cached conversion, as model.path uses it
     base, (_, base_params), tokenizer, mesh = load(base_path)
     prompts = [tokenizer.apply_chat([{"role": "user", "content": text}]) for text in PROMPTS]
     base_answers = asyncio.run(greedy(base, base_params, mesh, tokenizer, prompts, args.max_new_tokens))

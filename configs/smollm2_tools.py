@@ -55,9 +55,9 @@ def get_config() -> Config:
         name="smollm2_tools",
         seed=0,
         output_dir="runs/smollm2_tools",
-        total_steps=40,
+        total_steps=30,
         model=ModelConfig(path=DEFAULT_GGUF, compute_dtype="float32", param_dtype="float32",
-                          reference_dtype="float32", remat="none"),
+                          reference_dtype="float32", remat="full"),
         mesh=MeshConfig(data=1, fsdp=-1, tensor=1),
         rollout=RolloutConfig(
             max_concurrent=256,
@@ -87,5 +87,5 @@ def get_config() -> Config:
         checkpoint=CheckpointConfig(every_steps=0, max_to_keep=1, resume=False, export_hf=True),
         logging=LoggingConfig(sample_trajectories=4),
         eval=EvalConfig(every_steps=0, num_tasks=160, samples_per_task=4, temperature=1.0),
-        sft=SFTConfig(steps=150, batch_size=32, learning_rate=5e-5, max_length=640),
+        sft=SFTConfig(steps=120, batch_size=32, learning_rate=5e-5, max_length=640),
     )
