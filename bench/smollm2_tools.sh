@@ -19,16 +19,16 @@ mkdir -p "$out/base"
 # Converted once here, so the processes below find it in the cache instead of converting it side by side.
 hf=$(python3 -c "import sys; from agentrl_jax.models.gguf import hf_directory; print(hf_directory(sys.argv[1]))" "$gguf")
 run="python3 $here/../launch/tpu_pod.py --config $here/../configs/smollm2_tools.py --set model.path=$gguf"
-for s in $seeds; do
-  $run --set seed=$s --set sft.steps=0 --set total_steps=0 --set checkpoint.export_hf=false \
-    --set output_dir="$out/base/seed$s" > "$out/base/seed$s.log" 2>&1 &
-  $run --set seed=$s --set output_dir="$out/seed$s" > "$out/seed$s.log" 2>&1 &
+for s in $seeds; do  # a finished run (its results.json) is kept: run the command again to finish the rest
+  [ -f "$out/base/seed$s/results.json" ] || $run --set seed=$s --set sft.steps=0 --set total_steps=0 \
+    --set checkpoint.export_hf=false --set output_dir="$out/base/seed$s" > "$out/base/seed$s.log" 2>&1 &
+  [ -f "$out/seed$s/results.json" ] || $run --set seed=$s --set output_dir="$out/seed$s" > "$out/seed$s.log" 2>&1 &
 done
 status=0
 for job in $(jobs -p); do wait "$job" || status=1; done
 python3 "$here/seeds_summary.py" "$out" $seeds --base "$out/base" --plots "$out/plots" | tee "$out/summary.md"
 exports=$(for s in $seeds; do [ -d "$out/seed$s/export" ] && echo "$out/seed$s/export"; done || true)
-if [ -n "$exports" ]; then
+if [ -n "$exports" ] && [ ! -f "$out/chat_drift.json" ]; then
   python3 "$here/chat_drift.py" --base "$hf" --trained $exports --out "$out/chat_drift.json" \
     --markdown "$out/chat_drift.md" > "$out/chat_drift.log" 2>&1 || status=1
 fi
