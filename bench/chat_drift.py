@@ -41,46 +41,63 @@ PROMPTS = (
 
 
 def load(path: str):
-    from agentrl_jax.models import Tokenizer, load_hf_checkpoint, split_params
+    """(model, graphdef, params) in float32 on the first device."""
+    from agentrl_jax.models import load_hf_checkpoint, split_params
     from agentrl_jax.sharding import make_mesh
 
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
     model = load_hf_checkpoint(path, dtype=jnp.float32, mesh=mesh)
-    return model, split_params(model), Tokenizer(path), mesh
+    return model, *split_params(model), mesh
 
 
-async def greedy(model, params, mesh, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    from agentrl_jax.rollout import Driver, Engine, SamplingParams
+async def greedy(engine, params, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    from agentrl_jax.rollout import Driver, SamplingParams
 
-    longest = max(len(p) for p in prompts)
-    engine = Engine(model, mesh=mesh, max_concurrent_decodes=len(prompts), max_target_length=longest + max_new_tokens,
-                    max_prefill_length=longest)
     async with Driver(engine, params, eos_token_ids=tokenizer.eos_token_ids, steps_per_dispatch=8) as driver:
         completions = await asyncio.gather(*[driver.generate(p, SamplingParams(temperature=0.0),
                                                              max_new_tokens=max_new_tokens) for p in prompts])
     return [list(c.token_ids) for c in completions]
 
 
-def log_softmax_rows(model, ids: list[int]) -> np.ndarray:
-    """[T, V] float32 log-probabilities of the next token after each prefix of ``ids``."""
+def make_log_softmax(graphdef):
+    """A jitted ``(params, ids [B, T], lengths [B]) -> [B, T, V]`` float32 next-token log-probabilities
+    of right-padded rows (one compile for every model of the same architecture and row shape)."""
+    from flax import nnx
+
     from agentrl_jax.models.logits import output_logits
 
-    tokens = jnp.asarray([ids], jnp.int32)
-    hidden, _ = model(tokens, jnp.arange(len(ids), dtype=jnp.int32)[None])
-    table, layout = model.output_embedding()
-    return np.asarray(jax.nn.log_softmax(output_logits(hidden[0], table, layout).astype(jnp.float32), axis=-1))
+    @jax.jit
+    def log_softmax(params, ids, lengths):
+        model = nnx.merge(graphdef, params)
+        positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+        hidden, _ = model(ids, positions, lengths=lengths)
+        table, layout = model.output_embedding()
+        logits = output_logits(hidden.reshape(-1, hidden.shape[-1]), table, layout)
+        return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(*ids.shape, -1)
+
+    return log_softmax
 
 
-def kl_on_answer(trained, base, prompt: list[int], answer: list[int]) -> tuple[float, float]:
-    """(mean, max) over the answer's positions of KL(trained || base) on the full vocabulary."""
-    if not answer:
-        return 0.0, 0.0
-    ids = prompt + answer
-    first = len(prompt) - 1  # the position whose next token is the answer's first
-    p = log_softmax_rows(trained, ids)[first:first + len(answer)]
-    q = log_softmax_rows(base, ids)[first:first + len(answer)]
-    per_token = np.sum(np.exp(p) * (p - q), axis=-1)
-    return float(per_token.mean()), float(per_token.max())
+def kl_on_answers(log_softmax, trained_params, base_params, prompts, answers) -> list[tuple[float, float]]:
+    """Per row: (mean, max) over the answer's positions of KL(trained || base) on the full vocabulary."""
+    rows = [p + a for p, a in zip(prompts, answers)]
+    width = max(len(r) for r in rows)
+    ids = np.zeros((len(rows), width), np.int32)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = row
+    lengths = jnp.asarray([len(r) for r in rows], jnp.int32)
+    p = np.asarray(log_softmax(trained_params, jnp.asarray(ids), lengths))
+    q = np.asarray(log_softmax(base_params, jnp.asarray(ids), lengths))
+    out = []
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        if not answer:
+            out.append((0.0, 0.0))
+            continue
+        first = len(prompt) - 1  # the position whose next token is the answer's first
+        pi, qi = p[i, first:first + len(answer)], q[i, first:first + len(answer)]
+        per_token = np.sum(np.exp(pi) * (pi - qi), axis=-1)
+        out.append((float(per_token.mean()), float(per_token.max())))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,20 +109,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args(argv)
 
+    from agentrl_jax.models import Tokenizer
     from agentrl_jax.models.gguf import hf_directory
+    from agentrl_jax.rollout import Engine
 
     base_path = hf_directory(args.base)  # a .gguf file: its cached conversion, as model.path uses it
-    base, (_, base_params), tokenizer, mesh = load(base_path)
+    base, graphdef, base_params, mesh = load(base_path)
+    tokenizer = Tokenizer(base_path)
     prompts = [tokenizer.apply_chat([{"role": "user", "content": text}]) for text in PROMPTS]
-    base_answers = asyncio.run(greedy(base, base_params, mesh, tokenizer, prompts, args.max_new_tokens))
+    longest = max(len(p) for p in prompts)
+    # One engine and one compiled forward serve every model: they share the architecture.
+    engine = Engine(base, mesh=mesh, max_concurrent_decodes=len(prompts), max_target_length=longest + args.max_new_tokens,
+                    max_prefill_length=longest)
+    log_softmax = make_log_softmax(graphdef)
+    base_answers = asyncio.run(greedy(engine, base_params, tokenizer, prompts, args.max_new_tokens))
     report = {"base": base_path, "prompts": list(PROMPTS), "max_new_tokens": args.max_new_tokens,
               "device": jax.devices()[0].device_kind,
               "base_answers": [tokenizer.decode(a, skip_special_tokens=True) for a in base_answers], "trained": []}
     for path in args.trained:
-        model, (_, params), _, _ = load(path)
-        answers = asyncio.run(greedy(model, params, mesh, tokenizer, prompts, args.max_new_tokens))
-        kls = [kl_on_answer(model, base, p, a) for p, a in zip(prompts, answers)]
-        kls_base_text = [kl_on_answer(model, base, p, a) for p, a in zip(prompts, base_answers)]
+        _, _, params, _ = load(path)
+        answers = asyncio.run(greedy(engine, params, tokenizer, prompts, args.max_new_tokens))
+        kls = kl_on_answers(log_softmax, params, base_params, prompts, answers)
+        kls_base_text = kl_on_answers(log_softmax, params, base_params, prompts, base_answers)
         report["trained"].append({
             "path": path,
             "answers": [tokenizer.decode(a, skip_special_tokens=True) for a in answers],
@@ -115,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             "same_answer_as_base": [a == b for a, b in zip(answers, base_answers)],
             "writes_code": ["<code>" in tokenizer.decode(a) for a in answers],
         })
-        del model, params
+        del params
     Path(args.out).write_text(json.dumps(report, indent=2))
     if args.markdown:
         Path(args.markdown).write_text(markdown(report))
