@@ -268,7 +268,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> st
         write_safetensors(tmp, entries, np.dtype(np.float32))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config.to_hf_dict(dtype="float32"), f, indent=2)
-        _save_tokenizer(gguf_path, tmp, config)
+        _save_tokenizer(reader, gguf_path, tmp, config)
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         try:
             os.rename(tmp, out)
@@ -283,14 +283,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> st
     return out
 
 
-def _save_tokenizer(gguf_path: str, directory: str, config: DecoderConfig) -> None:
+def _save_tokenizer(reader, gguf_path: str, directory: str, config: DecoderConfig) -> None:
     """The tokenizer and chat template transformers builds from the file's metadata, saved so
     that transformers 4.x and 5.x both read the template, and the stop ids as generation_config."""
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
-                                                  gguf_file=os.path.basename(gguf_path))
+        tokenizer = _gguf_tokenizer(reader, gguf_path, config.architecture)
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise GGUFError(f"{gguf_path}: transformers cannot build the tokenizer from its metadata: {e}") from e
     if len(tokenizer) > config.vocab_size:
@@ -311,6 +308,46 @@ def _save_tokenizer(gguf_path: str, directory: str, config: DecoderConfig) -> No
         with open(os.path.join(directory, "generation_config.json"), "w") as f:
             json.dump({"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}, f,
                       indent=2)
+
+
+def _gguf_tokenizer(reader, gguf_path: str, architecture: str):
+    """What ``AutoTokenizer.from_pretrained(gguf_file=...)`` builds, without PyTorch.
+
+    transformers 5's GGUF reader imports PyTorch, its tokenizer converter does not: the metadata
+    is read here with ``gguf`` and handed to that converter, as ``get_gguf_tokenizer`` would.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
+                                                                           convert_gguf_tokenizer)
+    except ImportError:  # transformers 4.x, whose GGUF tokenizer loader needs PyTorch anyway
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
+                                             gguf_file=os.path.basename(gguf_path))
+    grouped = {group: {name: _contents(reader, f"tokenizer.{key}") for key, name in renames.items()
+                       if reader.get_field(f"tokenizer.{key}") is not None}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer_dict, tok_config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":  # llama.cpp adds BOS to a sentencepiece vocabulary
+        tok_config.setdefault("add_bos_token", True)
+    tokens = tokenizer_dict.get("tokens", [])
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        token_id = _value(reader, f"tokenizer.ggml.{key}_token_id", None)
+        tok_config[name] = tokens[token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tok_config, **extra)
+
+
+def _contents(reader, key: str) -> Any:
+    """A metadata value in full: arrays as lists."""
+    import gguf
+
+    field = reader.get_field(key)
+    if field.types[0] != gguf.GGUFValueType.ARRAY:
+        return _value(reader, key)
+    if field.types[-1] == gguf.GGUFValueType.STRING:
+        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+    return [field.parts[i][0].item() for i in field.data]
 
 
 @functools.lru_cache(maxsize=16)
