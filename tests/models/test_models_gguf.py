@@ -150,3 +150,15 @@ def test_conversion_needs_no_pytorch(tiny_ggufs, tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_launcher_prints_one_line_for_a_bad_gguf(tmp_path, capsys):
+    from repo_scripts import load_script
+
+    launcher = load_script("launch/tpu_pod.py", "tpu_pod_launcher")
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"\x00" * 64)
+    code = launcher.main(["--config", "demo", "--set", f"model.path={bad}", "--set", f"output_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == f"config error: model.path: {bad}: not a GGUF file (starts with {bytes(4)!r}, expected b'GGUF')\n"
