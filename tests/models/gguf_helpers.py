@@ -8,6 +8,7 @@ tokenizer is a byte-level BPE trained on a small corpus, stored as GGUF metadata
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -30,6 +31,23 @@ def llama_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
     """llama.cpp's ``LlamaModel.permute``: each head's rotate-half rows to interleaved pairs."""
     shape = rows.shape
     return rows.reshape(num_heads, 2, shape[0] // num_heads // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def llama3_rope_divisors(head_dim, base, factor, low_freq_factor, high_freq_factor, old_context_len):
+    """``rope_freqs.weight`` as convert_hf_to_gguf.py's ``LlamaModel.generate_extra_tensors`` computes it."""
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low_freq_factor, old_context_len / high_freq_factor
+    divisors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            divisors.append(1)
+        elif wavelen > low_freq_wavelen:
+            divisors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(divisors, np.float32)
 
 
 def _tokenizer(directory: Path) -> tuple[list[str], list[int], list[str]]:
@@ -58,12 +76,15 @@ def _qtype(gguf_name: str) -> Q:
 
 def write_tiny_gguf(path: str | os.PathLike, arch: str, *, head_dim: int = WIDTH // HEADS, tied: bool = True,
                     layers: int = 2, seed: int = 0, skip: tuple[str, ...] = (),
-                    raw: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+                    raw: dict[str, np.ndarray] | None = None,
+                    rope_scaling: tuple[float, float, float, int] | None = None) -> dict[str, np.ndarray]:
     """Write a tiny ``arch`` model as GGUF; returns the HF tensors as quantization leaves them.
 
     Args:
       skip: GGUF tensor names left out (to test a missing tensor).
       raw: GGUF tensor name -> array stored as it is instead (to test an unsupported type).
+      rope_scaling: Llama 3.1 (factor, low_freq_factor, high_freq_factor, original context), stored as
+        llama.cpp does: the context as metadata, the per-frequency divisors as ``rope_freqs.weight``.
     """
     raw = raw or {}
     path = Path(path)
@@ -104,6 +125,9 @@ def write_tiny_gguf(path: str | os.PathLike, arch: str, *, head_dim: int = WIDTH
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template(CHAT_TEMPLATE)
+    if rope_scaling is not None:
+        writer.add_rope_scaling_orig_ctx_len(rope_scaling[3])
+        writer.add_tensor("rope_freqs.weight", raw.get("rope_freqs.weight", llama3_rope_divisors(K, 10000.0, *rope_scaling)))
     expected = {}
     for name, shape in shapes.items():
         hf = rng.normal(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name or "bias" in name else 0.2, shape)

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from agentrl_jax.config import ConfigError, load_config
-from agentrl_jax.models import Tokenizer
+from agentrl_jax.models import Llama3RopeScaling, Tokenizer
 from agentrl_jax.models.gguf import GGUFError, convert_gguf, converted_gguf, gguf_decoder_config, hf_tensor_name, \
     open_gguf
 from agentrl_jax.models.hf_io import SafetensorsCheckpoint, load_hf_checkpoint
@@ -70,6 +70,26 @@ def test_logits_match_transformers_gguf_loader(tiny_ggufs, name):
             theirs = hf(input_ids=torch.tensor(ids)).logits.numpy()
         np.testing.assert_allclose(ours, theirs, atol=2e-5, rtol=1e-5, err_msg=str(source))
     assert np.abs(ours).max() > 0.5
+
+
+def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path):
+    """llama.cpp stores Llama 3.1 scaling as per-frequency divisors; the parameters come back, and
+    transformers on the converted directory (its own llama3 RoPE) gives our logits."""
+    path = tmp_path / "llama31.gguf"
+    write_tiny_gguf(path, "llama", layers=1, rope_scaling=(8.0, 1.0, 4.0, 64))
+    config = gguf_decoder_config(open_gguf(path))
+    assert config.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 64)
+    directory = convert_gguf(path, tmp_path / "hf")
+    ids = np.random.default_rng(1).integers(0, 300, (1, 40))
+    ours_model = load_hf_checkpoint(directory)
+    hidden, _ = ours_model(ids, np.arange(40)[None])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours_model.logits(hidden)), theirs, atol=2e-5, rtol=1e-5)
+    write_tiny_gguf(path, "llama", layers=1, raw={"rope_freqs.weight": np.linspace(1, 3, 8, dtype=np.float32)},
+                    rope_scaling=(8.0, 1.0, 4.0, 64))
+    assert "rope_freqs.weight is not a Llama 3 frequency scaling" in _error(path)
 
 
 def test_tokenizer_and_chat_template_match_transformers_from_the_file(tiny_ggufs):
