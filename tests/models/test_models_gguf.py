@@ -182,3 +182,20 @@ def test_launcher_prints_one_line_for_a_bad_gguf(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2
     assert err == f"config error: model.path: {bad}: not a GGUF file (starts with {bytes(4)!r}, expected b'GGUF')\n"
+
+
+def test_reference_path_may_name_a_gguf(tiny_ggufs, tmp_path, monkeypatch):
+    from agentrl_jax.config import Config, apply_overrides
+    from agentrl_jax.models import DecoderConfig, split_params
+    from agentrl_jax.train.build import check_reference_architecture, reference_params
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path, directory, _ = tiny_ggufs["llama"]
+    _, initial = split_params(load_hf_checkpoint(directory))
+    config = apply_overrides(Config(), ["algorithm.kl_coef=0.1", f"model.reference_path={path}",
+                                        "model.reference_dtype=float32"])
+    check_reference_architecture(config, DecoderConfig.from_hf(directory))
+    reference = reference_params(config, initial, None)
+    np.testing.assert_array_equal(np.asarray(reference["embed"][...]), np.asarray(initial["embed"][...]))
+    with pytest.raises(ConfigError, match=r"^model\.reference_path: .* has a different architecture"):
+        check_reference_architecture(config, DecoderConfig.from_hf(tiny_ggufs["qwen2"][1]))
