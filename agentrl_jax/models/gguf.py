@@ -171,7 +171,9 @@ def gguf_decoder_config(reader) -> DecoderConfig:
             bos_token_id=_value(reader, "tokenizer.ggml.bos_token_id", None),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         )
-    except ValueError as e:
+    except GGUFError:
+        raise
+    except ValueError as e:  # DecoderConfig's own checks
         raise GGUFError(f"{path}: {e}") from e
 
 
