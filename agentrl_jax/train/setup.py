@@ -47,7 +47,7 @@ def load_task_data(config: Config) -> TaskData:
 
     Raises:
       ConfigError: a missing path, or no training task left after the overlap check.
-      DataError: a path that matches nothing, or a file with no valid row.
+      DataError: a path that matches nothing, or a file with no valid row (naming the key).
     """
     from agentrl_jax.data import DataStats
     from agentrl_jax.data.dedup import EVAL_OVERLAP, split_overlap
@@ -57,10 +57,10 @@ def load_task_data(config: Config) -> TaskData:
     held_out: list[dict[str, Any]] | None = None
     stats: dict[str, DataStats] = {}
     if data.train_path:
-        train, stats["train"] = _read_tasks(data.train_path, data.format, data.deduplicate)
+        train, stats["train"] = _read_tasks("data.train_path", data.train_path, data.format, data.deduplicate)
     if data.eval_path:
-        held_out, stats["eval"] = _read_tasks(data.eval_path, "aime" if data.format == "dapo" else data.format,
-                                              data.deduplicate)
+        held_out, stats["eval"] = _read_tasks("data.eval_path", data.eval_path,
+                                              "aime" if data.format == "dapo" else data.format, data.deduplicate)
     if train is None:
         train = env.make_tasks(config, "train")
     if held_out is None:
@@ -94,23 +94,29 @@ def load_tasks(config: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any
     return train, held_out
 
 
-def _read_tasks(path: str, fmt: str, deduplicate: bool) -> tuple[list[dict[str, Any]], DataStats]:
-    from agentrl_jax.data import load_task_records
+def _read_tasks(key: str, path: str, fmt: str, deduplicate: bool) -> tuple[list[dict[str, Any]], DataStats]:
+    from agentrl_jax.data import DataError, load_task_records
 
-    records, stats = load_task_records(path, format={"tasks": "task", "dapo": "dapo_math"}.get(fmt, fmt),
-                                       deduplicate=deduplicate)
+    try:
+        records, stats = load_task_records(path, format={"tasks": "task", "dapo": "dapo_math"}.get(fmt, fmt),
+                                           deduplicate=deduplicate)
+    except DataError as e:
+        raise DataError(f"{key}: {e}") from None
     logger.info("tasks from %s: %s", path, stats.summary())
     return [{"question": r.prompt, "answer": r.answer, "id": r.id, **dict(r.metadata or {})} for r in records], stats
 
 
 def load_sft_conversations(config: Config) -> tuple[list[list[dict[str, str]]], DataStats]:
     """The cold-start conversations of ``data.sft_path`` (ReTool-SFT format) and their counts."""
-    from agentrl_jax.data import load_sft_records
+    from agentrl_jax.data import DataError, load_sft_records
 
     if not config.data.sft_path:
         raise ConfigError("data.sft_path is required when sft.steps > 0 for this environment")
-    records, stats = load_sft_records(config.data.sft_path, format="retool_sft",
-                                      deduplicate=config.data.deduplicate)
+    try:
+        records, stats = load_sft_records(config.data.sft_path, format="retool_sft",
+                                          deduplicate=config.data.deduplicate)
+    except DataError as e:
+        raise DataError(f"data.sft_path: {e}") from None
     logger.info("SFT records: %s", stats.summary())
     return [[{"role": msg.role, "content": msg.content} for msg in r.messages] for r in records], stats
 
