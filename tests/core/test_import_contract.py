@@ -35,3 +35,29 @@ def test_import_contract_catches_an_upward_import(tmp_path):
     assert result.returncode != 0, result.stdout
     assert "agentrl_jax.config is not allowed to import agentrl_jax.train" in result.stdout, result.stdout
     assert "agentrl_jax.config.core -> agentrl_jax.train.setup" in result.stdout, result.stdout
+
+
+def test_a_config_built_after_importing_only_config_knows_the_built_ins():
+    """In a fresh interpreter: the built-in environments and the loss checks register when a
+    Config first needs them, and the package root stays light (the answer-verifier workers
+    import it: no JAX, no environments)."""
+    code = """
+import sys
+import agentrl_jax.rewards.math_equiv  # what a verifier worker process imports
+loaded = [m for m in ("jax", "agentrl_jax.envs", "agentrl_jax.losses") if m in sys.modules]
+assert not loaded, loaded
+from agentrl_jax.config import AlgorithmConfig, Config, ConfigError, EnvironmentConfig, apply_overrides
+config = Config(environment=EnvironmentConfig(name="retool_small", num_train_tasks=10))
+assert type(config.environment).__name__ == "ReToolSmallEnvConfig", type(config.environment)
+assert type(apply_overrides(Config(), ["environment.name=search"]).environment).__name__ == "SearchEnvConfig"
+try:
+    Config(algorithm=AlgorithmConfig(loss="ppo2"))
+except ConfigError as e:
+    assert str(e).startswith("algorithm.loss: unknown name 'ppo2'; registered: "), e
+else:
+    raise AssertionError("an unknown loss was accepted")
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr
