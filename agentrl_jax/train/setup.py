@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from agentrl_jax.config import Config, ConfigError
 from agentrl_jax.envs import Environment
-from agentrl_jax.envs.sandbox import make_sandbox  # noqa: F401  (the run's sandbox: setup.make_sandbox)
+from agentrl_jax.envs.sandbox import make_sandbox  # noqa: F401  (re-exported: train/run.py calls setup.make_sandbox)
 from agentrl_jax.rewards.verifier import MathVerifier
 
 if TYPE_CHECKING:  # the data package imports grain: loaded when data is, not with this module
