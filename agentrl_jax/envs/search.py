@@ -376,6 +376,6 @@ _CORRECTIONS = {
 
 __all__ = [
     "ANSWER_METRICS", "SEARCH_PROMPT_TEMPLATE", "SearchAction", "SearchConfig", "SearchEnv", "exact_match",
-    "golden_answers", "make_retriever", "normalize_answer", "parse_action", "search_reward", "substring_match", "token_f1",
+    "golden_answers", "normalize_answer", "parse_action", "search_reward", "substring_match", "token_f1",
     "truncate_tail", "well_formed", "wrap_information",
 ]
