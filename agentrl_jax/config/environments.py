@@ -1,4 +1,4 @@
-"""One config section per environment; ``environment.name`` selects it.
+"""The environment section's base and registry: ``environment.name`` selects a registered section.
 
 The ``environment`` section of a Config is an :class:`EnvironmentConfig`: the fields
 every environment shares (turn and tool limits, outcome scheme, reward shaping, the code
