@@ -3,7 +3,8 @@
 The trainer never imports a loss by module path: the config names it (`loss="ppo"`,
 `advantage="grpo"`) and the trainer calls `get_loss(name)` / `get_advantage(name)`.
 A user adds an algorithm by decorating a pure function with the signature below; see
-docs/custom_loss.md for a worked example.
+docs/custom_loss.md for a worked example. Every Config is checked against these tables when
+it is built (``check_registered_names``, registered with ``config.register_config_check``).
 
 Policy loss signature (`PolicyLoss`)::
 
@@ -250,7 +251,7 @@ def check_registered_names(config: Config) -> None:
 
     Unknown names fail with the registered ones; so do an estimator or a loss the trainer
     could not call with what it passes (rewards, group_ids, loss_mask, num_groups; the
-    arrays, the packed layout and the hyper-parameters from ``registry.loss_hparams``), an
+    arrays, the packed layout and the hyper-parameters from ``loss_hparams``), an
     ``algorithm.loss_hparams`` key the loss does not take, and a group size the estimator
     is not defined for.
     """
