@@ -172,7 +172,8 @@ class EnvironmentConfig(_Section):
         if name not in _ENVIRONMENTS:
             raise ConfigError(f"environment.name: unknown environment {name!r}; registered: "
                               f"{', '.join(environment_names())} (a new one registers its section with "
-                              "agentrl_jax.config.register_environment)")
+                              "agentrl_jax.config.register_environment, in the config file or a module it "
+                              "imports)")
         return _ENVIRONMENTS[name]
 
     @classmethod
