@@ -22,6 +22,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from agentrl_jax.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 MESH_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
@@ -84,26 +86,29 @@ def resolve_mesh_shape(shape: Mapping[str, int], n_devices: int) -> dict[str, in
 
     Returns:
       A dict with every axis of ``MESH_AXES`` and a product equal to ``n_devices``.
+
+    Raises:
+      ConfigError: a shape these devices cannot take (it comes from the config's ``mesh``).
     """
     unknown = set(shape) - set(MESH_AXES)
     if unknown:
-        raise ValueError(f"mesh: unknown axes {sorted(unknown)}; the axes are {list(MESH_AXES)}")
+        raise ConfigError(f"mesh: unknown axes {sorted(unknown)}; the axes are {list(MESH_AXES)}")
     sizes = {a: int(shape.get(a, 1)) for a in MESH_AXES}
     fill = [a for a, s in sizes.items() if s == -1]
     bad = [a for a, s in sizes.items() if s == 0 or s < -1]
     if bad:
-        raise ValueError(f"mesh: axis sizes must be positive or -1, got {sizes}")
+        raise ConfigError(f"mesh: axis sizes must be positive or -1, got {sizes}")
     if len(fill) > 1:
-        raise ValueError(f"mesh: at most one axis may be -1 (fill), got {fill}")
+        raise ConfigError(f"mesh: at most one axis may be -1 (fill), got {fill}")
     known = math.prod(s for s in sizes.values() if s != -1)
     if fill:
         if n_devices % known:
-            raise ValueError(
+            raise ConfigError(
                 f"mesh: {n_devices} devices are not divisible by the fixed axes {sizes} (product {known})"
             )
         sizes[fill[0]] = n_devices // known
     if math.prod(sizes.values()) != n_devices:
-        raise ValueError(
+        raise ConfigError(
             f"mesh: shape {sizes} covers {math.prod(sizes.values())} devices but {n_devices} are "
             "available; use -1 on one axis to fill"
         )

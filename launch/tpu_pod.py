@@ -56,11 +56,14 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    from agentrl_jax.data import DataError
     from agentrl_jax.train.run import train
 
     try:
         train(config)
-    except ConfigError as e:  # found while preparing the run, e.g. a model.path that cannot be read
+    except (ConfigError, DataError) as e:
+        # What only the run can check (a data file, a checkpoint directory, the mesh against the
+        # devices, the fields of the tasks) is a setting to change, not a bug: one line, as at load.
         print(f"config error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -7,8 +7,14 @@ names the field and what is allowed.
 
 - ``config/core.py``: the machinery (section base, type checks, overrides, loading, describe).
 - ``config/sections.py``: the training sections and ``Config``.
-- ``config/environments.py``: one section per environment, selected by ``environment.name``;
-  a new environment registers its own with :func:`register_environment`.
+- ``config/environments.py``: the base of the environment section; each environment
+  registers its own subclass with :func:`register_environment` (the built-in ones in envs/),
+  selected by ``environment.name``.
+
+config imports nothing else from the package: the layers above it register what a Config
+is checked against (environment sections, the losses registry's check through
+:func:`register_config_check`); ``agentrl_jax/__init__.py`` loads the built-in ones the
+first time a registry is read.
 """
 
 from agentrl_jax.config.core import _f as config_field
@@ -17,21 +23,18 @@ from agentrl_jax.config.core import (
     ConfigError,
     DType,
     apply_overrides,
-    check_registered_names,
     check_required_paths,
     describe,
     from_dict,
     load_config,
+    register_config_check,
     resolve_config_path,
     to_dict,
 )
 from agentrl_jax.config.environments import (
     TOOL_REWARD_CAP,
-    ArithmeticEnvConfig,
     EnvironmentConfig,
-    ReToolEnvConfig,
     SandboxConfig,
-    SearchEnvConfig,
     VerifierConfig,
     environment_names,
     overlong_max_tokens,
@@ -57,10 +60,10 @@ from agentrl_jax.config.sections import (
 
 __all__ = [
     "JUDGE_FIELDS", "TOOL_REWARD_CAP",
-    "AlgorithmConfig", "ArithmeticEnvConfig", "AsyncConfig", "CheckpointConfig", "Config", "ConfigError",
-    "DType", "DataConfig", "EnvironmentConfig", "EvalConfig", "HybridConfig", "LoggingConfig", "MeshConfig",
-    "ModelConfig", "OptimizerConfig", "ReToolEnvConfig", "RolloutConfig", "SFTConfig", "SandboxConfig",
-    "ScratchModelConfig", "SearchEnvConfig", "VerifierConfig", "apply_overrides", "check_registered_names",
-    "check_required_paths", "config_field", "describe", "environment_names", "from_dict", "load_config",
-    "overlong_max_tokens", "register_environment", "require", "resolve_config_path", "to_dict",
+    "AlgorithmConfig", "AsyncConfig", "CheckpointConfig", "Config", "ConfigError", "DType", "DataConfig",
+    "EnvironmentConfig", "EvalConfig", "HybridConfig", "LoggingConfig", "MeshConfig", "ModelConfig",
+    "OptimizerConfig", "RolloutConfig", "SFTConfig", "SandboxConfig", "ScratchModelConfig", "VerifierConfig",
+    "apply_overrides", "check_required_paths", "config_field", "describe", "environment_names", "from_dict",
+    "load_config", "overlong_max_tokens", "register_config_check", "register_environment", "require",
+    "resolve_config_path", "to_dict",
 ]

@@ -1,7 +1,8 @@
 """The config machinery: typed sections, type checks, overrides, loading, describe.
 
 The sections themselves live in ``config/sections.py`` (training) and
-``config/environments.py`` (one section per environment). A config file is Python:
+``config/environments.py`` (the environment section's base; each environment's own
+section lives with it in envs/). A config file is Python:
 ``configs/retool.py`` defines ``get_config() -> Config``. The command line overrides
 any field with ``--set section.field=value``; the value is converted to the field's
 declared type. Unknown keys, wrong types and impossible
@@ -20,7 +21,7 @@ import json
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -332,9 +333,9 @@ def resolve_config_path(name: str) -> Path:
 def load_config(name: str, overrides: Sequence[str] = ()) -> Config:
     """Load ``get_config()`` from a Python config file, apply overrides, validate.
 
-    Names from the losses registry (``algorithm.loss``, ``algorithm.advantage``) are
-    checked when the Config is built, after the file's imports ran, so a config file may
-    import (or define) a module that registers a custom loss.
+    Names from the registries (``environment.name``, ``algorithm.loss``,
+    ``algorithm.advantage``) are checked when the Config is built, after the file's imports
+    ran, so a config file may import (or define) a module that registers a custom one.
     """
     path = resolve_config_path(name)
     spec = importlib.util.spec_from_file_location(f"agentrl_jax_config_{path.stem}", path)
@@ -363,66 +364,54 @@ def check_required_paths(config: Config) -> None:
     config.environment.check_paths(config)
 
 
-def check_registered_names(config: Config) -> None:
-    """Check the loss and advantage against the losses registry (``Config.validate`` runs it).
+# --------------------------------------------------------------------------- registries
+#
+# The layers above config own registries a Config is checked against (environments in
+# envs/, losses and estimators in losses/). config imports none of them: they register
+# here, and the package root (agentrl_jax/__init__.py) adds the loaders that import the
+# built-in ones the first time a registry is read.
 
-    Unknown names fail with the registered ones; so do an estimator or a loss the trainer
-    could not call with what it passes (rewards, group_ids, loss_mask, num_groups; the
-    arrays, the packed layout and the hyper-parameters from ``registry.loss_hparams``), an
-    ``algorithm.loss_hparams`` key the loss does not take, and a group size the estimator
-    is not defined for.
+#: Checks ``Config.validate`` runs on every Config, registered by the layers that own a registry.
+_CONFIG_CHECKS: list[Callable[[Config], None]] = []
+#: registry name -> loaders not yet called.
+_LOADERS: dict[str, list[Callable[[], None]]] = {"environments": [], "config_checks": []}
+
+
+def add_registry_loader(registry: str, load: Callable[[], None]) -> None:
+    """Call ``load`` (which imports modules that register into ``registry``) once, before the
+    registry is first read: ``"environments"`` (``register_environment``) or ``"config_checks"``
+    (``register_config_check``)."""
+    if registry not in _LOADERS:
+        raise ValueError(f"add_registry_loader: unknown registry {registry!r}; known: {', '.join(_LOADERS)}")
+    _LOADERS[registry].append(load)
+
+
+def load_registry(registry: str) -> None:
+    """Run the pending loaders of ``registry`` (each once; a loader's own registrations do not
+    re-enter it)."""
+    pending = _LOADERS[registry]
+    while pending:
+        pending.pop(0)()
+
+
+def register_config_check(check: Callable[[Config], None]) -> Callable[[Config], None]:
+    """Run ``check(config)`` in every ``Config.validate``, before the cross-section checks.
+
+    How a layer above config checks names against a registry it owns (losses/registry.py:
+    ``algorithm.loss`` and ``algorithm.advantage``); ``check`` raises ConfigError naming the
+    field. Registering the same function twice runs it once.
     """
-    try:
-        from agentrl_jax.losses import registry
-    except ImportError:  # the losses package is optional for config-only use
-        return
-    for key, value, known in (
-        ("algorithm.loss", config.algorithm.loss, registry.known_losses()),
-        ("algorithm.advantage", config.algorithm.advantage, registry.known_advantages()),
-    ):
-        if value not in known:
-            raise ConfigError(f"{key}: unknown name {value!r}; registered: {', '.join(sorted(known))}")
-    # The trainer calls the estimator and the loss with these arguments only
-    # (train/episodes.py compute_advantages, train/step.py); one that needs more (a critic's
-    # values, teacher logprobs, a hyper-parameter without default) would fail at the first update.
-    a = config.algorithm
-    min_group_size, note = registry.advantage_info(a.advantage)
-    needs = _required_parameters(registry.get_advantage(a.advantage), positional=3,
-                                 keywords={"num_groups", "sequence_ids"})
-    _require(not needs, "algorithm.advantage", f"{a.advantage!r} {note}" if note else
-             f"{a.advantage!r} requires {sorted(needs)}, which the RL trainer does not pass (it passes rewards, "
-             "group_ids, loss_mask, num_groups); use a sequence estimator (grpo, drgrpo, rloo, reinforce_pp)")
-    _require(a.group_size >= min_group_size, "algorithm.group_size",
-             f"must be >= {min_group_size} for the group estimator {a.advantage!r} (got {a.group_size})")
-    errors = registry.loss_hparam_errors(a.loss, config)
-    _require(not errors, "algorithm.loss_hparams", "; ".join(errors))
-    needs = _required_parameters(registry.get_loss(a.loss), positional=4,
-                                 keywords={"sequence_ids", "num_sequences", *registry.loss_hparams(a.loss, config)})
-    _require(not needs, "algorithm.loss_hparams",
-             f"loss {a.loss!r} requires {sorted(needs)}, which have no defaults; set them with "
-             "--set 'algorithm.loss_hparams=[[\"name\", value]]'")
+    load_registry("config_checks")
+    if check not in _CONFIG_CHECKS:
+        _CONFIG_CHECKS.append(check)
+    return check
 
 
-def _required_parameters(fn: Any, *, positional: int, keywords: set[str]) -> set[str]:
-    """Parameters of ``fn`` without a default that a call with ``positional`` positional
-    arguments and the ``keywords`` does not fill."""
-    import inspect
-
-    try:
-        parameters = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # no inspectable signature: nothing to check
-        return set()
-    filled = 0
-    needs = set()
-    for p in parameters:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and filled < positional:
-            filled += 1
-            continue
-        if p.default is inspect.Parameter.empty and p.name not in keywords:
-            needs.add(p.name)
-    return needs
+def run_config_checks(config: Config) -> None:
+    """The registered checks on ``config`` (``Config.validate`` runs them)."""
+    load_registry("config_checks")
+    for check in _CONFIG_CHECKS:
+        check(config)
 
 
 def describe(cls: type | None = None, prefix: str = "") -> str:

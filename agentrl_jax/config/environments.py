@@ -1,4 +1,4 @@
-"""One config section per environment; ``environment.name`` selects it.
+"""The environment section's base and registry: ``environment.name`` selects a registered section.
 
 The ``environment`` section of a Config is an :class:`EnvironmentConfig`: the fields
 every environment shares (turn and tool limits, outcome scheme, reward shaping, the code
@@ -25,9 +25,11 @@ selected one knows.
 "native" chat turns in the model's own tool-call format (``environment.tool_format``;
 envs/tools/). A section lists the layouts its environment implements in ``layouts``.
 
-The built-in sections (arithmetic, retool, search) translate themselves into their
-environment's settings with that environment's ``from_config`` (``envs/retool.py``,
-``envs/arithmetic.py``, ``envs/search.py``); nothing in ``train/`` knows their fields.
+The built-in sections live with their environments in envs/ (``envs/arithmetic.py``,
+``envs/retool.py``, ``envs/retool_small.py``, ``envs/search_config.py``) and register there;
+this module imports nothing above config. The package root adds the loader that imports
+them the first time the registry is read (``agentrl_jax/__init__.py``), so
+``EnvironmentConfig(name="search")`` works after importing only ``agentrl_jax.config``.
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from agentrl_jax.config.core import SECTION_PATHS, ConfigError, _f, _require, _section, _Section
+from agentrl_jax.config.core import SECTION_PATHS, ConfigError, _f, _require, _section, _Section, load_registry
 
 if TYPE_CHECKING:
     from agentrl_jax.config.sections import Config
-    from agentrl_jax.envs.base import Environment
 
-#: rewards.shaping.RewardWeights.tool_cap as the ReTool environments build it (envs/retool.py).
+#: rewards.shaping.RewardWeights.tool_cap as the ReTool environments build it (envs/retool.py);
+#: the base section's ``validate_in`` bounds environment.tool_weight with it.
 TOOL_REWARD_CAP = 0.3
 
 _ENVIRONMENTS: dict[str, type[EnvironmentConfig]] = {}
@@ -53,8 +55,10 @@ def register_environment(name: str) -> Callable[[type], type]:
 
     The subclass must default its ``name`` field to ``name`` and implement
     ``make_env_factory``. Registering a name twice replaces the first class (a re-run
-    config file or notebook cell registers it again).
+    config file or notebook cell registers it again); the built-in sections are loaded
+    first, so a user's section replaces a built-in one of the same name.
     """
+    load_registry("environments")
 
     def register(cls: type) -> type:
         if not (isinstance(cls, type) and issubclass(cls, EnvironmentConfig)):
@@ -73,6 +77,7 @@ def register_environment(name: str) -> Callable[[type], type]:
 
 def environment_names() -> list[str]:
     """The registered environment names, sorted."""
+    load_registry("environments")
     return sorted(_ENVIRONMENTS)
 
 
@@ -163,10 +168,12 @@ class EnvironmentConfig(_Section):
 
     @classmethod
     def variant(cls, name: str) -> type[EnvironmentConfig]:
+        load_registry("environments")
         if name not in _ENVIRONMENTS:
             raise ConfigError(f"environment.name: unknown environment {name!r}; registered: "
                               f"{', '.join(environment_names())} (a new one registers its section with "
-                              "agentrl_jax.config.register_environment)")
+                              "agentrl_jax.config.register_environment, in the config file or a module it "
+                              "imports)")
         return _ENVIRONMENTS[name]
 
     @classmethod
@@ -222,8 +229,8 @@ class EnvironmentConfig(_Section):
         return None
 
     def make_env_factory(self, config: Config, *, pool: Any, verifier: Any,
-                         count_tokens: Callable[[str], int] | None) -> Callable[[], Environment]:
-        """A zero-argument constructor of a fresh environment (one per trajectory).
+                         count_tokens: Callable[[str], int] | None) -> Callable[[], Any]:
+        """A zero-argument constructor of a fresh ``envs.base.Environment`` (one per trajectory).
 
         Args:
           config: the whole run's Config (e.g. the rollout limits an environment scores against).
@@ -243,210 +250,6 @@ def overlong_max_tokens(config: Config) -> int:
     """
     r = config.rollout
     return min(r.max_new_tokens_per_turn * config.environment.max_turns, r.max_sequence_length - r.max_prompt_length)
-
-
-@register_environment("arithmetic")
-@dataclass(frozen=True)
-class ArithmeticEnvConfig(EnvironmentConfig):
-    """The CPU demo: multi-digit sums and products with a Python tool (envs/arithmetic.py)."""
-
-    name: str = _f("arithmetic", "Which environment runs the episodes.")
-    min_digits: int = _f(2, "arithmetic: smallest operand width of generated tasks.")
-    max_digits: int = _f(4, "arithmetic: largest operand width of generated tasks.")
-    num_train_tasks: int = _f(4000, "arithmetic: generated training tasks (when data.train_path is empty).")
-    num_eval_tasks: int = _f(200, "arithmetic: generated held-out tasks (when data.eval_path is empty).")
-    demo_tool_fraction: float = _f(0.5, "arithmetic SFT: fraction of the unhinted demonstrations that call the tool.")
-    demo_hint_fraction: float = _f(
-        0.0, "arithmetic SFT: fraction of demonstrations whose user message ends with a bridge thought (the oracle "
-        "judge's hint in hybrid.hint_format) that the assistant follows (exact code, copied result); these teach "
-        "the post-SFT policy, later the teacher, to read hints (docs/hybrid.md).")
-
-    generates_tasks: ClassVar[bool] = True
-    layouts: ClassVar[tuple[str, ...]] = ("inline", "native")
-
-    def validate(self) -> None:
-        super().validate()
-        _require(1 <= self.min_digits <= self.max_digits, "environment.min_digits/max_digits",
-                 f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
-        _require(0 <= self.demo_tool_fraction <= 1, self._path("demo_tool_fraction"), "must be in [0, 1]")
-        _require(0 <= self.demo_hint_fraction <= 1, self._path("demo_hint_fraction"), "must be in [0, 1]")
-        _require(self.num_train_tasks >= 1, self._path("num_train_tasks"), "must be >= 1")
-        _require(self.num_eval_tasks >= 1, self._path("num_eval_tasks"), "must be >= 1")
-
-    def validate_in(self, config: Config) -> None:
-        super().validate_in(config)
-        _require(not self.demo_hint_fraction or config.hybrid.hint_placement == "user_message",
-                 self._path("demo_hint_fraction"),
-                 f"({self.demo_hint_fraction}) writes the hint into the user message, as the teacher reads it with "
-                 f"hybrid.hint_placement='user_message'; with {config.hybrid.hint_placement!r} the demonstrations "
-                 "would teach another context than the teacher sees (set hint_placement='user_message')")
-        _require(not self.demo_hint_fraction or self.layout == "inline", self._path("demo_hint_fraction"),
-                 "hint-following demonstrations are written in the inline layout only; "
-                 "set environment.layout='inline' or demo_hint_fraction=0")
-
-    def make_tasks(self, config: Config, split: Literal["train", "eval"]) -> list[dict[str, Any]]:
-        from agentrl_jax.envs.arithmetic import make_tasks
-
-        widths = range(self.min_digits, self.max_digits + 1)
-        count = self.num_train_tasks if split == "train" else self.num_eval_tasks
-        per = -(-count // len(widths))
-        split_name = "train" if split == "train" else "held_out"
-        return [t for d in widths for t in make_tasks(per, d, seed=config.seed, split=split_name)]
-
-    def make_demonstrations(self, config: Config, tasks: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
-        from agentrl_jax.train.setup import arithmetic_demonstrations
-
-        return arithmetic_demonstrations(config, tasks)
-
-    def make_env_factory(self, config, *, pool, verifier, count_tokens):
-        from agentrl_jax.envs.arithmetic import ArithmeticEnv
-
-        return _code_env_factory(self, ArithmeticEnv, ArithmeticEnv.config_from(config), pool, verifier, count_tokens)
-
-
-def _code_env_factory(section: EnvironmentConfig, inline_env, settings, pool, verifier, count_tokens):
-    """The constructor of a code-interpreter episode: ``inline_env`` (tags in one assistant turn)
-    or, with ``layout='native'``, ``envs.tools.NativeReToolEnv`` in ``section.tool_format``."""
-    if section.layout == "native":
-        from agentrl_jax.envs.tools import NativeReToolEnv
-
-        return lambda: NativeReToolEnv(pool, verifier, settings, tool_format=section.tool_format,
-                                       count_tokens=count_tokens)
-    return lambda: inline_env(pool, verifier, settings, count_tokens=count_tokens)
-
-
-@register_environment("retool")
-@dataclass(frozen=True)
-class ReToolEnvConfig(EnvironmentConfig):
-    """Math with a Python interpreter (ReTool; envs/retool.py): tasks from data files, an HF model."""
-
-    name: str = _f("retool", "Which environment runs the episodes.")
-
-    layouts: ClassVar[tuple[str, ...]] = ("inline", "native")
-
-    def check_paths(self, config: Config) -> None:
-        _require(bool(config.model.path), "model.path",
-                 f"is required for environment.name={self.name!r} (set it with --set model.path=...)")
-        super().check_paths(config)
-
-    def make_env_factory(self, config, *, pool, verifier, count_tokens):
-        from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv
-
-        return _code_env_factory(self, ReToolEnv, ReToolConfig.from_config(config), pool, verifier, count_tokens)
-
-
-@register_environment("retool_small")
-@dataclass(frozen=True)
-class ReToolSmallEnvConfig(EnvironmentConfig):
-    """Generated problems that need a program, in the ReTool environment, with scripted-solver SFT
-    demonstrations (envs/program_tasks.py, envs/program_demos.py; configs/retool_small.py)."""
-
-    name: str = _f("retool_small", "Which environment runs the episodes.")
-    families: tuple[str, ...] = _f(("bignum", "seqsum", "gcdlcm", "primes", "digits", "lineq", "binom", "modpow"),
-                                   "retool_small: problem families (envs/program_tasks.py FAMILIES).")
-    num_train_tasks: int = _f(20000, "retool_small: generated training tasks (when data.train_path is empty).")
-    num_eval_tasks: int = _f(160, "retool_small: generated held-out tasks (when data.eval_path is empty).")
-    combo_fraction: float = _f(0.5, "retool_small: fraction of held-out tasks that are held-out combinations "
-                                     "(the rest: training variants with held-out parameter ranges).")
-    num_demonstrations: int = _f(4000, "retool_small SFT: demonstrations written by the scripted solver, one "
-                                       "per training task from the first.")
-    demo_styles: tuple[float, float, float, float] = _f(
-        (0.45, 0.25, 0.2, 0.1), "retool_small SFT: weights of the demonstration styles tool, memory, fix (a buggy "
-                                "program, its traceback, the fix), give_up (a buggy program, then a guess).")
-
-    generates_tasks: ClassVar[bool] = True
-
-    def validate(self) -> None:
-        super().validate()
-        from agentrl_jax.envs.program_tasks import FAMILIES
-
-        unknown = sorted(set(self.families) - set(FAMILIES))
-        _require(bool(self.families) and not unknown, self._path("families"),
-                 f"unknown families {unknown or 'none given'}; known: {', '.join(FAMILIES)}")
-        for key in ("num_train_tasks", "num_eval_tasks", "num_demonstrations"):
-            _require(getattr(self, key) >= 1, self._path(key), "must be >= 1")
-        _require(0 <= self.combo_fraction <= 1, self._path("combo_fraction"), "must be in [0, 1]")
-        _require(min(self.demo_styles) >= 0 and sum(self.demo_styles) > 0, self._path("demo_styles"),
-                 f"must be non-negative weights with a positive sum, got {self.demo_styles}")
-
-    def make_tasks(self, config: Config, split: Literal["train", "eval"]) -> list[dict[str, Any]]:
-        from agentrl_jax.envs.program_tasks import make_tasks
-
-        train, held_out = make_tasks(self.num_train_tasks, self.num_eval_tasks, seed=config.seed,
-                                     families=self.families, combo_fraction=self.combo_fraction)
-        return train if split == "train" else held_out
-
-    def make_demonstrations(self, config: Config, tasks: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
-        from agentrl_jax.envs.program_demos import STYLES, demonstrations, run_blocking
-        from agentrl_jax.envs.retool import ReToolConfig
-        from agentrl_jax.train.setup import make_sandbox
-
-        async def write():
-            async with make_sandbox(config) as pool:
-                return await demonstrations(tasks[:self.num_demonstrations], pool, ReToolConfig.from_config(config),
-                                            fractions=dict(zip(STYLES, self.demo_styles)), seed=config.seed)
-        return run_blocking(write())
-
-    def make_env_factory(self, config, *, pool, verifier, count_tokens):
-        from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv
-
-        return _code_env_factory(self, ReToolEnv, ReToolConfig.from_config(config), pool, verifier, count_tokens)
-
-
-@register_environment("search")
-@dataclass(frozen=True)
-class SearchEnvConfig(EnvironmentConfig):
-    """Search-R1 question answering over a retriever (envs/search.py)."""
-
-    name: str = _f("search", "Which environment runs the episodes.")
-    corpus_path: str = _f("", "search: JSONL corpus ({id, title, text} per line) for the local BM25 retriever.")
-    retriever_url: str = _f("", "search: a Search-R1 retrieval server endpoint (http://host:8000/retrieve) "
-                                "used instead of the local index.")
-    top_k: int = _f(3, "search: passages returned per query.")
-    answer_metric: Literal["em", "f1", "subem"] = _f(
-        "em", "search: answer score in the reward (exact match, token F1, substring match); "
-              "environment.format_weight is the weight of the format term.")
-    retriever_timeout_s: float = _f(10.0, "search: HTTP timeout of one retrieval request (retried 3 times).")
-
-    layouts: ClassVar[tuple[str, ...]] = ("inline", "native")
-
-    def validate(self) -> None:
-        super().validate()
-        _require(self.top_k >= 1, self._path("top_k"), "must be >= 1")
-        _require(self.retriever_timeout_s > 0, self._path("retriever_timeout_s"), "must be > 0")
-        _require(not self.retriever_url or self.retriever_url.startswith(("http://", "https://")),
-                 self._path("retriever_url"), f"must start with http:// or https://, got {self.retriever_url!r}")
-        _require(not (self.corpus_path and self.retriever_url), "environment.corpus_path/retriever_url",
-                 "set one retriever: a local corpus or a remote server, not both")
-        _require(0 <= self.format_weight < 1, self._path("format_weight"),
-                 f"must be in [0, 1) for environment.name='search', got {self.format_weight}")
-
-    def validate_in(self, config: Config) -> None:
-        """The search reward is the answer score and the format term only: other shaping fails."""
-        for key, value in (("overlong_buffer", self.overlong_buffer), ("tool_weight", self.tool_weight)):
-            _require(not value, f"environment.{key}",
-                     f"({value}) has no effect with environment.name='search' (its reward is the answer "
-                     "score and environment.format_weight only); set it to 0")
-
-    def check_paths(self, config: Config) -> None:
-        _require(bool(self.corpus_path or self.retriever_url), "environment.corpus_path",
-                 "is required for environment.name='search' (set it with --set environment.corpus_path=corpus.jsonl, "
-                 "or use a retrieval server with --set environment.retriever_url=http://host:8000/retrieve)")
-        _require(bool(config.model.path), "model.path",
-                 f"is required for environment.name={self.name!r} (set it with --set model.path=...)")
-        super().check_paths(config)
-
-    def make_env_factory(self, config, *, pool, verifier, count_tokens):
-        from agentrl_jax.envs.search import SearchConfig, SearchEnv, make_retriever
-
-        del pool, verifier  # a search episode runs no code and grades by string match
-        retriever, settings = make_retriever(self), SearchConfig.from_config(config)
-        if self.layout == "native":
-            from agentrl_jax.envs.tools import NativeSearchEnv
-
-            return lambda: NativeSearchEnv(retriever, settings, tool_format=self.tool_format,
-                                           count_tokens=count_tokens)
-        return lambda: SearchEnv(retriever, settings, count_tokens=count_tokens)
 
 
 SECTION_PATHS.update({"SandboxConfig": "environment.sandbox", "VerifierConfig": "environment.verifier",

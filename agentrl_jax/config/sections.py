@@ -1,8 +1,9 @@
 """The sections of an experiment's Config: model, mesh, rollout, algorithm, ..., and Config.
 
 Each section is a frozen dataclass whose fields carry their documentation; the machinery
-(type checks, overrides, loading) is in ``config/core.py``, and the environment sections
-(one per environment, chosen by ``environment.name``) are in ``config/environments.py``.
+(type checks, overrides, loading) is in ``config/core.py``, and the environment section's
+base (each environment registers its own subclass, chosen by ``environment.name``) is in
+``config/environments.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentrl_jax.config.core import (SECTION_PATHS, ConfigError, DType, _f, _require, _section, _Section,
-                                     check_registered_names)
+                                     run_config_checks)
 from agentrl_jax.config.environments import EnvironmentConfig
 
 
@@ -568,9 +569,10 @@ class Config(_Section):
     def validate(self) -> None:
         _require(self.total_steps >= 0, "total_steps", "must be >= 0")
         algo = self.algorithm
-        # The loss and estimator names, their hyper-parameters and the group size, through the
-        # registries (a custom loss registered before the Config is built is checked the same way).
-        check_registered_names(self)
+        # The loss and estimator names, their hyper-parameters and the group size, by the checks
+        # the losses registry registers (a custom loss registered before the Config is built is
+        # checked the same way).
+        run_config_checks(self)
         trajectories = self.data.prompts_per_step * algo.group_size
         _require(
             trajectories % algo.minibatches == 0,

@@ -25,6 +25,8 @@ from agentrl_jax.data.iterator import BatchIterator
 from agentrl_jax.data.readers import DataError, DataStats, read_records, resolve_paths
 from agentrl_jax.data.records import (
     ROLES,
+    TASK_ANSWER_FIELDS,
+    TASK_PROMPT_FIELDS,
     BadRowError,
     ChatMessage,
     SFTRecord,
@@ -35,7 +37,7 @@ from agentrl_jax.data.records import (
 )
 
 __all__ = [
-    "ROLES", "SFT_FORMATS", "TASK_FORMATS", "BadRowError", "BatchIterator", "ChatMessage", "DataError",
+    "ROLES", "SFT_FORMATS", "TASK_ANSWER_FIELDS", "TASK_FORMATS", "TASK_PROMPT_FIELDS", "BadRowError", "BatchIterator", "ChatMessage", "DataError",
     "DataStats", "Deduplicator", "SFTRecord", "TaskRecord", "load_sft_records", "load_task_records",
     "normalize_text", "parse_aime_row", "parse_dapo_math_row", "parse_messages", "parse_retool_sft_row",
     "parse_sft_row", "read_records", "resolve_paths", "split_interpreter_blocks", "split_overlap",

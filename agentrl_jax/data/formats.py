@@ -1,7 +1,9 @@
 """Public dataset shapes -> `TaskRecord` / `SFTRecord`, from local files.
 
 Task formats (`load_task_records(paths, format=...)`):
-  "task"       {"prompt": str, "answer": str|number, "id"?, "metadata"?}.
+  "task"       {"prompt": str, "answer": str|number, "id"?, "metadata"?}; the prompt may also be named
+               "question", "problem" or "input", the answer "final_answer" or "target" (GSM8K rows
+               load as they are; their "... #### 72" answers become "72"), see `records.py`.
   "dapo_math"  DAPO-Math-17k (BytedTsinghua-SIA/DAPO-Math-17k): {"prompt": [{"role": "user",
                "content": ...}], "reward_model": {"ground_truth": ...}, "data_source"?, "ability"?,
                "extra_info"?: {"index": ...}}; also its flattened copies {"prompt": str, "label": ...}.
@@ -44,6 +46,7 @@ from agentrl_jax.data.records import (
     SFTRecord,
     TaskRecord,
     answer_text,
+    first_field,
     get_field,
     parse_messages,
     parse_sft_row,
@@ -108,14 +111,10 @@ def parse_aime_row(row: Mapping[str, Any], default_id: str) -> TaskRecord:
 
     Field names match ignoring case, so `{"ID", "Problem", "Answer"}` files load as well.
     """
-    prompt_key = next((k for k in _AIME_PROMPT_KEYS if get_field(row, k) is not None), None)
-    if prompt_key is None:
-        raise BadRowError("missing_field", "problem", f"the row has none of {_AIME_PROMPT_KEYS}")
-    answer_key = next((k for k in _AIME_ANSWER_KEYS if get_field(row, k) is not None), None)
-    if answer_key is None:
-        raise BadRowError("missing_field", "answer", f"the row has none of {_AIME_ANSWER_KEYS}")
-    prompt = require_text(get_field(row, prompt_key), prompt_key)
-    answer = answer_text(get_field(row, answer_key), answer_key)
+    prompt_key, prompt = first_field(row, _AIME_PROMPT_KEYS)
+    answer_key, answer = first_field(row, _AIME_ANSWER_KEYS)
+    prompt = require_text(prompt, prompt_key)
+    answer = answer_text(answer, answer_key)
     used = {prompt_key, answer_key, "id", "metadata"}
     metadata = {k: v for k, v in row.items() if str(k).lower() not in used and v is not None}
     metadata.update(record_metadata(row))

@@ -9,7 +9,9 @@ Field names are matched case-insensitively at every level (`Problem`/`Answer` co
 ways. Two keys of one object that differ only in case are an `ambiguous_field` error
 naming both, never a silent pick.
 
-Task row:  {"prompt": str, "answer": str | int | float, "id"?: str | int, "metadata"?: dict}
+Task row:  {"prompt": str, "answer": str | int | float, "id"?: str | int, "metadata"?: dict},
+           the prompt and answer under any of the names public sets use (`TASK_PROMPT_FIELDS`,
+           `TASK_ANSWER_FIELDS`: GSM8K's question/answer, MATH's problem, input/target)
 SFT row:   {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...],
             "id"?: str | int, "metadata"?: dict}
 """
@@ -185,11 +187,44 @@ def record_metadata(row: Mapping[str, Any], field: str = "metadata") -> dict[str
     return dict(value)
 
 
+#: The names of a task's prompt and of its answer in public datasets, in order of preference.
+#: A worked solution ("solution" in MATH) is not an answer: the verifier compares final answers.
+TASK_PROMPT_FIELDS = ("prompt", "question", "problem", "input")
+TASK_ANSWER_FIELDS = ("answer", "final_answer", "target")
+
+
+def first_field(row: Mapping[str, Any], fields: tuple[str, ...]) -> tuple[str, Any]:
+    """(name, value) of the first of `fields` that `row` has (matched ignoring case, not None).
+
+    Raises:
+      BadRowError: ("missing_field", the first name) when the row has none of them.
+    """
+    if not isinstance(row, Mapping):
+        raise BadRowError("wrong_type", "<row>", f"expected an object, got {type(row).__name__}")
+    for name in fields:
+        value = get_field(row, name)
+        if value is not None:
+            return name, value
+    raise BadRowError("missing_field", fields[0], f"the row has none of {fields}")
+
+
+def final_answer(text: str) -> str:
+    """The final answer of a GSM8K answer, whose last line is ``#### 72`` after the reasoning
+    (here "72"); any other text unchanged."""
+    head, marker, tail = text.rpartition("####")
+    if marker and tail.strip() and (not head or head.endswith("\n")):
+        return tail.strip()
+    return text
+
+
 def parse_task_row(row: Mapping[str, Any], default_id: str) -> TaskRecord:
     """Validates a generic task row into a `TaskRecord`.
 
     Args:
-      row: {"prompt": str, "answer": str|number, "id"?: str|int, "metadata"?: dict}.
+      row: {"prompt": str, "answer": str|number, "id"?: str|int, "metadata"?: dict}; the
+        prompt may be named after any of `TASK_PROMPT_FIELDS` and the answer after any of
+        `TASK_ANSWER_FIELDS` (the first present wins). A GSM8K answer ("... #### 72")
+        becomes its final answer.
       default_id: the id to use when the row has none (the reader passes "file:line").
 
     Returns:
@@ -198,8 +233,10 @@ def parse_task_row(row: Mapping[str, Any], default_id: str) -> TaskRecord:
     Raises:
       BadRowError: naming the missing / mistyped / empty field.
     """
-    prompt = require_text(require_field(row, "prompt"), "prompt")
-    answer = answer_text(require_field(row, "answer"))
+    prompt_field, prompt = first_field(row, TASK_PROMPT_FIELDS)
+    prompt = require_text(prompt, prompt_field)
+    answer_field, answer = first_field(row, TASK_ANSWER_FIELDS)
+    answer = final_answer(answer_text(answer, answer_field))
     return TaskRecord(
         prompt=prompt, answer=answer, id=record_id(row, default_id), metadata=record_metadata(row)
     )

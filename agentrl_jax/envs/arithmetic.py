@@ -13,22 +13,25 @@ Short format (default, `fenced=False`), one line per turn, no system prompt:
 
 `fenced=True` gives the full ReTool format. Held-out tasks are disjoint from training
 tasks by construction (a hash of the operands decides the split).
+
+``ArithmeticEnvConfig`` is the environment's config section (``environment.name='arithmetic'``):
+it generates the tasks and writes the SFT demonstrations (``arithmetic_demonstrations``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv, wrap_interpreter
+from agentrl_jax.config import (Config, ConfigError, EnvironmentConfig, config_field, register_environment,
+                                require)
+from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv, code_env_factory, initial_messages, wrap_interpreter
 from agentrl_jax.envs.sandbox import SandboxPool
 from agentrl_jax.rewards.shaping import RewardWeights
 from agentrl_jax.rewards.verifier import MathVerifier
-
-if TYPE_CHECKING:
-    from agentrl_jax.config import Config
 
 OPERATORS = {"+": lambda a, b: a + b, "*": lambda a, b: a * b}
 
@@ -159,5 +162,105 @@ def hinted_demonstration(task: dict[str, Any], rng: np.random.Generator, *, fenc
     return hint_format.format(hint=bridge_thought(task, mistake)), demonstration(task, "tool", rng, fenced=fenced)
 
 
-__all__ = ["ArithmeticEnv", "MISTAKES", "arithmetic_config", "bridge_thought", "demonstration",
-           "hinted_demonstration", "make_tasks", "OPERATORS"]
+#: The fields of a generated task the demonstrations and the oracle judge's hints are written from.
+TASK_FIELDS = ("a", "b", "op", "digits")
+
+
+def arithmetic_demonstrations(config: Config, tasks: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
+    """SFT conversations for the arithmetic demo: a mix of tool use and answers from memory.
+
+    A ``demo_hint_fraction`` of demonstrations carry a bridge thought at the end of the
+    user message (``hinted_demonstration``, in ``hybrid.hint_format``) and follow it; of
+    the others, a ``demo_tool_fraction`` call the interpreter and copy its result and the
+    rest answer directly, right on easy tasks and often wrong on long numbers. The style
+    is drawn independently of the task, so the SFT policy calls the tool about as often
+    as the demonstrator did, whatever the difficulty: RL has to learn when the tool pays
+    off. The SFT stage itself is not weakened. With ``demo_hint_fraction=0`` the random
+    stream, and so the data, is the same as before hints existed.
+
+    Raises:
+      ConfigError: a task without the operands of a generated one (``TASK_FIELDS``), e.g.
+        a question/answer dataset in ``data.train_path``.
+    """
+    for task in tasks:
+        missing = [key for key in TASK_FIELDS if key not in task]
+        if missing:
+            raise ConfigError(
+                f"data.train_path: environment.name='arithmetic' writes its SFT demonstrations from the operands of "
+                f"its generated tasks (fields {', '.join(TASK_FIELDS)}), but task {task.get('id', '')!r} has "
+                f"{sorted(task)}; for question/answer data use --set environment.name=retool (with model.path), "
+                "or leave data.train_path and data.eval_path empty to generate arithmetic tasks")
+    rng = np.random.default_rng([config.seed, 7])
+    env_cfg = ArithmeticEnv.config_from(config)
+    hint_fraction = config.environment.demo_hint_fraction
+    conversations = []
+    for task in tasks:
+        messages = initial_messages(env_cfg, task)
+        if hint_fraction and rng.random() < hint_fraction:
+            suffix, turns = hinted_demonstration(task, rng, fenced=env_cfg.fenced,
+                                                 hint_format=config.hybrid.hint_format)
+            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + suffix}
+        else:
+            style = "tool" if rng.random() < config.environment.demo_tool_fraction else "memory"
+            turns = demonstration(task, style, rng, fenced=env_cfg.fenced, layout=config.environment.layout)
+        conversations.append(messages + turns)
+    return conversations
+
+
+@register_environment("arithmetic")
+@dataclass(frozen=True)
+class ArithmeticEnvConfig(EnvironmentConfig):
+    """The CPU demo: multi-digit sums and products with a Python tool (this module)."""
+
+    name: str = config_field("arithmetic", "Which environment runs the episodes.")
+    min_digits: int = config_field(2, "arithmetic: smallest operand width of generated tasks.")
+    max_digits: int = config_field(4, "arithmetic: largest operand width of generated tasks.")
+    num_train_tasks: int = config_field(4000, "arithmetic: generated training tasks (when data.train_path is "
+                                              "empty).")
+    num_eval_tasks: int = config_field(200, "arithmetic: generated held-out tasks (when data.eval_path is empty).")
+    demo_tool_fraction: float = config_field(0.5, "arithmetic SFT: fraction of the unhinted demonstrations that "
+                                                  "call the tool.")
+    demo_hint_fraction: float = config_field(
+        0.0, "arithmetic SFT: fraction of demonstrations whose user message ends with a bridge thought (the oracle "
+        "judge's hint in hybrid.hint_format) that the assistant follows (exact code, copied result); these teach "
+        "the post-SFT policy, later the teacher, to read hints (docs/hybrid.md).")
+
+    generates_tasks: ClassVar[bool] = True
+    layouts: ClassVar[tuple[str, ...]] = ("inline", "native")
+
+    def validate(self) -> None:
+        super().validate()
+        require(1 <= self.min_digits <= self.max_digits, "environment.min_digits/max_digits",
+                f"need 1 <= min_digits <= max_digits, got {self.min_digits}, {self.max_digits}")
+        require(0 <= self.demo_tool_fraction <= 1, self._path("demo_tool_fraction"), "must be in [0, 1]")
+        require(0 <= self.demo_hint_fraction <= 1, self._path("demo_hint_fraction"), "must be in [0, 1]")
+        require(self.num_train_tasks >= 1, self._path("num_train_tasks"), "must be >= 1")
+        require(self.num_eval_tasks >= 1, self._path("num_eval_tasks"), "must be >= 1")
+
+    def validate_in(self, config: Config) -> None:
+        super().validate_in(config)
+        require(not self.demo_hint_fraction or config.hybrid.hint_placement == "user_message",
+                self._path("demo_hint_fraction"),
+                f"({self.demo_hint_fraction}) writes the hint into the user message, as the teacher reads it with "
+                f"hybrid.hint_placement='user_message'; with {config.hybrid.hint_placement!r} the demonstrations "
+                "would teach another context than the teacher sees (set hint_placement='user_message')")
+        require(not self.demo_hint_fraction or self.layout == "inline", self._path("demo_hint_fraction"),
+                "hint-following demonstrations are written in the inline layout only; "
+                "set environment.layout='inline' or demo_hint_fraction=0")
+
+    def make_tasks(self, config: Config, split: Literal["train", "eval"]) -> list[dict[str, Any]]:
+        widths = range(self.min_digits, self.max_digits + 1)
+        count = self.num_train_tasks if split == "train" else self.num_eval_tasks
+        per = -(-count // len(widths))
+        split_name = "train" if split == "train" else "held_out"
+        return [t for d in widths for t in make_tasks(per, d, seed=config.seed, split=split_name)]
+
+    def make_demonstrations(self, config: Config, tasks: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
+        return arithmetic_demonstrations(config, tasks)
+
+    def make_env_factory(self, config, *, pool, verifier, count_tokens):
+        return code_env_factory(self, ArithmeticEnv, ArithmeticEnv.config_from(config), pool, verifier, count_tokens)
+
+
+__all__ = ["ArithmeticEnv", "ArithmeticEnvConfig", "MISTAKES", "OPERATORS", "TASK_FIELDS", "arithmetic_config",
+           "arithmetic_demonstrations", "bridge_thought", "demonstration", "hinted_demonstration", "make_tasks"]

@@ -26,6 +26,8 @@ end of sequence. What happens to each kind of action (never an exception):
 - neither code nor answer (the model stopped): episode done, graded as no answer.
 - `max_turns` actions without an answer: episode done (finish_reason "max_turns").
 - cut short by the agent loop (context full): `truncated_result` scores it as no answer.
+
+``ReToolEnvConfig`` is the environment's config section (``environment.name='retool'``).
 """
 
 from __future__ import annotations
@@ -33,16 +35,15 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, ClassVar
 
+from agentrl_jax.config import (TOOL_REWARD_CAP, Config, EnvironmentConfig, config_field, overlong_max_tokens,
+                                register_environment, require)
 from agentrl_jax.envs.base import Environment, StepResult, ToolStats
 from agentrl_jax.envs.sandbox import ExecResult, SandboxPool
 from agentrl_jax.rewards.boxed import find_boxed_spans
 from agentrl_jax.rewards.shaping import RewardWeights, composite_reward
 from agentrl_jax.rewards.verifier import MathVerifier
-
-if TYPE_CHECKING:
-    from agentrl_jax.config import Config
 
 RETOOL_SYSTEM_PROMPT = (
     "Solve the problem step by step. You may run Python by writing <code>\n```python\n...\n```\n</code>; "
@@ -94,8 +95,6 @@ class ReToolConfig:
 
 def reward_weights(config: Config) -> RewardWeights:
     """The shaping of a run's ``environment`` section (outcome scheme, format, tool and overlong terms)."""
-    from agentrl_jax.config import TOOL_REWARD_CAP, overlong_max_tokens
-
     env = config.environment
     return RewardWeights(
         outcome_scheme=env.outcome_scheme,
@@ -251,3 +250,32 @@ class ReToolEnv(Environment):
         session, self.__dict__["session"] = getattr(self, "session", None), None
         if session is not None:
             await self.pool.close_session(session)
+
+
+def code_env_factory(section: EnvironmentConfig, inline_env, settings, pool, verifier, count_tokens):
+    """The constructor of a code-interpreter episode: ``inline_env`` (tags in one assistant turn)
+    or, with ``layout='native'``, ``envs.tools.NativeReToolEnv`` in ``section.tool_format``."""
+    if section.layout == "native":
+        from agentrl_jax.envs.tools import NativeReToolEnv  # envs.tools imports this module
+
+        return lambda: NativeReToolEnv(pool, verifier, settings, tool_format=section.tool_format,
+                                       count_tokens=count_tokens)
+    return lambda: inline_env(pool, verifier, settings, count_tokens=count_tokens)
+
+
+@register_environment("retool")
+@dataclasses.dataclass(frozen=True)
+class ReToolEnvConfig(EnvironmentConfig):
+    """Math with a Python interpreter (ReTool; this module): tasks from data files, an HF model."""
+
+    name: str = config_field("retool", "Which environment runs the episodes.")
+
+    layouts: ClassVar[tuple[str, ...]] = ("inline", "native")
+
+    def check_paths(self, config: Config) -> None:
+        require(bool(config.model.path), "model.path",
+                f"is required for environment.name={self.name!r} (set it with --set model.path=...)")
+        super().check_paths(config)
+
+    def make_env_factory(self, config, *, pool, verifier, count_tokens):
+        return code_env_factory(self, ReToolEnv, ReToolConfig.from_config(config), pool, verifier, count_tokens)

@@ -35,8 +35,13 @@ import logging
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from agentrl_jax.config import Config
+    from agentrl_jax.envs.remote_sandbox import RemoteSandbox
 
 logger = logging.getLogger(__name__)
 _SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_forkserver.py")
@@ -395,3 +400,23 @@ class SandboxPool:
                     pass
                 await self._stop_server(server)
                 self._servers[index] = None
+
+
+def make_sandbox(config: Config) -> SandboxPool | RemoteSandbox:
+    """The run's code sandbox (``environment.sandbox``); ``memory_mb`` bounds cells and whole sessions alike."""
+    sb = config.environment.sandbox
+    if sb.backend == "remote":
+        from agentrl_jax.envs.remote_sandbox import RemoteSandbox, RemoteSandboxConfig  # it imports this module
+
+        return RemoteSandbox(RemoteSandboxConfig(base_url=sb.url, timeout_s=sb.timeout_s, memory_mb=sb.memory_mb,
+                                                 max_concurrency=sb.workers))
+    return SandboxPool(
+        SandboxPoolConfig(
+            max_concurrency=sb.workers,
+            timeout_s=sb.timeout_s,
+            memory_mb=sb.memory_mb,
+            session_memory_mb=sb.memory_mb,
+            output_limit_bytes=sb.max_output_bytes,
+            require_isolation=sb.require_isolation,
+        )
+    )

@@ -55,11 +55,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from agentrl_jax.envs.base import Environment, StepResult, ToolStats
-from agentrl_jax.envs.retrieval import (LocalRetriever, RemoteRetriever, RemoteRetrieverConfig, Retriever,
-                                        RetrieverError, format_passages)
+from agentrl_jax.envs.retrieval import Retriever, RetrieverError, format_passages
 
 if TYPE_CHECKING:
-    from agentrl_jax.config import Config, SearchEnvConfig
+    from agentrl_jax.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -185,20 +184,6 @@ class SearchConfig:
             outcome_scheme=env.outcome_scheme,
             system_prompt=env.system_prompt or None,
         )
-
-
-def make_retriever(section: SearchEnvConfig) -> Retriever:
-    """The run's retriever (one per run): a remote server, or a BM25 index built from the corpus."""
-    if section.retriever_url:
-        return RemoteRetriever(RemoteRetrieverConfig(url=section.retriever_url, timeout_s=section.retriever_timeout_s))
-    if not section.corpus_path:
-        from agentrl_jax.config import ConfigError
-
-        raise ConfigError("environment.corpus_path or environment.retriever_url is required for "
-                         "environment.name='search'")
-    retriever = LocalRetriever.from_corpus(section.corpus_path)
-    logger.info("BM25 index over %s: %d passages", section.corpus_path, len(retriever.index))
-    return retriever
 
 
 @dataclasses.dataclass(frozen=True)
@@ -391,6 +376,6 @@ _CORRECTIONS = {
 
 __all__ = [
     "ANSWER_METRICS", "SEARCH_PROMPT_TEMPLATE", "SearchAction", "SearchConfig", "SearchEnv", "exact_match",
-    "golden_answers", "make_retriever", "normalize_answer", "parse_action", "search_reward", "substring_match", "token_f1",
+    "golden_answers", "normalize_answer", "parse_action", "search_reward", "substring_match", "token_f1",
     "truncate_tail", "well_formed", "wrap_information",
 ]

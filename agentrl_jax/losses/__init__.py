@@ -45,6 +45,7 @@ from agentrl_jax.losses.policy import (
 from agentrl_jax.losses.registry import (
     AdvantageEstimator,
     PolicyLoss,
+    check_registered_names,
     get_advantage,
     get_loss,
     known_advantages,
@@ -62,6 +63,7 @@ __all__ = [
     "PolicyLoss",
     "aggregate",
     "center_per_sequence",
+    "check_registered_names",
     "cispo_loss",
     "clip_per_token",
     "correct_discrepancy",

@@ -3,7 +3,8 @@
 The trainer never imports a loss by module path: the config names it (`loss="ppo"`,
 `advantage="grpo"`) and the trainer calls `get_loss(name)` / `get_advantage(name)`.
 A user adds an algorithm by decorating a pure function with the signature below; see
-docs/custom_loss.md for a worked example.
+docs/custom_loss.md for a worked example. Every Config is checked against these tables when
+it is built (``check_registered_names``, registered with ``config.register_config_check``).
 
 Policy loss signature (`PolicyLoss`)::
 
@@ -42,6 +43,8 @@ from collections.abc import Mapping
 from typing import Any, Callable, Protocol, TypeVar
 
 from jaxtyping import Array, Float, Int
+
+from agentrl_jax.config import Config, ConfigError, register_config_check, require
 
 _LOSSES: dict[str, Callable[..., Any]] = {}
 _ADVANTAGES: dict[str, Callable[..., Any]] = {}
@@ -240,3 +243,63 @@ def known_losses() -> list[str]:
 def known_advantages() -> list[str]:
     _load_builtins()
     return sorted(_ADVANTAGES)
+
+
+def check_registered_names(config: Config) -> None:
+    """Check the loss and advantage against this registry (``Config.validate`` runs it: it is
+    registered with ``register_config_check`` below).
+
+    Unknown names fail with the registered ones; so do an estimator or a loss the trainer
+    could not call with what it passes (rewards, group_ids, loss_mask, num_groups; the
+    arrays, the packed layout and the hyper-parameters from ``loss_hparams``), an
+    ``algorithm.loss_hparams`` key the loss does not take, and a group size the estimator
+    is not defined for.
+    """
+    for key, value, known in (
+        ("algorithm.loss", config.algorithm.loss, known_losses()),
+        ("algorithm.advantage", config.algorithm.advantage, known_advantages()),
+    ):
+        if value not in known:
+            raise ConfigError(f"{key}: unknown name {value!r}; registered: {', '.join(sorted(known))}")
+    # The trainer calls the estimator and the loss with these arguments only
+    # (train/episodes.py compute_advantages, train/step.py); one that needs more (a critic's
+    # values, teacher logprobs, a hyper-parameter without default) would fail at the first update.
+    a = config.algorithm
+    min_group_size, note = advantage_info(a.advantage)
+    needs = _required_parameters(get_advantage(a.advantage), positional=3,
+                                 keywords={"num_groups", "sequence_ids"})
+    require(not needs, "algorithm.advantage", f"{a.advantage!r} {note}" if note else
+            f"{a.advantage!r} requires {sorted(needs)}, which the RL trainer does not pass (it passes rewards, "
+            "group_ids, loss_mask, num_groups); use a sequence estimator (grpo, drgrpo, rloo, reinforce_pp)")
+    require(a.group_size >= min_group_size, "algorithm.group_size",
+            f"must be >= {min_group_size} for the group estimator {a.advantage!r} (got {a.group_size})")
+    errors = loss_hparam_errors(a.loss, config)
+    require(not errors, "algorithm.loss_hparams", "; ".join(errors))
+    needs = _required_parameters(get_loss(a.loss), positional=4,
+                                 keywords={"sequence_ids", "num_sequences", *loss_hparams(a.loss, config)})
+    require(not needs, "algorithm.loss_hparams",
+            f"loss {a.loss!r} requires {sorted(needs)}, which have no defaults; set them with "
+            "--set 'algorithm.loss_hparams=[[\"name\", value]]'")
+
+
+def _required_parameters(fn: Any, *, positional: int, keywords: set[str]) -> set[str]:
+    """Parameters of ``fn`` without a default that a call with ``positional`` positional
+    arguments and the ``keywords`` does not fill."""
+    try:
+        parameters = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # no inspectable signature: nothing to check
+        return set()
+    filled = 0
+    needs = set()
+    for p in parameters:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and filled < positional:
+            filled += 1
+            continue
+        if p.default is inspect.Parameter.empty and p.name not in keywords:
+            needs.add(p.name)
+    return needs
+
+
+register_config_check(check_registered_names)

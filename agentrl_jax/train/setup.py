@@ -11,12 +11,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import numpy as np
-
 from agentrl_jax.config import Config, ConfigError
-from agentrl_jax.envs import (ArithmeticEnv, Environment, SandboxPool, SandboxPoolConfig, demonstration,
-                              hinted_demonstration)
-from agentrl_jax.envs.retool import initial_messages
+from agentrl_jax.envs import Environment
+from agentrl_jax.envs.sandbox import make_sandbox  # noqa: F401  (re-exported: train/run.py calls setup.make_sandbox)
 from agentrl_jax.rewards.verifier import MathVerifier
 
 if TYPE_CHECKING:  # the data package imports grain: loaded when data is, not with this module
@@ -50,7 +47,7 @@ def load_task_data(config: Config) -> TaskData:
 
     Raises:
       ConfigError: a missing path, or no training task left after the overlap check.
-      DataError: a path that matches nothing, or a file with no valid row.
+      DataError: a path that matches nothing, or a file with no valid row (naming the key).
     """
     from agentrl_jax.data import DataStats
     from agentrl_jax.data.dedup import EVAL_OVERLAP, split_overlap
@@ -60,10 +57,10 @@ def load_task_data(config: Config) -> TaskData:
     held_out: list[dict[str, Any]] | None = None
     stats: dict[str, DataStats] = {}
     if data.train_path:
-        train, stats["train"] = _read_tasks(data.train_path, data.format, data.deduplicate)
+        train, stats["train"] = _read_tasks("data.train_path", data.train_path, data.format, data.deduplicate)
     if data.eval_path:
-        held_out, stats["eval"] = _read_tasks(data.eval_path, "aime" if data.format == "dapo" else data.format,
-                                              data.deduplicate)
+        held_out, stats["eval"] = _read_tasks("data.eval_path", data.eval_path,
+                                              "aime" if data.format == "dapo" else data.format, data.deduplicate)
     if train is None:
         train = env.make_tasks(config, "train")
     if held_out is None:
@@ -97,23 +94,29 @@ def load_tasks(config: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any
     return train, held_out
 
 
-def _read_tasks(path: str, fmt: str, deduplicate: bool) -> tuple[list[dict[str, Any]], DataStats]:
-    from agentrl_jax.data import load_task_records
+def _read_tasks(key: str, path: str, fmt: str, deduplicate: bool) -> tuple[list[dict[str, Any]], DataStats]:
+    from agentrl_jax.data import DataError, load_task_records
 
-    records, stats = load_task_records(path, format={"tasks": "task", "dapo": "dapo_math"}.get(fmt, fmt),
-                                       deduplicate=deduplicate)
+    try:
+        records, stats = load_task_records(path, format={"tasks": "task", "dapo": "dapo_math"}.get(fmt, fmt),
+                                           deduplicate=deduplicate)
+    except DataError as e:
+        raise DataError(f"{key}: {e}") from None
     logger.info("tasks from %s: %s", path, stats.summary())
     return [{"question": r.prompt, "answer": r.answer, "id": r.id, **dict(r.metadata or {})} for r in records], stats
 
 
 def load_sft_conversations(config: Config) -> tuple[list[list[dict[str, str]]], DataStats]:
     """The cold-start conversations of ``data.sft_path`` (ReTool-SFT format) and their counts."""
-    from agentrl_jax.data import load_sft_records
+    from agentrl_jax.data import DataError, load_sft_records
 
     if not config.data.sft_path:
         raise ConfigError("data.sft_path is required when sft.steps > 0 for this environment")
-    records, stats = load_sft_records(config.data.sft_path, format="retool_sft",
-                                      deduplicate=config.data.deduplicate)
+    try:
+        records, stats = load_sft_records(config.data.sft_path, format="retool_sft",
+                                          deduplicate=config.data.deduplicate)
+    except DataError as e:
+        raise DataError(f"data.sft_path: {e}") from None
     logger.info("SFT records: %s", stats.summary())
     return [[{"role": msg.role, "content": msg.content} for msg in r.messages] for r in records], stats
 
@@ -127,59 +130,10 @@ def data_metrics(stats: Mapping[str, DataStats]) -> dict[str, int]:
     return metrics
 
 
-def make_sandbox(config: Config):
-    """The configured sandbox; `environment.sandbox.memory_mb` bounds cells and whole sessions alike."""
-    sb = config.environment.sandbox
-    if sb.backend == "remote":
-        from agentrl_jax.envs import RemoteSandbox, RemoteSandboxConfig
-
-        return RemoteSandbox(RemoteSandboxConfig(base_url=sb.url, timeout_s=sb.timeout_s, memory_mb=sb.memory_mb,
-                                                 max_concurrency=sb.workers))
-    return SandboxPool(
-        SandboxPoolConfig(
-            max_concurrency=sb.workers,
-            timeout_s=sb.timeout_s,
-            memory_mb=sb.memory_mb,
-            session_memory_mb=sb.memory_mb,
-            output_limit_bytes=sb.max_output_bytes,
-            require_isolation=sb.require_isolation,
-        )
-    )
-
-
 def env_factory(config: Config, pool: Any, verifier: MathVerifier, count_tokens=None) -> Callable[[], Environment]:
     """A zero-argument constructor of a fresh environment (one per trajectory), built by the
     environment's own config section (``config.environment.make_env_factory``)."""
     return config.environment.make_env_factory(config, pool=pool, verifier=verifier, count_tokens=count_tokens)
-
-
-def arithmetic_demonstrations(config: Config, tasks: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
-    """SFT conversations for the arithmetic demo: a mix of tool use and answers from memory.
-
-    A ``demo_hint_fraction`` of demonstrations carry a bridge thought at the end of the
-    user message (``hinted_demonstration``, in ``hybrid.hint_format``) and follow it; of
-    the others, a ``demo_tool_fraction`` call the interpreter and copy its result and the
-    rest answer directly, right on easy tasks and often wrong on long numbers. The style
-    is drawn independently of the task, so the SFT policy calls the tool about as often
-    as the demonstrator did, whatever the difficulty: RL has to learn when the tool pays
-    off. The SFT stage itself is not weakened. With ``demo_hint_fraction=0`` the random
-    stream, and so the data, is the same as before hints existed.
-    """
-    rng = np.random.default_rng([config.seed, 7])
-    env_cfg = ArithmeticEnv.config_from(config)
-    hint_fraction = config.environment.demo_hint_fraction
-    conversations = []
-    for task in tasks:
-        messages = initial_messages(env_cfg, task)
-        if hint_fraction and rng.random() < hint_fraction:
-            suffix, turns = hinted_demonstration(task, rng, fenced=env_cfg.fenced,
-                                                 hint_format=config.hybrid.hint_format)
-            messages[-1] = {**messages[-1], "content": messages[-1]["content"] + suffix}
-        else:
-            style = "tool" if rng.random() < config.environment.demo_tool_fraction else "memory"
-            turns = demonstration(task, style, rng, fenced=env_cfg.fenced, layout=config.environment.layout)
-        conversations.append(messages + turns)
-    return conversations
 
 
 def checkpoint_directory(key: str, path: str) -> str:

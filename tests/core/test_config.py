@@ -8,6 +8,7 @@ from repo_scripts import load_script
 
 from agentrl_jax import config as cfg
 from agentrl_jax.config import Config, ConfigError, apply_overrides
+from agentrl_jax.envs import ArithmeticEnvConfig, SearchEnvConfig
 
 
 def test_defaults_are_valid_and_frozen():
@@ -186,13 +187,13 @@ def test_switching_environment_from_the_command_line():
     demo = cfg.load_config("configs/demo.py")
     c = cfg.apply_overrides(demo, ["environment.name=search", "environment.corpus_path=c.jsonl",
                                    "environment.sandbox.workers=3"])
-    assert isinstance(c.environment, cfg.SearchEnvConfig) and c.environment.corpus_path == "c.jsonl"
+    assert isinstance(c.environment, SearchEnvConfig) and c.environment.corpus_path == "c.jsonl"
     assert c.environment.max_turns == demo.environment.max_turns and c.environment.sandbox.workers == 3
     with pytest.raises(cfg.ConfigError, match=r"'min_digits' is a field of environment\.name='arithmetic'"):
         cfg.apply_overrides(demo, ["environment.name=search", "environment.min_digits=2"])
     with pytest.raises(cfg.ConfigError, match=r"environment\.name: unknown environment 'serach'; registered:"):
         cfg.apply_overrides(demo, ["environment.name=serach"])
-    assert isinstance(cfg.Config().environment, cfg.ArithmeticEnvConfig)
+    assert isinstance(cfg.Config().environment, ArithmeticEnvConfig)
 
 
 def test_decode_compiler_options_text_reaches_the_engine_as_a_dict_and_bad_text_names_the_field():

@@ -11,7 +11,8 @@ import re
 
 import pytest
 
-from agentrl_jax.config import Config, ConfigError, apply_overrides, check_registered_names, from_dict, load_config
+from agentrl_jax.config import Config, ConfigError, apply_overrides, from_dict, load_config
+from agentrl_jax.losses import check_registered_names
 
 INVALID = [
     # items 4-5 of the issue: accepted before, failed (or silently degraded) mid-run

@@ -7,6 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from agentrl_jax import sharding
+from agentrl_jax.config import ConfigError
 
 
 def test_resolve_fill_and_errors():
@@ -17,7 +18,7 @@ def test_resolve_fill_and_errors():
         sharding.resolve_mesh_shape({"data": 2, "tensor": 2}, 8)
     with pytest.raises(ValueError, match="unknown axes"):
         sharding.resolve_mesh_shape({"model": 2}, 8)
-    with pytest.raises(ValueError, match="not divisible"):
+    with pytest.raises(ConfigError, match="not divisible"):  # a config mistake: one line at launch
         sharding.resolve_mesh_shape({"data": 3, "fsdp": -1}, 8)
 
 

@@ -66,6 +66,31 @@ def test_aime_variants(tmp_path):
     assert stats.bad_by_reason == {"wrong_type:answer": 1, "missing_field:answer": 1}
 
 
+def test_task_rows_under_the_common_field_names(tmp_path):
+    """GSM8K, MATH-style and seq2seq rows load with the default task format; the first name
+    present wins, a GSM8K answer becomes its final answer, and a worked solution is no answer."""
+    (tmp_path / "gsm8k.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
+         "answer": "In May she sold 48/2 = <<48/2=24>>24 clips.\nIn all: 48+24 = <<48+24=72>>72.\n#### 72"},
+        {"question": "How many #### marks?", "answer": "#### 4"},
+    ]))
+    records, stats = load_task_records(tmp_path / "gsm8k.jsonl")
+    assert [(r.prompt[:14], r.answer) for r in records] == [("Natalia sold 4", "72"), ("How many #### ", "4")]
+    assert stats.rows_kept == 2
+    pq.write_table(pa.Table.from_pylist([{"Problem": "Find x if 2x = 10.", "Final_Answer": "5", "level": 3}]),
+                   tmp_path / "math.parquet")
+    (tmp_path / "mixed.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"input": "1+2", "target": 3},
+        {"prompt": "P", "question": "Q", "answer": "keep the prompt"},
+        {"problem": "MATH row", "solution": "so the answer is \\boxed{4}"},
+        {"text": "no prompt", "answer": "1"},
+    ]))
+    records, stats = load_task_records([tmp_path / "math.parquet", tmp_path / "mixed.jsonl"])
+    assert [(r.prompt, r.answer) for r in records] == [
+        ("Find x if 2x = 10.", "5"), ("1+2", "3"), ("P", "keep the prompt")]
+    assert stats.bad_by_reason == {"missing_field:answer": 1, "missing_field:prompt": 1}
+
+
 RETOOL_PROMPT = ("Solve the following problem step by step. You now have the ability to selectively write "
                  "executable Python code ...\n\n*user question:*\nWhat is 17 * 23?\n\n"
                  "Remember to place the final answer in the last part using the format: \n<answer>\n"

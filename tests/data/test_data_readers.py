@@ -52,7 +52,7 @@ def test_only_first_examples_logged_verbatim_but_all_counted(tmp_path, caplog):
 
 
 def test_file_with_only_bad_rows_is_an_error(tmp_path):
-    path = write_jsonl(tmp_path / "bad.jsonl", [{"question": "x"}, "not json"])
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"title": "x"}, "not json"])
     with pytest.raises(DataError, match=r"bad.jsonl: no usable rows out of 2.*missing_field:prompt"):
         load_task_records(path)
     (tmp_path / "empty.jsonl").write_text("\n")

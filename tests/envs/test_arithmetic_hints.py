@@ -5,10 +5,9 @@ import pytest
 
 from agentrl_jax.config import Config, ConfigError, apply_overrides
 from agentrl_jax.envs import ArithmeticEnv, bridge_thought, demonstration, make_tasks
-from agentrl_jax.envs.arithmetic import MISTAKES
+from agentrl_jax.envs.arithmetic import MISTAKES, arithmetic_demonstrations
 from agentrl_jax.envs.retool import initial_messages
 from agentrl_jax.rewards import hint_leaks_answer
-from agentrl_jax.train.setup import arithmetic_demonstrations
 
 
 def demo_config(*overrides):

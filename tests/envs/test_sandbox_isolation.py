@@ -89,7 +89,8 @@ def test_episodes_of_the_retool_env_do_not_share_tmp(loop_thread, pool):
 def test_retool_sessions_get_the_configured_memory_limit(loop_thread):
     from agentrl_jax.config import load_config
     from agentrl_jax.rewards import MathVerifier
-    from agentrl_jax.train.setup import env_factory, make_sandbox
+    from agentrl_jax.envs import make_sandbox
+    from agentrl_jax.train.setup import env_factory
 
     config = load_config("retool", ["environment.sandbox.memory_mb=64", "environment.sandbox.workers=2",
                                     "model.path=unused", "data.train_path=unused", "data.eval_path=unused"])
@@ -210,7 +211,7 @@ def test_missing_protections_are_reported_counted_and_refused(tmp_path):
 def test_a_disabled_protection_is_refused_when_isolation_is_required(loop_thread):
     from agentrl_jax.config import load_config
     from agentrl_jax.envs.sandbox import SandboxIsolationError
-    from agentrl_jax.train.setup import make_sandbox
+    from agentrl_jax.envs import make_sandbox
 
     config = load_config("demo", ["environment.sandbox.require_isolation=true"])
     assert make_sandbox(config).config.require_isolation

@@ -229,8 +229,7 @@ def test_hinted_sft_prompt_is_the_teachers_context(tokenizer):
     """The hint-following SFT data renders the user message exactly as the teacher context
     (placement user_message) does, so the teacher is scored in the context it was trained on."""
     from agentrl_jax.config import Config
-    from agentrl_jax.envs import bridge_thought, make_tasks
-    from agentrl_jax.train.setup import arithmetic_demonstrations
+    from agentrl_jax.envs import arithmetic_demonstrations, bridge_thought, make_tasks
 
     config = dataclasses.replace(Config(), environment=dataclasses.replace(
         Config().environment, demo_hint_fraction=1.0, min_digits=2, max_digits=2))
