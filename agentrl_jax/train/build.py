@@ -20,7 +20,7 @@ from agentrl_jax.sharding import DEFAULT_RULES
 from agentrl_jax.train.episodes import truncation_rule
 from agentrl_jax.train.guidance.hindsight import ArithmeticOracleJudge, ModelJudge
 from agentrl_jax.train.guidance.old_policy import OldPolicy
-from agentrl_jax.train.guidance.signal import Teacher
+from agentrl_jax.train.guidance.teacher import Teacher
 from agentrl_jax.train.rl.roles import RL, Roles, loss_settings
 from agentrl_jax.train.step import make_optimizer
 
@@ -73,7 +73,7 @@ def build_rl(config: Config, *, roles: Roles, tokenizer, driver, env_factory, tr
                          shard_count=jax.process_count())
     if data_state:
         data.set_state(data_state)
-    a = config.async_rl
+    async_rl = config.async_rl
     return RL(
         config=config, roles=roles, tokenizer=tokenizer, driver=driver,
         agent_loop=AgentLoop(driver, tokenizer, max_new_tokens_per_turn=config.rollout.max_new_tokens_per_turn,
@@ -81,7 +81,7 @@ def build_rl(config: Config, *, roles: Roles, tokenizer, driver, env_factory, tr
                              truncation=truncation_rule(config)),
         env_factory=env_factory, data=data, eval_tasks=eval_tasks, writer=writer, checkpointer=checkpointer,
         mesh=mesh, engine_params=engine_params or (lambda params: params), settings=loss_settings(config),
-        optimizer=optimizer, schedule=schedule, old_policy=OldPolicy(a, a.max_staleness if a.enabled else 0),
+        optimizer=optimizer, schedule=schedule, old_policy=OldPolicy(async_rl, async_rl.max_staleness if async_rl.enabled else 0),
     )
 
 
@@ -91,7 +91,7 @@ def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, dr
 
     Reference: ``model.reference_path`` if set, else a copy of the starting policy. Teacher:
     the frozen reference, an HF checkpoint, the current policy or a lagged copy of it
-    (``hybrid.teacher``, ``guidance.signal.Teacher``; a lagged teacher starts at
+    (``hybrid.teacher``, ``guidance.teacher.Teacher``; a lagged teacher starts at
     ``policy_params``, the params RL continues from, default ``initial_params``). Judge: the oracle, or a
     model judge decoding with the reference / teacher / current policy (``hybrid.judge``).
     """

@@ -303,10 +303,10 @@ def make_meshes(config: Config) -> tuple[Mesh, Mesh]:
     (``mesh.*``). Several hosts: rollouts are host-local (multihost.py), so the engine gets
     this host's devices.
     """
-    a = config.async_rl
-    if a.enabled and a.placement == "disaggregated":
+    async_rl = config.async_rl
+    if async_rl.enabled and async_rl.placement == "disaggregated":
         devices = jax.devices()
-        n = a.rollout_devices or len(devices) // 2
+        n = async_rl.rollout_devices or len(devices) // 2
         if not 1 <= n < len(devices):
             raise ConfigError(f"async_rl.rollout_devices: {n} rollout devices out of {len(devices)} leaves "
                               "none for one side; disaggregated placement needs >= 2 devices")

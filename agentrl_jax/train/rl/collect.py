@@ -60,15 +60,15 @@ async def collect(config: Config, rollout: Rollout, tasks: list[dict],
     ``max_sampling_rounds`` times, until ``prompts_per_step`` groups remain. If every
     round comes back uninformative the step trains on what it has (counted).
     """
-    a, P = config.algorithm, config.data.prompts_per_step
+    algorithm, P = config.algorithm, config.data.prompts_per_step
     trajectories = await rollout(tasks, 0)
-    if not a.dynamic_sampling:
+    if not algorithm.dynamic_sampling:
         return trajectories, {}
     groups = group_trajectories(trajectories)
     drawn = len(groups)
     kept = [g for g in groups if informative(g)]
     rounds = 0
-    while len(kept) < P and rounds < a.max_sampling_rounds:
+    while len(kept) < P and rounds < algorithm.max_sampling_rounds:
         rounds += 1
         more = group_trajectories(await rollout(draw(), rounds * P))
         drawn += len(more)

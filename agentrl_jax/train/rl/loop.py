@@ -1,7 +1,7 @@
-"""The RL loop: the stages of one step, in order (DESIGN.md sections 1 and 7).
+"""The RL loop: the stages of one step, in order.
 
     collect        G episodes per prompt through the agent loop        collect.py
-                   (when it may start: the scheduler's admission rule)  scheduler.py
+                   (when it may start: the admission rule)              admission.py
     judge          optional PRM judge: hints, PRM reward                collect.py
     build batch    one row per trajectory, advantages                   stages.py
     score          old / reference / teacher logprobs, on device        stages.py
@@ -12,7 +12,7 @@
 Everything the step uses is built once, up front (``RL`` and ``Roles``, by
 ``train/build.py``); what changes from step to step, the policy's ``TrainState`` and its
 params version, is passed through the stages explicitly and returned at the end.
-Synchronous RL is the scheduler with ``max_staleness = 0``; asynchronous RL the same step
+Synchronous RL is the admission rule with ``max_staleness = 0``; asynchronous RL the same step
 body with later steps' rollouts admitted while this one trains.
 """
 
@@ -31,9 +31,9 @@ from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.train.guidance.old_policy import staleness_stats
 from agentrl_jax.train.multihost import is_multihost
 from agentrl_jax.train.rl import stages
+from agentrl_jax.train.rl.admission import StepAdmission
 from agentrl_jax.train.rl.collect import collect, exchange, judge, rollout_fn
 from agentrl_jax.train.rl.roles import RL
-from agentrl_jax.train.rl.scheduler import Scheduler
 from agentrl_jax.train.step import TrainState
 
 logger = logging.getLogger(__name__)
@@ -60,18 +60,18 @@ async def run_rl(rl: RL, state: TrainState, version: int, start_step: int = 0, *
     """
     c = rl.config
     rl.roles.check(c)
-    a = c.async_rl
-    max_staleness = a.max_staleness if a.enabled else 0
-    scheduler = Scheduler(lambda step, tasks: collect(c, rollout_fn(rl, step), tasks, lambda: next(rl.data)),
-                          rl.data, start_step, c.total_steps, max_staleness)
+    async_rl = c.async_rl
+    max_staleness = async_rl.max_staleness if async_rl.enabled else 0
+    admission = StepAdmission(lambda step, tasks: collect(c, rollout_fn(rl, step), tasks, lambda: next(rl.data)),
+                              rl.data, start_step, c.total_steps, max_staleness)
     rl.old_policy.on_version(version, state.params)
     last, idle_mark, violations = time.perf_counter(), rl.driver.idle_seconds, 0
-    async with scheduler:
+    async with admission:
         for step in range(start_step, c.total_steps):
-            if a.offload_optimizer:  # host memory while the rollouts hold the KV cache
+            if async_rl.offload_optimizer:  # host memory while the rollouts hold the KV cache
                 state = stages.place_optimizer_state(state, "pinned_host")
             t0 = time.perf_counter()
-            trajectories, metrics, t_rollout = await scheduler.batch(step)  # collect
+            trajectories, metrics, t_rollout = await admission.batch(step)  # collect
             t_wait = time.perf_counter() - t0
             if is_multihost():
                 trajectories = exchange(c, trajectories)
@@ -81,9 +81,9 @@ async def run_rl(rl: RL, state: TrainState, version: int, start_step: int = 0, *
             if rl.roles.judge is not None:
                 verdicts, judge_stats = await judge(rl, trajectories, step, (rl.engine_params(state.params), version))
                 metrics.update(judge_stats)
-            if a.release_kv_cache and not a.enabled:
+            if async_rl.release_kv_cache and not async_rl.enabled:
                 rl.driver.release_cache()
-            if a.offload_optimizer:
+            if async_rl.offload_optimizer:
                 state = stages.place_optimizer_state(state, None)
             t2 = time.perf_counter()
             # build batch -> score -> update, in a worker thread: the event loop keeps serving the
@@ -99,12 +99,12 @@ async def run_rl(rl: RL, state: TrainState, version: int, start_step: int = 0, *
                             "time/sync": now - t3, "time/step": now - last,
                             "throughput/sampled_tokens_per_s": (
                                 sum(t.num_sampled_tokens for t in trajectories) / max(t_rollout, 1e-9))})
-            if a.enabled:
-                metrics.update(_async_metrics(rl, scheduler, step, t_wait, idle_mark, violations))
+            if async_rl.enabled:
+                metrics.update(_async_metrics(rl, admission, step, t_wait, idle_mark, violations))
             preempted = await stages.finish_step(  # log / evaluate / checkpoint
-                rl, state, version, step, trajectories, metrics, data_state=scheduler.data_state(step + 1),
+                rl, state, version, step, trajectories, metrics, data_state=admission.data_state(step + 1),
                 token_staleness=token_staleness, checkpoint_extra=checkpoint_extra or {})
-            await scheduler.finish(step)
+            await admission.finish(step)
             last, idle_mark = time.perf_counter(), rl.driver.idle_seconds
             if preempted:
                 return LoopResult(state, version, True)
@@ -136,12 +136,12 @@ def train_step(rl: RL, state: TrainState, version: int, step: int, trajectories:
     return state, metrics, token_staleness
 
 
-def _async_metrics(rl: RL, scheduler: Scheduler, step: int, t_wait: float, idle_mark: float,
+def _async_metrics(rl: RL, admission: StepAdmission, step: int, t_wait: float, idle_mark: float,
                    violations: int) -> dict[str, float]:
     """How the pipeline overlapped: idle time on either side, admission waits, steps in flight."""
     return {"time/trainer_idle": t_wait, "time/rollout_idle": rl.driver.idle_seconds - idle_mark,
-            "time/admission_wait": scheduler.admission_wait.pop(step, 0.0),
-            "async/steps_in_flight": float(scheduler.in_flight), "async/staleness_violations": float(violations)}
+            "time/admission_wait": admission.admission_wait.pop(step, 0.0),
+            "async/steps_in_flight": float(admission.in_flight), "async/staleness_violations": float(violations)}
 
 
 def _staleness_violation(trajectories: list[Trajectory], version: int, max_staleness: int, step: int) -> int:

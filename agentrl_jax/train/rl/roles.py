@@ -26,7 +26,7 @@ from agentrl_jax.envs.agent_loop import AgentLoop
 from agentrl_jax.losses.registry import loss_hparams
 from agentrl_jax.train.guidance.hindsight import Judge
 from agentrl_jax.train.guidance.old_policy import OldPolicy
-from agentrl_jax.train.guidance.signal import Teacher
+from agentrl_jax.train.guidance.teacher import Teacher
 from agentrl_jax.train.multihost import put_global
 from agentrl_jax.train.packing import MAX_SEGMENTS, gather_rows, packed_logprobs
 from agentrl_jax.train.step import (
@@ -51,7 +51,7 @@ class Roles:
     Attributes:
       policy: the policy's graph definition (its params and optimizer state: ``TrainState``).
       reference: the frozen reference of the KL term (the policy's architecture), or None.
-      teacher: the teacher of OPD / hybrid (``guidance.signal.Teacher``: frozen, the
+      teacher: the teacher of OPD / hybrid (``guidance.teacher.Teacher``: frozen, the
         current policy, or a lagged copy), or None.
       judge: the PRM judge (``guidance.hindsight.Judge``), or None.
     """

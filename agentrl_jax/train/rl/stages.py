@@ -28,7 +28,7 @@ from agentrl_jax.train.episodes import (
     trajectory_record,
 )
 from agentrl_jax.train.guidance.hindsight import Verdict
-from agentrl_jax.train.guidance.signal import teacher_signal
+from agentrl_jax.train.guidance.teacher import teacher_signal
 from agentrl_jax.train.multihost import to_host
 from agentrl_jax.train.packing import packing_stats, plan_minibatch
 from agentrl_jax.train.rl.collect import evaluate
@@ -77,7 +77,7 @@ def score(rl: RL, batch, params: Any, version: int, trajectories: list[Trajector
           ) -> tuple[dict[str, jax.Array], dict[str, float]]:
     """The batch on device with the logprobs the update needs: old (``guidance.old_policy``;
     none with ``old_from_update``), reference (KL term) and, with ``hybrid.mode``, advantages
-    that mix in the teacher's signal (``guidance.signal.teacher_signal``; ``step`` sets
+    that mix in the teacher's signal (``guidance.teacher.teacher_signal``; ``step`` sets
     lambda's schedule and the placebo draw).
 
     Returns (arrays, metrics); ``arrays['old_logprobs']`` etc. stay on the training mesh.

@@ -25,7 +25,7 @@ from agentrl_jax.train.batch import build_batch
 from agentrl_jax.train.episodes import trajectory_record
 from agentrl_jax.train.guidance.hindsight import Verdict
 from agentrl_jax.train.guidance.old_policy import OldPolicy
-from agentrl_jax.train.guidance.signal import Teacher
+from agentrl_jax.train.guidance.teacher import Teacher
 from agentrl_jax.train.rl import stages
 from agentrl_jax.train.rl.roles import RL, Roles, loss_settings
 
