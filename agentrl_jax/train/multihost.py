@@ -22,6 +22,7 @@ import pickle
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -57,6 +58,15 @@ def barrier(name: str) -> None:
 def put_global(value: np.ndarray, mesh: Mesh) -> jax.Array:
     """A host array that is identical on every host, as an array replicated on ``mesh``."""
     return jax.device_put(value, NamedSharding(mesh, PartitionSpec()))
+
+
+def put_replicated(value: Any, mesh: Mesh | None) -> jax.Array:
+    """A host value (identical on every host) replicated on ``mesh`` (None: the default device);
+    a device array stays as it is."""
+    if isinstance(value, jax.Array):
+        return value
+    value = np.asarray(value)
+    return jnp.asarray(value) if mesh is None else put_global(value, mesh)
 
 
 def to_host(x: jax.Array) -> np.ndarray:

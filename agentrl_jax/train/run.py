@@ -203,8 +203,8 @@ class _Job:
                 truncation = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p).truncates
                 results["rollout_warmup"] = await driver.warmup(truncation=truncation)
             del self.params, start.initial_params  # the frozen copies are made; the trained policy is the state
-            rl = build_rl(c, roles=roles, tokenizer=self.tokenizer, driver=driver, env_factory=env_factory,
-                          train_tasks=train_tasks, eval_tasks=eval_tasks, writer=self.writer,
+            rl = build_rl(c, roles=roles, state=start.state, tokenizer=self.tokenizer, driver=driver,
+                          env_factory=env_factory, train_tasks=train_tasks, eval_tasks=eval_tasks, writer=self.writer,
                           checkpointer=self.checkpointer, mesh=self.mesh, engine_params=self.engine_params,
                           data_state=start.data_state)
             if start.restored is None:

@@ -7,6 +7,6 @@ start (synchronous and asynchronous RL).
 """
 
 from agentrl_jax.train.rl.loop import LoopResult, run_rl, train_step
-from agentrl_jax.train.rl.roles import RL, Frozen, Roles, loss_settings
+from agentrl_jax.train.rl.roles import RL, Roles, StepFunctions
 
-__all__ = ["RL", "Frozen", "LoopResult", "Roles", "loss_settings", "run_rl", "train_step"]
+__all__ = ["RL", "LoopResult", "Roles", "StepFunctions", "run_rl", "train_step"]

@@ -32,7 +32,7 @@ from agentrl_jax.train.guidance.teacher import teacher_signal
 from agentrl_jax.train.multihost import to_host
 from agentrl_jax.train.packing import packing_stats, plan_minibatch
 from agentrl_jax.train.rl.collect import evaluate
-from agentrl_jax.train.rl.roles import RL, Frozen
+from agentrl_jax.train.rl.roles import RL
 from agentrl_jax.train.sft import batch_arrays
 from agentrl_jax.train.step import TrainState
 
@@ -85,24 +85,23 @@ def score(rl: RL, batch, params: Any, version: int, trajectories: list[Trajector
     host = batch_arrays(batch, device=False)
     inputs = {k: host[k] for k in FORWARD_INPUTS}
     micro = micro_rows(rl, batch.shape[0])
-    policy = Frozen(rl.roles.policy, params)
-    arrays = {k: rl.put(v) for k, v in host.items()}
+    arrays = {k: rl.steps.put(v) for k, v in host.items()}
     metrics = {"old_policy/from_update": float(old_from_update)}
     if not old_from_update:
-        arrays["old_logprobs"] = rl.put(rl.old_policy.logprobs(
-            lambda p, x, m: rl.logprobs(Frozen(rl.roles.policy, p), x, m), policy.params, version, inputs,
+        arrays["old_logprobs"] = rl.steps.put(rl.old_policy.logprobs(
+            lambda p, x, m: rl.steps.logprobs(rl.roles.policy, p, x, m), params, version, inputs,
             batch.params_versions, batch.loss_mask, micro))
         metrics.update(_gap_metrics(batch, to_host(arrays["old_logprobs"]), version))
-    if rl.settings.kl_coef > 0:
-        arrays["ref_logprobs"] = rl.logprobs(Frozen(rl.roles.policy, rl.roles.reference), inputs, micro)
+    if rl.config.algorithm.kl_coef > 0:
+        arrays["ref_logprobs"] = rl.steps.logprobs(rl.roles.policy, rl.roles.reference, inputs, micro)
     if rl.config.hybrid.mode != "none":
         old_host = to_host(arrays["old_logprobs"])
         advantages, teacher_metrics = teacher_signal(
             rl.config.hybrid, trajectories, verdicts, batch, old_host, step=step, seed=rl.config.seed,
             tokenizer=rl.tokenizer, row_multiple=micro,
-            logprob_fn=lambda arrays: to_host(rl.logprobs(
-                Frozen(rl.roles.teacher.graphdef, rl.roles.teacher.params_for(params)), arrays, micro)))
-        arrays["advantages"] = rl.put(advantages)
+            logprob_fn=lambda arrays: to_host(rl.steps.logprobs(
+                rl.roles.teacher.graphdef, rl.roles.teacher.params_for(params), arrays, micro)))
+        arrays["advantages"] = rl.steps.put(advantages)
         metrics.update(teacher_metrics)
     return arrays, metrics
 
@@ -142,7 +141,7 @@ def update(rl: RL, state: TrainState, arrays: dict[str, jax.Array], loss_mask: n
     if a.pack_rows:  # one plan (and row count) per minibatch, below
         segment_ids = to_host(arrays["segment_ids"])
     else:
-        fn = rl.update_fn(state, per_minibatch, per_minibatch // micro_rows(rl, rows), old_from_update=old_from_update)
+        micro_batches = per_minibatch // micro_rows(rl, rows)
     collected, pack_metrics, empty_minibatches = [], [], 0
     for epoch in range(a.ppo_epochs):
         order = to_host(jax.random.permutation(jax.random.fold_in(key, epoch), rows))
@@ -151,18 +150,19 @@ def update(rl: RL, state: TrainState, arrays: dict[str, jax.Array], loss_mask: n
             if not loss_mask[idx].any():
                 empty_minibatches += 1
                 continue
-            normalizer = rl.put(global_normalizer(loss_mask[idx], a.aggregation,
+            normalizer = rl.steps.put(global_normalizer(loss_mask[idx], a.aggregation,
                                                   max_response_length=int(a.loss_normalizer) or max_response))
             if a.pack_rows:
                 plan = plan_minibatch(segment_ids, idx, row_tokens=a.pack_row_tokens,
                                       micro_batch_tokens=a.micro_batch_tokens)
-                packed_fn = rl.update_fn(state, plan.num_rows, plan.num_micro_batches, old_from_update=old_from_update,
-                                         num_sequences=rows, max_segments=plan.segment_bound)
-                state, metrics = packed_fn(state, arrays, rl.put(plan.gather_index().astype(np.int32)),
-                                           rl.put(plan.segment_ids()), normalizer)
+                state, metrics = rl.steps.update(
+                    state, arrays, rl.steps.put(plan.gather_index().astype(np.int32)),
+                    rl.steps.put(plan.segment_ids()), normalizer, plan.num_micro_batches, old_from_update, rows,
+                    plan.segment_bound)
                 pack_metrics.append(packing_stats(plan))
             else:
-                state, metrics = fn(state, arrays, rl.put(idx.astype(np.int32)), normalizer)
+                state, metrics = rl.steps.update(state, arrays, rl.steps.put(idx.astype(np.int32)), normalizer,
+                                                 micro_batches, old_from_update)
             collected.append(metrics)
     collected = [{k: float(to_host(v)) for k, v in m.items()} for m in collected]
     out = {k: float(np.mean([m[k] for m in collected])) for k in collected[0]} if collected else {}

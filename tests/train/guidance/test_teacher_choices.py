@@ -22,12 +22,13 @@ from agentrl_jax.models import Decoder, DecoderConfig, split_params
 from agentrl_jax.models.tiny import train_tiny_tokenizer
 from agentrl_jax.models.tokenizer import Tokenizer
 from agentrl_jax.train.batch import build_batch
+from agentrl_jax.train.build import build_step_functions
 from agentrl_jax.train.episodes import trajectory_record
 from agentrl_jax.train.guidance.hindsight import Verdict
 from agentrl_jax.train.guidance.old_policy import OldPolicy
 from agentrl_jax.train.guidance.teacher import Teacher
 from agentrl_jax.train.rl import stages
-from agentrl_jax.train.rl.roles import RL, Roles, loss_settings
+from agentrl_jax.train.rl.roles import RL, Roles, StepFunctions
 
 HINT_FORMAT = "\nHint: {hint}"
 
@@ -73,15 +74,19 @@ def episode(tokenizer, question, answer):
                       reward=0.0, reward_components={"correct": 0.0}, group_id=0)
 
 
-_COMPILED: dict = {}  # one jitted forward for every case (same graph definition)
+@functools.cache
+def step_functions(graphdef, pad_token_id: int) -> StepFunctions:
+    """One jitted forward for every case (same graph definition and temperature); no update runs."""
+    config = apply_overrides(Config(), ["rollout.temperature=1.0"])
+    return build_step_functions(config, graphdef, None, None, None, pad_token_id)
 
 
 def rl_for(config: Config, graphdef, teacher: Teacher, tokenizer) -> RL:
     """Just what ``score`` reads; rollout pieces are absent."""
     return RL(config=config, roles=Roles(policy=graphdef, teacher=teacher), tokenizer=tokenizer, driver=None,
-              agent_loop=None, env_factory=None, data=None, eval_tasks=[], writer=None, checkpointer=None, mesh=None,
-              engine_params=lambda p: p, settings=loss_settings(config), optimizer=None, schedule=None,
-              old_policy=OldPolicy(config.async_rl, 0), _compiled=_COMPILED)
+              agent_loop=None, env_factory=None, data=None, eval_tasks=[], writer=None, checkpointer=None,
+              engine_params=lambda p: p, schedule=None, old_policy=OldPolicy(config.async_rl, 0),
+              steps=step_functions(graphdef, tokenizer.pad_token_id))
 
 
 @pytest.fixture(scope="module")
