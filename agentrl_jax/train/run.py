@@ -208,8 +208,8 @@ class _Job:
                           checkpointer=self.checkpointer, mesh=self.mesh, engine_params=self.engine_params,
                           data_state=start.data_state)
             if start.restored is None:
-                results["start"] = await evaluate(rl, eval_tasks, label="start (after SFT)" if
-                                                  self.sft_conversations else "start")
+                results["start"] = await evaluate(c.eval, rl.agent_loop, env_factory, eval_tasks,
+                                                  label="start (after SFT)" if self.sft_conversations else "start")
                 self.writer.write(0, {f"eval/{k}": v for k, v in results["start"].items()})
             final = LoopResult(start.state, start.version, False)
             if not finished:
@@ -221,10 +221,11 @@ class _Job:
             if final.preempted:
                 logger.warning("stopped by a preemption request after a checkpoint; run the same command to resume")
             elif not finished:
-                results["end"] = await evaluate(rl, eval_tasks, label="end (after RL)")
+                results["end"] = await evaluate(c.eval, rl.agent_loop, env_factory, eval_tasks, label="end (after RL)")
                 self.writer.write(c.total_steps, {f"eval/{k}": v for k, v in results["end"].items()})
                 if start.step < c.total_steps:  # else: the step is on disk already (nothing trained since)
-                    save(rl, final.state, final.version, c.total_steps, extra={"results": json.dumps(results)})
+                    save(self.checkpointer, c, roles.teacher, final.state, final.version, c.total_steps,
+                         data_state=rl.data.get_state(), extra={"results": json.dumps(results)})
         return results, final
 
     async def _starting_policy(self, driver, results: dict[str, Any]) -> _Start:
