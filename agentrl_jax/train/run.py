@@ -112,7 +112,7 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
     # Native-layout demonstrations carry their calls as tool_calls (rendered by the template).
     corpus = [m["content"] or json.dumps(m.get("tool_calls") or "") for conv in (sft_conversations or [])
               for m in conv] or [t["question"] for t in train_tasks]
-    _check_multihost(config)
+    multihost.check_supported(config)
     resume_step = _resume_step(config, out)
     if jax.process_index() == 0:  # hosts may share output_dir: one writes, the others wait
         if resume_step is None:
@@ -318,25 +318,6 @@ def make_meshes(config: Config) -> tuple[Mesh, Mesh]:
         return train_mesh, engine_mesh
     mesh = make_mesh(config.mesh.shape())
     return mesh, (multihost.local_mesh(config.mesh.tensor) if multihost.is_multihost() else mesh)
-
-
-def _check_multihost(config: Config) -> None:
-    """What several hosts do not support yet fails before anything starts."""
-    if not multihost.is_multihost():
-        return
-    from agentrl_jax.config import ConfigError
-
-    n = jax.process_count()
-    if config.data.prompts_per_step % n:
-        raise ConfigError(f"data.prompts_per_step ({config.data.prompts_per_step}) must be divisible by the "
-                          f"number of hosts ({n}): each host rolls out its share")
-    if config.hybrid.mode != "none" or config.hybrid.judge != "none":
-        raise ConfigError("hybrid.mode / hybrid.judge: not supported on several hosts yet")
-    if config.algorithm.dynamic_sampling:
-        raise ConfigError("algorithm.dynamic_sampling: not supported on several hosts yet")
-    if config.async_rl.enabled:
-        raise ConfigError("async_rl.enabled: not supported on several hosts yet (every host would need to "
-                          "agree on which batch trains when)")
 
 
 def _sft(config, graphdef, params, tokenizer, conversations, writer, mesh, *, tools=None):
