@@ -38,7 +38,7 @@ from agentrl_jax.envs.base import Trajectory  # noqa: E402
 from agentrl_jax.envs.retool import wrap_interpreter  # noqa: E402
 from agentrl_jax.rewards.hints import placebo_hints  # noqa: E402
 from agentrl_jax.train.sft import conversation_to_record  # noqa: E402
-from agentrl_jax.train.guidance.teacher import teacher_context, teacher_logprobs  # noqa: E402
+from agentrl_jax.train.guidance.distillation import teacher_context, teacher_logprobs  # noqa: E402
 
 NEAR_ZERO = 0.25
 

@@ -1,4 +1,5 @@
-"""Builds what the RL loop uses, once, before the first step: the models by role and ``RL``.
+"""Builds what the RL loop uses, once, before the first step: the models by role, the jitted
+step functions (``StepFunctions``) and ``RL``.
 
 The frozen models (reference, teacher, judge) come from the policy RL starts from (the
 loaded checkpoint, or the post-SFT policy), never from the trained state: a resumed run
@@ -7,6 +8,7 @@ rebuilds them from the same starting policy (``train/run.py``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -14,16 +16,19 @@ import jax.numpy as jnp
 
 from agentrl_jax.config import Config, ConfigError
 from agentrl_jax.envs.agent_loop import AgentLoop
+from agentrl_jax.losses.registry import loss_hparams
 from agentrl_jax.models import split_params
 from agentrl_jax.models.hf_io import load_hf_checkpoint
 from agentrl_jax.sharding import DEFAULT_RULES
 from agentrl_jax.train.episodes import truncation_rule
 from agentrl_jax.train.guidance.hindsight import ArithmeticOracleJudge, ModelJudge
 from agentrl_jax.train.guidance.old_policy import OldPolicy
-from agentrl_jax.train.guidance.signal import Teacher
-from agentrl_jax.train.rl.roles import RL, Roles, loss_settings
+from agentrl_jax.train.guidance.teacher import Teacher
+from agentrl_jax.train.multihost import put_replicated
+from agentrl_jax.train.packing import MAX_SEGMENTS
+from agentrl_jax.train.rl.roles import RL, Roles, StepFunctions
 from agentrl_jax.train.setup import checkpoint_directory
-from agentrl_jax.train.step import make_optimizer
+from agentrl_jax.train.step import LossSettings, TrainState, make_logprob_fn, make_optimizer, make_update_fn
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The fields that fix the param tree's structure and shapes.
@@ -58,12 +63,13 @@ def attention_implementation(setting: str, compute_dtype: str, backend: str | No
     return "cudnn" if backend == "gpu" and compute_dtype == "bfloat16" else None
 
 
-def build_rl(config: Config, *, roles: Roles, tokenizer, driver, env_factory, train_tasks: list[dict],
-             eval_tasks: list[dict], writer, checkpointer=None, mesh=None, engine_params=None,
-             data_state: Any = None) -> RL:
+def build_rl(config: Config, *, roles: Roles, state: TrainState, tokenizer, driver, env_factory,
+             train_tasks: list[dict], eval_tasks: list[dict], writer, checkpointer=None, mesh=None,
+             engine_params=None, data_state: Any = None) -> RL:
     """Everything the RL loop uses, from the config and the run's components.
 
-    ``data_state``: the prompt iterator's position to start from (a resumed run's).
+    ``state``: the policy's train state (the update keeps its shardings). ``data_state``: the
+    prompt iterator's position to start from (a resumed run's).
     """
     from agentrl_jax.data import BatchIterator
 
@@ -74,15 +80,61 @@ def build_rl(config: Config, *, roles: Roles, tokenizer, driver, env_factory, tr
                          shard_count=jax.process_count())
     if data_state:
         data.set_state(data_state)
-    a = config.async_rl
+    async_rl = config.async_rl
     return RL(
         config=config, roles=roles, tokenizer=tokenizer, driver=driver,
         agent_loop=AgentLoop(driver, tokenizer, max_new_tokens_per_turn=config.rollout.max_new_tokens_per_turn,
                              max_total_tokens=config.rollout.max_sequence_length,
                              truncation=truncation_rule(config)),
         env_factory=env_factory, data=data, eval_tasks=eval_tasks, writer=writer, checkpointer=checkpointer,
-        mesh=mesh, engine_params=engine_params or (lambda params: params), settings=loss_settings(config),
-        optimizer=optimizer, schedule=schedule, old_policy=OldPolicy(a, a.max_staleness if a.enabled else 0),
+        engine_params=engine_params or (lambda params: params), schedule=schedule,
+        old_policy=OldPolicy(async_rl, async_rl.max_staleness if async_rl.enabled else 0),
+        steps=build_step_functions(config, roles.policy, optimizer, state, mesh, tokenizer.pad_token_id),
+    )
+
+
+def build_step_functions(config: Config, graphdef, optimizer, state: TrainState, mesh,
+                         pad_token_id: int) -> StepFunctions:
+    """The jitted functions of the RL step (``train/step.py``), built once: the logprob forward
+    of every model and the policy's minibatch update (its state keeps ``state``'s shardings)."""
+    settings = loss_settings(config)
+    put = functools.partial(put_replicated, mesh=mesh)
+    algorithm = config.algorithm
+    return StepFunctions(
+        logprobs=make_logprob_fn(settings, put=put, pad_token_id=pad_token_id, row_tokens=algorithm.pack_row_tokens,
+                                 micro_batch_tokens=algorithm.micro_batch_tokens),
+        update=make_update_fn(graphdef, optimizer, settings, mesh=mesh, pad_token_id=pad_token_id,
+                              state_sharding=None if mesh is None else jax.tree.map(lambda x: x.sharding, state)),
+        put=put,
+    )
+
+
+def loss_settings(config: Config) -> LossSettings:
+    """The static objective of the update, from the algorithm config.
+
+    The loss's hyper-parameters are the ones it declared at registration, read from the
+    config, plus ``algorithm.loss_hparams`` (``losses.registry.loss_hparams``).
+    """
+    algorithm = config.algorithm
+    correction_hparams: dict[str, Any] = {}
+    if algorithm.correction in ("tis", "mis"):
+        correction_hparams = {"cap": algorithm.correction_cap, "level": algorithm.correction_level}
+    elif algorithm.correction == "icepop":
+        correction_hparams = {"low": algorithm.correction_floor, "high": algorithm.correction_cap,
+                              "level": algorithm.correction_level}
+    return LossSettings(
+        loss=algorithm.loss,
+        hparams=tuple(sorted(loss_hparams(algorithm.loss, config).items())),
+        aggregation=algorithm.aggregation,
+        temperature=config.rollout.temperature,
+        kl_coef=algorithm.kl_coef,
+        kl_kind=algorithm.kl_estimator,
+        entropy_coef=algorithm.entropy_coef,
+        correction=algorithm.correction,
+        correction_hparams=tuple(sorted(correction_hparams.items())),
+        packed=algorithm.pack_rows,
+        max_segments=MAX_SEGMENTS if algorithm.pack_rows else 0,
+        chunk_size=algorithm.logprob_chunk_tokens,
     )
 
 
@@ -92,7 +144,7 @@ def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, dr
 
     Reference: ``model.reference_path`` if set, else a copy of the starting policy. Teacher:
     the frozen reference, an HF checkpoint, the current policy or a lagged copy of it
-    (``hybrid.teacher``, ``guidance.signal.Teacher``; a lagged teacher starts at
+    (``hybrid.teacher``, ``guidance.teacher.Teacher``; a lagged teacher starts at
     ``policy_params``, the params RL continues from, default ``initial_params``). Judge: the oracle, or a
     model judge decoding with the reference / teacher / current policy (``hybrid.judge``).
     """

@@ -1,6 +1,6 @@
 """Multi-host (multi-process) helpers for the trainer.
 
-The layout (DESIGN.md section 7):
+The layout:
 - Training is SPMD over the global mesh: every host runs the same sequence of jitted
   calls on global arrays.
 - Rollouts are host-local: each host has its own engine on a mesh of its local devices,
@@ -22,14 +22,33 @@ import pickle
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from agentrl_jax.config import Config, ConfigError
 from agentrl_jax.sharding import make_mesh
 
 
 def is_multihost() -> bool:
     return jax.process_count() > 1
+
+
+def check_supported(config: Config) -> None:
+    """What several hosts do not support yet fails before anything starts."""
+    if not is_multihost():
+        return
+    n = jax.process_count()
+    if config.data.prompts_per_step % n:
+        raise ConfigError(f"data.prompts_per_step ({config.data.prompts_per_step}) must be divisible by the "
+                          f"number of hosts ({n}): each host rolls out its share")
+    if config.hybrid.mode != "none" or config.hybrid.judge != "none":
+        raise ConfigError("hybrid.mode / hybrid.judge: not supported on several hosts yet")
+    if config.algorithm.dynamic_sampling:
+        raise ConfigError("algorithm.dynamic_sampling: not supported on several hosts yet")
+    if config.async_rl.enabled:
+        raise ConfigError("async_rl.enabled: not supported on several hosts yet (every host would need to "
+                          "agree on which batch trains when)")
 
 
 def gather_objects(obj: Any) -> list[Any]:
@@ -57,6 +76,15 @@ def barrier(name: str) -> None:
 def put_global(value: np.ndarray, mesh: Mesh) -> jax.Array:
     """A host array that is identical on every host, as an array replicated on ``mesh``."""
     return jax.device_put(value, NamedSharding(mesh, PartitionSpec()))
+
+
+def put_replicated(value: Any, mesh: Mesh | None) -> jax.Array:
+    """A host value (identical on every host) replicated on ``mesh`` (None: the default device);
+    a device array stays as it is."""
+    if isinstance(value, jax.Array):
+        return value
+    value = np.asarray(value)
+    return jnp.asarray(value) if mesh is None else put_global(value, mesh)
 
 
 def to_host(x: jax.Array) -> np.ndarray:

@@ -112,7 +112,7 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
     # Native-layout demonstrations carry their calls as tool_calls (rendered by the template).
     corpus = [m["content"] or json.dumps(m.get("tool_calls") or "") for conv in (sft_conversations or [])
               for m in conv] or [t["question"] for t in train_tasks]
-    _check_multihost(config)
+    multihost.check_supported(config)
     resume_step = _resume_step(config, out)
     if jax.process_index() == 0:  # hosts may share output_dir: one writes, the others wait
         if resume_step is None:
@@ -203,13 +203,13 @@ class _Job:
                 truncation = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p).truncates
                 results["rollout_warmup"] = await driver.warmup(truncation=truncation)
             del self.params, start.initial_params  # the frozen copies are made; the trained policy is the state
-            rl = build_rl(c, roles=roles, tokenizer=self.tokenizer, driver=driver, env_factory=env_factory,
-                          train_tasks=train_tasks, eval_tasks=eval_tasks, writer=self.writer,
+            rl = build_rl(c, roles=roles, state=start.state, tokenizer=self.tokenizer, driver=driver,
+                          env_factory=env_factory, train_tasks=train_tasks, eval_tasks=eval_tasks, writer=self.writer,
                           checkpointer=self.checkpointer, mesh=self.mesh, engine_params=self.engine_params,
                           data_state=start.data_state)
             if start.restored is None:
-                results["start"] = await evaluate(rl, eval_tasks, label="start (after SFT)" if
-                                                  self.sft_conversations else "start")
+                results["start"] = await evaluate(c.eval, rl.agent_loop, env_factory, eval_tasks,
+                                                  label="start (after SFT)" if self.sft_conversations else "start")
                 self.writer.write(0, {f"eval/{k}": v for k, v in results["start"].items()})
             final = LoopResult(start.state, start.version, False)
             if not finished:
@@ -221,10 +221,11 @@ class _Job:
             if final.preempted:
                 logger.warning("stopped by a preemption request after a checkpoint; run the same command to resume")
             elif not finished:
-                results["end"] = await evaluate(rl, eval_tasks, label="end (after RL)")
+                results["end"] = await evaluate(c.eval, rl.agent_loop, env_factory, eval_tasks, label="end (after RL)")
                 self.writer.write(c.total_steps, {f"eval/{k}": v for k, v in results["end"].items()})
                 if start.step < c.total_steps:  # else: the step is on disk already (nothing trained since)
-                    save(rl, final.state, final.version, c.total_steps, extra={"results": json.dumps(results)})
+                    save(self.checkpointer, c, roles.teacher, final.state, final.version, c.total_steps,
+                         data_state=rl.data.get_state(), extra={"results": json.dumps(results)})
         return results, final
 
     async def _starting_policy(self, driver, results: dict[str, Any]) -> _Start:
@@ -303,10 +304,10 @@ def make_meshes(config: Config) -> tuple[Mesh, Mesh]:
     (``mesh.*``). Several hosts: rollouts are host-local (multihost.py), so the engine gets
     this host's devices.
     """
-    a = config.async_rl
-    if a.enabled and a.placement == "disaggregated":
+    async_rl = config.async_rl
+    if async_rl.enabled and async_rl.placement == "disaggregated":
         devices = jax.devices()
-        n = a.rollout_devices or len(devices) // 2
+        n = async_rl.rollout_devices or len(devices) // 2
         if not 1 <= n < len(devices):
             raise ConfigError(f"async_rl.rollout_devices: {n} rollout devices out of {len(devices)} leaves "
                               "none for one side; disaggregated placement needs >= 2 devices")
@@ -317,25 +318,6 @@ def make_meshes(config: Config) -> tuple[Mesh, Mesh]:
         return train_mesh, engine_mesh
     mesh = make_mesh(config.mesh.shape())
     return mesh, (multihost.local_mesh(config.mesh.tensor) if multihost.is_multihost() else mesh)
-
-
-def _check_multihost(config: Config) -> None:
-    """What several hosts do not support yet fails before anything starts."""
-    if not multihost.is_multihost():
-        return
-    from agentrl_jax.config import ConfigError
-
-    n = jax.process_count()
-    if config.data.prompts_per_step % n:
-        raise ConfigError(f"data.prompts_per_step ({config.data.prompts_per_step}) must be divisible by the "
-                          f"number of hosts ({n}): each host rolls out its share")
-    if config.hybrid.mode != "none" or config.hybrid.judge != "none":
-        raise ConfigError("hybrid.mode / hybrid.judge: not supported on several hosts yet")
-    if config.algorithm.dynamic_sampling:
-        raise ConfigError("algorithm.dynamic_sampling: not supported on several hosts yet")
-    if config.async_rl.enabled:
-        raise ConfigError("async_rl.enabled: not supported on several hosts yet (every host would need to "
-                          "agree on which batch trains when)")
 
 
 def _sft(config, graphdef, params, tokenizer, conversations, writer, mesh, *, tools=None):

@@ -5,11 +5,16 @@ micro-batches are a ``lax.scan`` that sums gradients of losses which share one g
 normalizer, so the accumulated gradient equals the full-minibatch gradient exactly
 (``agentrl_jax.losses.aggregation``). A non-finite loss or gradient skips the update
 (params and optimizer state unchanged) and reports ``skipped = 1``.
+
+``make_logprob_fn`` and ``make_update_fn`` build the RL step's functions once, before the
+first step (``train/build.py``); the loop (``train/rl/loop.py``) calls them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import chex
@@ -17,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentrl_jax.config import OptimizerConfig
 from agentrl_jax.losses import (
@@ -28,6 +33,7 @@ from agentrl_jax.losses import (
     kl_loss,
     token_logprobs,
 )
+from agentrl_jax.train.packing import gather_rows, packed_logprobs
 
 
 @struct.dataclass
@@ -160,16 +166,9 @@ def policy_loss(
     num_sequences: int | None,
 ):
     """Scalar loss of one micro-batch (already divided by the global normalizer)."""
-    logp, entropy = forward_logprobs(
-        graphdef,
-        params,
-        micro,
-        temperature=settings.temperature,
-        chunk_size=settings.chunk_size,
-        with_entropy=True,
-        packed=settings.packed,
-        max_segments=settings.max_segments,
-    )
+    logp, entropy = forward_logprobs(graphdef, params, micro, temperature=settings.temperature,
+                                     chunk_size=settings.chunk_size, with_entropy=True, packed=settings.packed,
+                                     max_segments=settings.max_segments)
     if settings.old_from_current:
         micro = {**micro, "old_logprobs": jax.lax.stop_gradient(logp)}
     return loss_from_logprobs(logp, entropy, micro, normalizer, settings, num_sequences)
@@ -207,17 +206,8 @@ def loss_from_logprobs(
         loss_mask = mask
     else:
         per_token, metrics, loss_mask = decoupled_loss(
-            loss_fn,
-            logp,
-            micro["old_logprobs"],
-            micro["rollout_logprobs"],
-            micro["advantages"],
-            mask,
-            correction=settings.correction,
-            correction_hparams=dict(settings.correction_hparams),
-            **seq,
-            **hparams,
-        )
+            loss_fn, logp, micro["old_logprobs"], micro["rollout_logprobs"], micro["advantages"], mask,
+            correction=settings.correction, correction_hparams=dict(settings.correction_hparams), **seq, **hparams)
     metrics = dict(metrics)
     total = per_token
     if settings.kl_coef > 0:
@@ -305,6 +295,77 @@ def update_step(
         skipped=1.0 - finite.astype(jnp.float32),
     )
     return new_state, metrics
+
+
+def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, settings: LossSettings, *,
+                   state_sharding: Any = None, mesh: Mesh | None = None, pad_token_id: int = 0):
+    """The jitted ``update_step`` of one minibatch, gathered on device from the step's [N, T] arrays.
+
+    Padded rows: ``update(state, arrays, rows, normalizer, num_micro_batches, old_from_current)``,
+    ``rows`` the minibatch's row indices. Packed rows (``settings.packed``): ``update(state,
+    arrays, gather, segment_ids, normalizer, num_micro_batches, old_from_current, num_sequences,
+    max_segments)`` with the plan's ``[R, S]`` layout (``train.packing``). The trailing
+    arguments are static (positional: ``jax.jit`` takes no keywords with ``in_shardings``):
+    ``old_from_current`` and ``max_segments`` as in ``LossSettings``, ``num_sequences`` the
+    padded rows of the step.
+
+    With a ``mesh`` the shardings are explicit: the state keeps ``state_sharding`` (params and
+    optimizer state as laid out on the mesh), the batch and the metrics are replicated. The
+    state is donated.
+    """
+
+    def update_on_rows(state, arrays, rows, normalizer, num_micro_batches, old_from_current):
+        minibatch = jax.tree.map(lambda x: x[rows], arrays)
+        return update_step(state, minibatch, normalizer, graphdef=graphdef, optimizer=optimizer,
+                           settings=dataclasses.replace(settings, old_from_current=old_from_current, max_segments=0),
+                           num_micro_batches=num_micro_batches, num_sequences=None)
+
+    def update_on_packed_rows(state, arrays, gather, segment_ids, normalizer, num_micro_batches, old_from_current,
+                              num_sequences, max_segments):
+        minibatch = gather_rows(arrays, gather, segment_ids, pad_token_id=pad_token_id)
+        return update_step(state, minibatch, normalizer, graphdef=graphdef, optimizer=optimizer,
+                           settings=dataclasses.replace(settings, old_from_current=old_from_current,
+                                                        max_segments=max_segments),
+                           num_micro_batches=num_micro_batches, num_sequences=num_sequences)
+
+    if settings.packed:  # arrays, gather, segment_ids, normalizer after the state; then the static ones
+        body, inputs, static = update_on_packed_rows, 4, (5, 6, 7, 8)
+    else:
+        body, inputs, static = update_on_rows, 3, (4, 5)
+    shardings = {}
+    if mesh is not None:
+        replicated = NamedSharding(mesh, PartitionSpec())
+        shardings = {"in_shardings": (state_sharding,) + (replicated,) * inputs,
+                     "out_shardings": (state_sharding, replicated)}
+    return jax.jit(body, static_argnums=static, donate_argnums=(0,), **shardings)
+
+
+def make_logprob_fn(settings: LossSettings, *, put: Callable[[Any], jax.Array], pad_token_id: int = 0,
+                    row_tokens: int = 0, micro_batch_tokens: int = 0):
+    """``logprobs(graphdef, params, inputs, micro_rows)``: tempered logprobs [N, T] of
+    ``inputs['targets']`` under the model ``(graphdef, params)``, on device.
+
+    One jitted forward serves every model of the step (policy, reference, teacher). Padded
+    rows run in micro-batches of ``micro_rows``; with ``settings.packed`` the rows are packed
+    (``train.packing.packed_logprobs``: ``row_tokens`` per row, micro-batches of
+    ``micro_batch_tokens``) and the result is unpacked to the padded rows. ``put``: a host
+    array onto the training mesh.
+    """
+    forward = jax.jit(functools.partial(forward_logprobs, temperature=settings.temperature, packed=settings.packed,
+                                        chunk_size=settings.chunk_size),
+                      static_argnums=(0,), static_argnames=("max_segments",))
+
+    def logprobs(graphdef: nnx.GraphDef, params: Any, inputs: dict[str, Any], micro_rows: int) -> jax.Array:
+        if settings.packed:
+            return packed_logprobs(lambda p, part, segments: forward(graphdef, p, part, max_segments=segments),
+                                   params, inputs, row_tokens=row_tokens, micro_batch_tokens=micro_batch_tokens,
+                                   pad_token_id=pad_token_id, put=put)
+        rows = inputs["input_ids"].shape[0]
+        parts = [forward(graphdef, params, {k: put(v[start: start + micro_rows]) for k, v in inputs.items()})
+                 for start in range(0, rows, micro_rows)]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
+    return logprobs
 
 
 def init_train_state(params: Any, optimizer: optax.GradientTransformation, seed: int) -> TrainState:

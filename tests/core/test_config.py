@@ -128,7 +128,7 @@ def test_loss_hparams_from_the_command_line():
     assert c.algorithm.loss_hparams == (("eps_min", 0.1), ("eps_max", 4.0))
     with pytest.raises(ConfigError, match=r"algorithm.loss_hparams: loss 'ppo' takes no \['beta'\]"):
         apply_overrides(Config(), ['algorithm.loss_hparams=[["beta", 0.1]]'])
-    from agentrl_jax.train.rl import loss_settings
+    from agentrl_jax.train.build import loss_settings
 
     c = apply_overrides(Config(), ["algorithm.loss=cispo"])
     assert dict(loss_settings(c).hparams)["eps_max"] == pytest.approx(1.28)
@@ -141,7 +141,7 @@ def test_loss_hparams_from_the_command_line():
 def test_update_speed_choices_reach_the_trainer():
     """``algorithm.logprob_chunk_tokens`` sets the update's logprob chunks; ``model.lm_head_dtype``
     is 'param' or 'compute' (docs/benchmarks.md, 'Train step')."""
-    from agentrl_jax.train.rl import loss_settings
+    from agentrl_jax.train.build import loss_settings
 
     c = apply_overrides(Config(), ["algorithm.logprob_chunk_tokens=8192", "model.lm_head_dtype=compute"])
     assert loss_settings(c).chunk_size == 8192 and c.model.lm_head_dtype == "compute"

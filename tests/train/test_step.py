@@ -98,3 +98,47 @@ def test_positive_advantage_raises_logprob():
     m = batch["loss_mask"]
     assert float((logp1 * m).sum()) > float((logp0 * m).sum())
     assert float(metrics["update_norm"]) > 0 and float(metrics["param_norm"]) > 0
+
+
+def test_the_built_update_equals_update_step_on_the_minibatch_rows():
+    """``make_update_fn`` (the RL loop's update, explicit shardings, state donated) on rows of the
+    step's batch == ``update_step`` on those rows gathered on the host."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from agentrl_jax.sharding import make_mesh
+    from agentrl_jax.train.step import make_update_fn
+
+    graphdef, params = _tiny()
+    batch = _batch()
+    batch["old_logprobs"] = forward_logprobs(graphdef, params, batch, temperature=1.0) - 0.05 * batch["loss_mask"]
+    mesh = make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch = {k: jax.device_put(v, replicated) for k, v in batch.items()}
+    rows = np.array([6, 1, 3, 4], np.int32)
+    normalizer = jnp.float32(np.asarray(batch["loss_mask"])[rows].sum())
+    settings = LossSettings(loss="ppo", hparams=(("eps_high", 0.28), ("eps_low", 0.2)))
+    opt = optax.adam(1e-2)
+    state = jax.device_put(init_train_state(params, opt, 0), replicated)
+    update = make_update_fn(graphdef, opt, settings, mesh=mesh,
+                            state_sharding=jax.tree.map(lambda x: x.sharding, state))
+    expected, expected_metrics = jax.jit(functools.partial(
+        update_step, graphdef=graphdef, optimizer=opt, settings=settings, num_micro_batches=2, num_sequences=None))(
+        state, {k: v[rows] for k, v in batch.items()}, normalizer)
+    new_state, metrics = update(state, batch, jax.device_put(rows, replicated), normalizer, 2, False)
+    assert all(x.is_deleted() for x in jax.tree.leaves(state.params))  # donated
+    np.testing.assert_allclose(float(metrics["loss"]), float(expected_metrics["loss"]), rtol=1e-6)
+    assert float(metrics["grad_norm"]) > 0
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6), new_state.params,
+                 expected.params)
+    assert all(x.sharding == replicated for x in jax.tree.leaves(new_state.params))
+
+
+def test_the_built_logprob_fn_in_micro_batches_equals_one_forward():
+    from agentrl_jax.train.step import make_logprob_fn
+
+    graphdef, params = _tiny()
+    batch = _batch()
+    inputs = {k: np.asarray(batch[k]) for k in ("input_ids", "positions", "segment_ids", "targets")}
+    logprobs = make_logprob_fn(LossSettings(temperature=0.7), put=jnp.asarray)
+    whole = forward_logprobs(graphdef, params, batch, temperature=0.7)
+    np.testing.assert_allclose(np.asarray(logprobs(graphdef, params, inputs, 2)), np.asarray(whole), atol=1e-6)

@@ -25,7 +25,8 @@ from agentrl_jax.train.episodes import (
     trajectory_record,
     truncation_rule,
 )
-from agentrl_jax.train.rl import Frozen, Roles
+from agentrl_jax.train.guidance.teacher import Teacher
+from agentrl_jax.train.rl import Roles
 
 
 def _traj(group_id, reward, *, sampled=2, finish="answer", masked=False):
@@ -132,7 +133,7 @@ def test_a_trainer_without_the_models_its_config_needs_refuses_to_run():
     with pytest.raises(ConfigError, match=r"algorithm\.kl_coef needs Roles\.reference.*"
                                           r"hybrid\.mode needs Roles\.teacher"):
         Roles(policy=None).check(config)
-    Roles(policy=None, reference={}, teacher=Frozen(None, {})).check(config)
+    Roles(policy=None, reference={}, teacher=Teacher(None, "reference", frozen={})).check(config)
 
 
 # ---------------------------------------------------------------- whole runs

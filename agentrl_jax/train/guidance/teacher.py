@@ -1,265 +1,191 @@
-"""The teacher role: frozen params on the policy's mesh scoring the policy's own tokens.
+"""The teacher role and its signal in one RL step: which params teach, which hints they read,
+and the shaped OPD / hybrid advantages with their diagnostics.
 
-On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025, "On-Policy
-Distillation") needs log pi_teacher(y_t | context) for every token y_t the policy sampled.
-In the hindsight variant of the Retool-RL recipe (seeds/000, sec. 4.4) the teacher's
-context differs from the student's: a bridge thought is inserted before the response,
-
-    student: [prompt        ][response]        token j of the response at index P + j
-    teacher: [prompt' (+hint)][response]        the same token at index P' + j
-
-so the teacher's per-token arrays are shifted by ``P' - P`` against the student's. This
-module builds the teacher sequences and maps the teacher's logprobs back onto the
-student's batch layout (``train/batch.py``: index t holds the logprob of ``targets[t]``,
-i.e. of token t + 1), exactly, token for token.
-
-Two placements of the hint (config ``hybrid.hint_placement``):
-- ``user_message``: the hint is appended to the last user message and the prompt is
-  re-templated (the seed's "appending this bridge thought to the reference model's prompt");
-- ``assistant_prefix``: the hint's tokens follow the generation prompt, as if the model
-  had thought them before answering.
-The response tokens are always the sampled ids; nothing of the response is re-tokenized.
+``Teacher`` is the teacher role (``hybrid.teacher``): frozen params (the reference or a
+checkpoint), the current policy (self-distillation with the hint, as SDPO / OPSD), or a
+lagged copy of the policy (snapshots every k steps, or an EMA). ``teacher_signal`` is
+what the logprobs stage of the step (``train/rl/stages.py compute_logprobs``) runs: the
+judge's hints (only on failed episodes with ``hybrid.hint_only_failed``; another task's
+with ``hybrid.placebo``), the teacher's logprobs under [prompt + hint + response]
+(``distillation.py``), lambda of the step (``hybrid.lam_schedule``), the centered /
+clipped term (``losses/opd.py``), and the step-0 diagnostic metrics, with an optional
+placebo pass (``hybrid.placebo_diagnostic_every``).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from agentrl_jax.envs.base import Trajectory
-from agentrl_jax.train.batch import TokenRecord, build_batch
+from agentrl_jax.losses import opd_lambda, opd_term_diagnostics, shaped_opd_term
+from agentrl_jax.train.guidance.hindsight import Verdict, placebo_for, teacher_hints
+from agentrl_jax.train.guidance.distillation import hindsight_contexts, teacher_advantages, teacher_logprobs
 
-PLACEMENTS = ("user_message", "assistant_prefix")
+TEACHERS = ("reference", "checkpoint", "policy", "lagged")
+#: the checkpoint item that holds a lagged teacher's params
+CHECKPOINT_TREE = "teacher"
+logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class TeacherContext:
-    """The teacher's sequence for one trajectory.
+def _owned_copy(params: Any) -> Any:
+    """A copy that owns its buffers: the donating update deletes the policy's own."""
+    return jax.tree.map(jnp.copy, params)
 
-    Attributes:
-      token_ids: teacher prompt + the trajectory's response ids (as sampled / appended).
-      loss_mask: 0 on the teacher prompt, the trajectory's loss mask on the response.
-      prompt_length: P', tokens before the response in ``token_ids``.
-      shift: P' - P, the offset of a response token in the teacher's sequence.
+
+class Teacher:
+    """The teacher role: its graph definition, and where its params come from.
+
+    - "reference" / "checkpoint": frozen params, given once (the seed's recipe);
+    - "policy": the params being trained, before this step's update: d = log pi(y | x,
+      hint) - log pi(y | x) measures the hint alone;
+    - "lagged": a copy of the policy that follows it slowly: a snapshot every
+      ``lag_steps`` updates, or with ``ema_decay`` an EMA of the params (theta_T <- decay
+      * theta_T + (1 - decay) * theta after every update), starting at the starting policy.
+
+    ``params_for(policy_params)`` in the logprobs stage, ``observe(new_params, updates)`` after
+    each update. The lagged params are the one teacher state that is not in the config or the
+    train state: ``checkpoint_trees()`` goes into every checkpoint, ``restore`` reads it back
+    on resume, so a resumed run's teacher is the snapshot / EMA the run had, not the resumed
+    policy.
     """
 
-    token_ids: list[int]
-    loss_mask: list[int]
-    prompt_length: int
-    shift: int
+    def __init__(self, graphdef: Any, kind: str, *, frozen: Any = None, initial: Any = None, lag_steps: int = 0,
+                 ema_decay: float = 0.0):
+        if kind not in TEACHERS:
+            raise ValueError(f"Teacher: kind must be one of {TEACHERS}, got {kind!r}")
+        if kind in ("reference", "checkpoint") and frozen is None:
+            raise ValueError(f"Teacher: teacher {kind!r} needs its frozen params")
+        if kind == "lagged" and (initial is None or (lag_steps < 1) == (not 0.0 < ema_decay < 1.0)):
+            raise ValueError("Teacher: 'lagged' needs the initial params and exactly one of lag_steps >= 1 "
+                             f"or 0 < ema_decay < 1 (got lag_steps={lag_steps}, ema_decay={ema_decay})")
+        self.graphdef, self.kind, self.lag_steps, self.ema_decay = graphdef, kind, lag_steps, ema_decay
+        self._frozen = frozen
+        self._lagged = _owned_copy(initial) if kind == "lagged" else None
+
+    @property
+    def params(self) -> Any:
+        """The teacher's own params (frozen or lagged); the "policy" teacher has none."""
+        if self.kind == "policy":
+            raise AttributeError("Teacher 'policy' has no params of its own: use params_for(policy_params)")
+        return self._lagged if self.kind == "lagged" else self._frozen
+
+    def params_for(self, policy_params: Any) -> Any:
+        """The teacher's params this step, given the policy's (before the update)."""
+        return policy_params if self.kind == "policy" else self.params
+
+    def checkpoint_trees(self) -> dict[str, Any]:
+        """What a checkpoint must hold to restore this teacher (``Checkpointer.save(trees=...)``):
+        a lagged teacher's params; nothing for the others (frozen or the policy itself)."""
+        return {CHECKPOINT_TREE: self._lagged} if self.kind == "lagged" else {}
+
+    def restore(self, checkpointer: Any, step: int) -> bool:
+        """A lagged teacher's params from the checkpoint of ``step`` (into its current params'
+        shardings); False when there is nothing to restore, or a checkpoint written before the
+        teacher was saved (the teacher then stays at the resumed policy, logged)."""
+        if self.kind != "lagged":
+            return False
+        restored = checkpointer.restore_tree(step, CHECKPOINT_TREE, self._lagged)
+        if restored is None:
+            logger.warning("the checkpoint of step %d holds no lagged teacher (written by an older version): "
+                           "the teacher restarts at the resumed policy", step)
+            return False
+        self._lagged = restored
+        return True
+
+    def observe(self, policy_params: Any, updates: int) -> None:
+        """After the ``updates``-th update (1-based): move a lagged teacher toward ``policy_params``."""
+        if self.kind != "lagged":
+            return
+        if self.ema_decay:
+            decay = self.ema_decay
+            self._lagged = jax.tree.map(lambda t, p: (decay * t + (1.0 - decay) * p).astype(t.dtype),
+                                        self._lagged, policy_params)
+        elif updates % self.lag_steps == 0:
+            self._lagged = _owned_copy(policy_params)
 
 
-def initial_messages(trajectory: Trajectory) -> list[dict[str, str]]:
-    """The chat messages that produced the prompt: every turn before the first assistant turn."""
-    out = []
-    for turn in trajectory.turns:
-        if turn.get("role") == "assistant":
-            break
-        out.append({"role": turn["role"], "content": turn["content"]})
-    return out
-
-
-def teacher_context(
-    trajectory: Trajectory,
-    hint: str | None,
-    tokenizer: Any,
-    *,
-    placement: str = "user_message",
-    hint_format: str = "\n\nHint: {hint}",
-) -> TeacherContext:
-    """[prompt (+ hint) + response] for the teacher; without a hint, the student's own sequence.
-
-    Args:
-      trajectory: a finished episode (``prompt_token_ids`` is a prefix of ``token_ids``).
-      hint: the bridge thought, or None.
-      tokenizer: ``agentrl_jax.models.tokenizer.Tokenizer`` (``apply_chat``, ``encode``).
-      placement: "user_message" or "assistant_prefix" (module docstring).
-      hint_format: text inserted for the hint, containing ``{hint}``.
-    """
-    prompt = [int(i) for i in trajectory.prompt_token_ids]
-    response_ids = [int(i) for i in trajectory.token_ids[len(prompt):]]
-    response_mask = [int(m) for m in trajectory.loss_mask[len(prompt):]]
-    if hint is None:
-        teacher_prompt = prompt
-    elif placement == "assistant_prefix":
-        teacher_prompt = prompt + tokenizer.encode(hint_format.format(hint=hint))
-    elif placement == "user_message":
-        messages = initial_messages(trajectory)
-        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-        if not users:
-            raise ValueError("teacher_context: placement 'user_message' needs a user message in trajectory.turns")
-        last = users[-1]
-        messages[last] = {"role": "user", "content": messages[last]["content"] + hint_format.format(hint=hint)}
-        teacher_prompt = tokenizer.apply_chat(messages, tools=trajectory.tools, add_generation_prompt=True)
-    else:
-        raise ValueError(f"teacher_context: placement must be one of {PLACEMENTS}, got {placement!r}")
-    return TeacherContext(
-        token_ids=list(teacher_prompt) + response_ids,
-        loss_mask=[0] * len(teacher_prompt) + response_mask,
-        prompt_length=len(teacher_prompt),
-        shift=len(teacher_prompt) - len(prompt),
-    )
-
-
-def align_to_student(
-    teacher_logp: np.ndarray,
-    shifts: Sequence[int],
-    prompt_lengths: Sequence[int],
-    lengths: Sequence[int],
-    student_shape: tuple[int, int],
-) -> np.ndarray:
-    """Move per-token teacher arrays onto the student's target layout.
-
-    Row i of ``teacher_logp`` holds trajectory i's teacher sequence; student index t
-    (predicting token t + 1) for t in [P_i - 1, n_i - 1) reads teacher index t + shift_i.
-    Prompt positions and padding get 0.
-
-    Args:
-      teacher_logp: [N, T'] teacher logprobs (target layout of the teacher rows).
-      shifts, prompt_lengths, lengths: per trajectory, shift = P' - P, P and n.
-      student_shape: (R, T) of the student's batch, R >= N (one trajectory per row).
-    Returns:
-      [R, T] float32.
-    """
-    rows, width = student_shape
-    out = np.zeros((rows, width), np.float32)
-    for i, (shift, start, n) in enumerate(zip(shifts, prompt_lengths, lengths)):
-        t = np.arange(start - 1, n - 1)
-        out[i, t] = teacher_logp[i, t + shift]
-    return out
-
-
-def teacher_logprobs(
-    logprob_fn: Callable[[dict[str, Any]], Any],
+def teacher_signal(
+    hybrid: Any,
     trajectories: Sequence[Trajectory],
-    contexts: Sequence[TeacherContext | None],
-    student_shape: tuple[int, int],
+    verdicts: Sequence[Verdict] | None,
+    batch: Any,
+    old_logprobs: np.ndarray,
     *,
-    row_multiple: int = 1,
-    pad_token_id: int = 0,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Teacher logprobs of the sampled tokens, aligned with the student's padded batch.
-
-    Only trajectories with a context are run through the teacher (one row each, rows
-    rounded up to ``row_multiple`` so the jitted forward sees few shapes).
-
-    Args:
-      logprob_fn: batch arrays (``input_ids``, ``positions``, ``segment_ids``,
-        ``targets`` [R', T']) -> [R', T'] logprobs, e.g. the trainer's chunked,
-        micro-batched forward with the teacher params.
-      trajectories: the batch's trajectories, row i of the student batch = trajectory i.
-      contexts: per trajectory a ``TeacherContext`` or None (no teacher signal).
-      student_shape: (R, T) of the student batch.
-    Returns:
-      (teacher_logp [R, T] float32, 0 where there is no context; has_teacher [R] bool).
-    """
-    rows = student_shape[0]
-    has_teacher = np.zeros(rows, bool)
-    chosen = [i for i, c in enumerate(contexts) if c is not None]
-    if not chosen:
-        return np.zeros(student_shape, np.float32), has_teacher
-    has_teacher[chosen] = True
-    records = [
-        TokenRecord(contexts[i].token_ids, contexts[i].loss_mask, [0.0] * len(contexts[i].token_ids),
-                    [-1] * len(contexts[i].token_ids))
-        for i in chosen
-    ]
-    batch = build_batch(records, row_multiple=row_multiple, pad_token_id=pad_token_id)
-    arrays = {k: jnp.asarray(getattr(batch, k)) for k in ("input_ids", "positions", "segment_ids", "targets")}
-    logp = np.asarray(logprob_fn(arrays), np.float32)
-    aligned = align_to_student(
-        logp[: len(chosen)],
-        [contexts[i].shift for i in chosen],
-        [len(trajectories[i].prompt_token_ids) for i in chosen],
-        [len(trajectories[i].token_ids) for i in chosen],
-        (len(chosen), student_shape[1]),
-    )
-    out = np.zeros(student_shape, np.float32)
-    out[chosen] = aligned
-    return out, has_teacher
-
-
-def kl_on_sampled(teacher_logp: np.ndarray, logp: np.ndarray, loss_mask: np.ndarray) -> float:
-    """k1 estimate of KL(student || teacher) on the sampled tokens: mean of logp - teacher_logp."""
-    n = float(loss_mask.sum())
-    return float(((logp - teacher_logp) * loss_mask).sum() / n) if n else 0.0
-
-
-def hindsight_contexts(
-    trajectories: Sequence[Trajectory],
-    hints: Sequence[str | None] | None,
+    step: int,
+    seed: int,
     tokenizer: Any,
-    *,
-    mode: str,
-    placement: str,
-    hint_format: str,
-) -> list[TeacherContext | None]:
-    """Which trajectories get a teacher signal, and under which context.
-
-    mode "opd": every trajectory (with its hint in the context when it has one).
-    mode "hybrid": with a judge (``hints`` given), only trajectories with a hint; without
-    a judge, every trajectory under the student's own context (plain OPD mixed with GRPO).
-    """
-    if mode not in ("opd", "hybrid"):
-        raise ValueError(f"hindsight_contexts: mode must be 'opd' or 'hybrid', got {mode!r}")
-    out: list[TeacherContext | None] = []
-    for i, t in enumerate(trajectories):
-        hint = hints[i] if hints is not None else None
-        if mode == "hybrid" and hints is not None and hint is None:
-            out.append(None)
-        else:
-            out.append(teacher_context(t, hint, tokenizer, placement=placement, hint_format=hint_format))
-    return out
-
-
-def teacher_advantages(
-    mode: str,
-    group_advantages: np.ndarray,
-    teacher_logp: np.ndarray,
-    logp: np.ndarray,
-    loss_mask: np.ndarray,
-    has_teacher: np.ndarray,
-    *,
-    lam: float,
-    center: bool = False,
-    clip: float = 0.0,
+    logprob_fn: Callable[[dict[str, Any]], np.ndarray],
+    row_multiple: int,
 ) -> tuple[np.ndarray, dict[str, float]]:
-    """Advantages [R, T] with the teacher's signal, and their metrics.
+    """Advantages [R, T] with the teacher's signal for one step, and its metrics.
 
-    With d_t = tea_t - logp_t and shape() the optional per-trajectory centering and per-token
-    clip of ``losses.shaped_opd_term``:
-
-    mode "opd":    A_t = shape(d)_t                                  (every row with a teacher)
-    mode "hybrid": A_t = A_group_t + lam * has_teacher * shape(d)_t
-    (without shaping: ``agentrl_jax.losses.opd_advantages`` / ``hybrid_advantages``); ``logp``
-    is the policy's logprob of the sampled token before the update (stop-gradient).
-
-    Args: group_advantages, teacher_logp, logp, loss_mask [R, T]; has_teacher [R] bool;
-      lam the OPD weight of this step (``losses.opd_lambda``); center, clip as
-      ``losses.shaped_opd_term``.
-    Returns: (advantages [R, T] float32, metrics over the tokens with a teacher signal:
-      opd/advantage_mean and opd/kl_student_teacher of the raw d).
+    Args:
+      hybrid: the ``hybrid`` config section.
+      trajectories: the step's episodes; row i of ``batch`` is trajectory i.
+      verdicts: the judge's, one per trajectory, or None (no judge).
+      batch: the step's TrainBatch (``advantages``, ``loss_mask``, ``shape``).
+      old_logprobs: [R, T] the policy's logprobs before the update.
+      step: the 0-based RL step (lambda schedule, placebo draw).
+      seed: the run's seed (placebo draw).
+      tokenizer: builds the teacher contexts.
+      logprob_fn: teacher inputs [R', T'] -> host logprobs, with this step's teacher params.
+      row_multiple: teacher rows are rounded up to this (few compiled shapes).
     """
-    from agentrl_jax.losses import hindsight_advantages, shaped_opd_term
+    h = hybrid
+    metrics: dict[str, float] = {}
+    hints = None
+    if verdicts is not None:
+        hints, metrics = teacher_hints(trajectories, verdicts, only_failed=h.hint_only_failed)
+    count = lambda text: len(tokenizer.encode(text))  # noqa: E731
+    rng = np.random.default_rng([seed, step, 16])
+    if h.placebo and hints is not None:
+        hints, placebo_metrics = placebo_for(trajectories, hints, count, rng)
+        metrics.update(placebo_metrics)
 
-    args = [jnp.asarray(x, jnp.float32) for x in (teacher_logp, logp, loss_mask)]
-    taught_rows = jnp.asarray(has_teacher, bool)
-    if mode == "opd":
-        adv = shaped_opd_term(*args, taught_rows, center=center, clip=clip)
-    elif mode == "hybrid":
-        adv = hindsight_advantages(jnp.asarray(group_advantages, jnp.float32), *args, taught_rows, lam=lam,
-                                   center=center, clip=clip)
-    else:
-        raise ValueError(f"teacher_advantages: mode must be 'opd' or 'hybrid', got {mode!r}")
-    taught = loss_mask * np.asarray(has_teacher, np.float32)[:, None]
-    n = max(float(taught.sum()), 1.0)
-    metrics = {
-        "opd/advantage_mean": float(((teacher_logp - logp) * taught).sum() / n),
-        "opd/kl_student_teacher": kl_on_sampled(teacher_logp, logp, taught),
-    }
-    return np.asarray(adv, np.float32), metrics
+    def score(hint_list):
+        contexts = hindsight_contexts(trajectories, hint_list, tokenizer, mode=h.mode,
+                                      placement=h.hint_placement, hint_format=h.hint_format)
+        return teacher_logprobs(logprob_fn, trajectories, contexts, batch.shape, row_multiple=row_multiple,
+                                pad_token_id=tokenizer.pad_token_id)
 
+    teacher_logp, has_teacher = score(hints)
+    lam = float(opd_lambda(step, lam=h.lam, schedule=h.lam_schedule, warmup_steps=h.lam_warmup_steps,
+                           decay_steps=h.lam_decay_steps, final_lam=h.lam_final))
+    adv, shaped_metrics = teacher_advantages(h.mode, batch.advantages, teacher_logp, old_logprobs, batch.loss_mask,
+                                             has_teacher, lam=lam, center=h.center, clip=h.clip)
+    metrics.update(shaped_metrics)
+    metrics["opd/lambda"] = lam
+    metrics["opd/teacher_fraction"] = float(has_teacher[: len(trajectories)].mean())
+    # the diagnostic looks at the hinted trajectories (every taught one without a judge)
+    rows = has_teacher if hints is None else _rows([h_ is not None for h_ in hints], batch.shape[0])
+    metrics.update(term_diagnostics(teacher_logp, old_logprobs, batch.loss_mask, rows, prefix="opd/"))
+    if h.placebo_diagnostic_every and hints is not None and step % h.placebo_diagnostic_every == 0:
+        placebo, _ = placebo_for(trajectories, hints, count, rng)
+        placebo_logp, _ = score(placebo)
+        placebo_rows = _rows([p is not None for p in placebo], batch.shape[0])
+        metrics.update(term_diagnostics(placebo_logp, old_logprobs, batch.loss_mask, placebo_rows,
+                                        prefix="opd/placebo_"))
+    return adv, metrics
+
+
+def _rows(flags: Sequence[bool], rows: int) -> np.ndarray:
+    out = np.zeros(rows, bool)
+    out[: len(flags)] = flags
+    return out
+
+
+def term_diagnostics(teacher_logp: np.ndarray, old_logprobs: np.ndarray, loss_mask: np.ndarray, rows: np.ndarray,
+                     *, prefix: str) -> dict[str, float]:
+    """``losses.opd_term_diagnostics`` of the raw d = tea - old on ``rows``: ``{prefix}min_token``
+    (mean over those trajectories of their most negative token's d) and ``{prefix}near_zero_fraction``."""
+    args = [jnp.asarray(x, jnp.float32) for x in (teacher_logp, old_logprobs, loss_mask)]
+    raw = shaped_opd_term(*args, jnp.asarray(rows))
+    diagnostics = opd_term_diagnostics(raw, args[2], jnp.asarray(rows))
+    return {f"{prefix}min_token": float(diagnostics["min_token"]),
+            f"{prefix}near_zero_fraction": float(diagnostics["near_zero_fraction"])}

@@ -16,18 +16,19 @@ from typing import Any
 
 import jax
 
-from agentrl_jax.config import Config
-from agentrl_jax.envs.base import Trajectory
+from agentrl_jax.config import Config, EvalConfig
+from agentrl_jax.envs.agent_loop import AgentLoop
+from agentrl_jax.envs.base import Environment, Trajectory
 from agentrl_jax.rollout.sampling import SamplingParams
 from agentrl_jax.train.episodes import group_trajectories, informative
 from agentrl_jax.train.evaluation import summarize
 from agentrl_jax.train.guidance.hindsight import (
+    Judge,
     Verdict,
     apply_prm_reward,
     judge_metrics,
 )
 from agentrl_jax.train.multihost import gather_objects
-from agentrl_jax.train.rl.roles import RL
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +36,15 @@ logger = logging.getLogger(__name__)
 Rollout = Callable[[list[dict], int], Awaitable[list[Trajectory]]]
 
 
-def rollout_fn(rl: RL, step: int) -> Rollout:
+def rollout_fn(config: Config, agent_loop: AgentLoop, env_factory: Callable[[], Environment], step: int) -> Rollout:
     """Step ``step``'s rollouts: G trajectories per task; sampling seeds from (seed, step, group)."""
-    r, G = rl.config.rollout, rl.config.algorithm.group_size
+    r, G = config.rollout, config.algorithm.group_size
 
     async def rollout(tasks: list[dict], first_group: int = 0) -> list[Trajectory]:
         groups = await asyncio.gather(*[
-            rl.agent_loop.run_group(rl.env_factory, task, G, SamplingParams(
+            agent_loop.run_group(env_factory, task, G, SamplingParams(
                 temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                seed=hash((rl.config.seed, step, i)) & 0x7FFFFFFF), group_id=i)
+                seed=hash((config.seed, step, i)) & 0x7FFFFFFF), group_id=i)
             for i, task in enumerate(tasks, start=first_group)
         ])
         return [t for g in groups for t in g]
@@ -60,15 +61,15 @@ async def collect(config: Config, rollout: Rollout, tasks: list[dict],
     ``max_sampling_rounds`` times, until ``prompts_per_step`` groups remain. If every
     round comes back uninformative the step trains on what it has (counted).
     """
-    a, P = config.algorithm, config.data.prompts_per_step
+    algorithm, P = config.algorithm, config.data.prompts_per_step
     trajectories = await rollout(tasks, 0)
-    if not a.dynamic_sampling:
+    if not algorithm.dynamic_sampling:
         return trajectories, {}
     groups = group_trajectories(trajectories)
     drawn = len(groups)
     kept = [g for g in groups if informative(g)]
     rounds = 0
-    while len(kept) < P and rounds < a.max_sampling_rounds:
+    while len(kept) < P and rounds < algorithm.max_sampling_rounds:
         rounds += 1
         more = group_trajectories(await rollout(draw(), rounds * P))
         drawn += len(more)
@@ -96,15 +97,16 @@ def exchange(config: Config, trajectories: list[Trajectory]) -> list[Trajectory]
     return [t for host in gather_objects(trajectories) for t in host]
 
 
-async def judge(rl: RL, trajectories: list[Trajectory], step: int,
-                policy: tuple[Any, int]) -> tuple[list[Verdict], dict[str, float]]:
-    """PRM judge after the episodes: bridge thoughts, optional PRM reward, metrics.
+async def judge(config: Config, prm_judge: Judge, writer: Any, tokenizer: Any, trajectories: list[Trajectory],
+                step: int, policy: tuple[Any, int]) -> tuple[list[Verdict], dict[str, float]]:
+    """PRM judge after the episodes: bridge thoughts, optional PRM reward, metrics; a few hints
+    with their episodes go to ``writer`` (``hybrid.sample_hints``).
 
     ``policy``: the (params, version) the driver holds, handed back by a judge that decodes
     with its own params.
     """
-    h = rl.config.hybrid
-    verdicts = await rl.roles.judge(trajectories, policy)
+    h = config.hybrid
+    verdicts = await prm_judge(trajectories, policy)
     if h.prm_weight > 0:
         apply_prm_reward(trajectories, verdicts, h.prm_weight)
     leaked = [v for v in verdicts if v.status == "leaked"]
@@ -116,9 +118,9 @@ async def judge(rl: RL, trajectories: list[Trajectory], step: int,
         logger.info("judge: %d of %d answers malformed or failed (no hint), e.g. %r",
                     len(malformed), len(verdicts), malformed[0].raw[:200])
     hinted = [(t, v) for t, v in zip(trajectories, verdicts) if v.hint is not None]
-    if hinted and h.sample_hints and step % max(rl.config.logging.log_every, 1) == 0:
-        rl.writer.write_text(step + 1, {
-            f"hint_{i}": f"{v.hint}\n\n---\n{rl.tokenizer.decode(t.token_ids.tolist())}"
+    if hinted and h.sample_hints and step % max(config.logging.log_every, 1) == 0:
+        writer.write_text(step + 1, {
+            f"hint_{i}": f"{v.hint}\n\n---\n{tokenizer.decode(t.token_ids.tolist())}"
             for i, (t, v) in enumerate(hinted[: h.sample_hints])
         })
     return verdicts, judge_metrics(verdicts)
@@ -144,13 +146,14 @@ def eval_seed(task_index: int) -> int:
     return hash((EVAL_SEED, task_index)) & 0x7FFFFFFF
 
 
-async def evaluate(rl: RL, tasks: list[dict], *, label: str) -> dict[str, float]:
+async def evaluate(eval_config: EvalConfig, agent_loop: AgentLoop, env_factory: Callable[[], Environment],
+                   tasks: list[dict], *, label: str) -> dict[str, float]:
     """pass@k / avg@k and tool use of the policy the driver holds, on held-out ``tasks``."""
-    e = rl.config.eval
+    e = eval_config
     tasks = tasks[: e.num_tasks] if e.num_tasks else tasks
     k = e.samples_per_task
     groups = await asyncio.gather(*[
-        rl.agent_loop.run_group(rl.env_factory, task, k,
+        agent_loop.run_group(env_factory, task, k,
                                 SamplingParams(temperature=e.temperature, seed=eval_seed(i)), group_id=i)
         for i, task in enumerate(tasks)
     ])

@@ -1,38 +1,34 @@
-"""The stages of one RL step after ``collect`` (``collect.py``), each with explicit inputs and outputs.
+"""The stages of one RL step after ``collect`` (``collect.py``), each taking what it uses as arguments.
 
     build_step_batch  trajectories -> TrainBatch with advantages (host; None: nothing trains)
-    score             batch, policy params, version -> device arrays with old / reference
+    compute_logprobs  batch, policy params, version -> device arrays with old / reference
                       logprobs and (OPD / hybrid) the teacher's advantages
-    update            train state, arrays -> train state (jitted minibatch updates)
     push_weights      params, version -> version + 1 (the engine decodes with them)
-    finish_step       metrics, periodic evaluation, checkpoint
+    log_step          metrics, histograms and sample texts of the step
+    save              checkpoint: train state, data position, params version, lagged teacher
 
-``loop.py`` calls them in this order.
+``loop.py`` calls them in this order, with the minibatch updates (``loop.update``) between
+``compute_logprobs`` and ``push_weights``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from agentrl_jax.config import to_dict
+from agentrl_jax.config import AlgorithmConfig, Config, to_dict
 from agentrl_jax.envs.base import Trajectory
-from agentrl_jax.losses import global_normalizer
 from agentrl_jax.train.batch import build_batch
-from agentrl_jax.train.episodes import (
-    compute_advantages,
-    rollout_metrics,
-    trajectory_record,
-)
+from agentrl_jax.train.episodes import compute_advantages, rollout_metrics, trajectory_record
 from agentrl_jax.train.guidance.hindsight import Verdict
-from agentrl_jax.train.guidance.signal import teacher_signal
+from agentrl_jax.train.guidance.old_policy import OldPolicy
+from agentrl_jax.train.guidance.teacher import Teacher, teacher_signal
 from agentrl_jax.train.multihost import to_host
-from agentrl_jax.train.packing import packing_stats, plan_minibatch
-from agentrl_jax.train.rl.collect import evaluate
-from agentrl_jax.train.rl.roles import RL, Frozen
+from agentrl_jax.train.rl.roles import Roles, StepFunctions
 from agentrl_jax.train.sft import batch_arrays
 from agentrl_jax.train.step import TrainState
 
@@ -40,69 +36,75 @@ logger = logging.getLogger(__name__)
 FORWARD_INPUTS = ("input_ids", "positions", "segment_ids", "targets")
 
 
-def build_step_batch(rl: RL, trajectories: list[Trajectory]):
+def build_step_batch(config: Config, trajectories: list[Trajectory], *, pad_token_id: int):
     """One padded row per trajectory, with advantages; None when no episode trains a token."""
-    a = rl.config.algorithm
+    algorithm = config.algorithm
     records = [trajectory_record(t) for t in trajectories]
-    rows_needed = a.minibatches * max(a.micro_batch_size, 1)
-    if a.dynamic_sampling:
+    rows_needed = algorithm.minibatches * max(algorithm.micro_batch_size, 1)
+    if algorithm.dynamic_sampling:
         # A step may keep fewer groups: pad to the full row count so the update compiles once.
-        rows_needed = rl.config.data.prompts_per_step * a.group_size
-    batch = build_batch(records, row_multiple=rows_needed, pad_token_id=rl.tokenizer.pad_token_id)
+        rows_needed = config.data.prompts_per_step * algorithm.group_size
+    batch = build_batch(records, row_multiple=rows_needed, pad_token_id=pad_token_id)
     if not batch.loss_mask.any():
         return None
     rewards = np.asarray([t.reward for t in trajectories], np.float32)
     group_ids = np.asarray([t.group_id for t in trajectories], np.int32)
     trained = np.asarray([not t.masked for t in trajectories], bool)
-    return batch.replace(advantages=compute_advantages(rl.config, batch, rewards, group_ids, trained))
+    return batch.replace(advantages=compute_advantages(config, batch, rewards, group_ids, trained))
 
 
-def micro_rows(rl: RL, rows: int) -> int:
-    a = rl.config.algorithm
-    return a.micro_batch_size or rows // a.minibatches
+def micro_rows(algorithm: AlgorithmConfig, rows: int) -> int:
+    """Rows per micro-batch of a forward or update over ``rows`` rows."""
+    return algorithm.micro_batch_size or rows // algorithm.minibatches
 
 
-def old_from_update(rl: RL, batch, version: int) -> bool:
+def old_from_update(config: Config, old_policy: OldPolicy, batch, version: int) -> bool:
     """Whether this step's update takes the old logprobs from its own forward: on-policy, one
     epoch, one minibatch, ``old_logprobs=recompute``, no teacher reading them first
-    (``guidance.old_policy.OldPolicy.from_update``). Then ``score`` runs no old-logprob pass."""
-    a = rl.config.algorithm
-    return rl.old_policy.from_update(
-        epochs=a.ppo_epochs, minibatches=a.minibatches, needs_old_before_update=rl.config.hybrid.mode != "none",
-        token_versions=batch.params_versions, loss_mask=batch.loss_mask, version=version)
+    (``guidance.old_policy.OldPolicy.from_update``). Then ``compute_logprobs`` runs no
+    old-logprob pass."""
+    algorithm = config.algorithm
+    return old_policy.from_update(
+        epochs=algorithm.ppo_epochs, minibatches=algorithm.minibatches,
+        needs_old_before_update=config.hybrid.mode != "none", token_versions=batch.params_versions,
+        loss_mask=batch.loss_mask, version=version)
 
 
-def score(rl: RL, batch, params: Any, version: int, trajectories: list[Trajectory],
-          verdicts: list[Verdict] | None, step: int, *, old_from_update: bool = False
-          ) -> tuple[dict[str, jax.Array], dict[str, float]]:
-    """The batch on device with the logprobs the update needs: old (``guidance.old_policy``;
-    none with ``old_from_update``), reference (KL term) and, with ``hybrid.mode``, advantages
-    that mix in the teacher's signal (``guidance.signal.teacher_signal``; ``step`` sets
-    lambda's schedule and the placebo draw).
+def compute_logprobs(config: Config, roles: Roles, old_policy: OldPolicy, steps: StepFunctions, tokenizer: Any,
+                     batch, params: Any, version: int, trajectories: list[Trajectory],
+                     verdicts: list[Verdict] | None, step: int, *, old_from_update: bool = False
+                     ) -> tuple[dict[str, jax.Array], dict[str, float]]:
+    """The batch on device with the logprobs the update needs: old (``old_policy``; none with
+    ``old_from_update``), reference (``roles.reference``, KL term) and, with ``hybrid.mode``,
+    advantages that mix in the teacher's signal (``guidance.teacher.teacher_signal``; ``step``
+    sets lambda's schedule and the placebo draw).
+
+    Args:
+      params, version: the policy's params before the update and their params version.
+      tokenizer: builds the teacher's contexts (``hybrid.mode``).
 
     Returns (arrays, metrics); ``arrays['old_logprobs']`` etc. stay on the training mesh.
     """
     host = batch_arrays(batch, device=False)
     inputs = {k: host[k] for k in FORWARD_INPUTS}
-    micro = micro_rows(rl, batch.shape[0])
-    policy = Frozen(rl.roles.policy, params)
-    arrays = {k: rl.put(v) for k, v in host.items()}
+    micro = micro_rows(config.algorithm, batch.shape[0])
+    arrays = {k: steps.put(v) for k, v in host.items()}
     metrics = {"old_policy/from_update": float(old_from_update)}
     if not old_from_update:
-        arrays["old_logprobs"] = rl.put(rl.old_policy.logprobs(
-            lambda p, x, m: rl.logprobs(Frozen(rl.roles.policy, p), x, m), policy.params, version, inputs,
+        arrays["old_logprobs"] = steps.put(old_policy.logprobs(
+            lambda p, x, m: steps.logprobs(roles.policy, p, x, m), params, version, inputs,
             batch.params_versions, batch.loss_mask, micro))
         metrics.update(_gap_metrics(batch, to_host(arrays["old_logprobs"]), version))
-    if rl.settings.kl_coef > 0:
-        arrays["ref_logprobs"] = rl.logprobs(Frozen(rl.roles.policy, rl.roles.reference), inputs, micro)
-    if rl.config.hybrid.mode != "none":
-        old_host = to_host(arrays["old_logprobs"])
+    if config.algorithm.kl_coef > 0:
+        arrays["ref_logprobs"] = steps.logprobs(roles.policy, roles.reference, inputs, micro)
+    if config.hybrid.mode != "none":
+        teacher: Teacher = roles.teacher
         advantages, teacher_metrics = teacher_signal(
-            rl.config.hybrid, trajectories, verdicts, batch, old_host, step=step, seed=rl.config.seed,
-            tokenizer=rl.tokenizer, row_multiple=micro,
-            logprob_fn=lambda arrays: to_host(rl.logprobs(
-                Frozen(rl.roles.teacher.graphdef, rl.roles.teacher.params_for(params)), arrays, micro)))
-        arrays["advantages"] = rl.put(advantages)
+            config.hybrid, trajectories, verdicts, batch, to_host(arrays["old_logprobs"]), step=step,
+            seed=config.seed, tokenizer=tokenizer, row_multiple=micro,
+            logprob_fn=lambda arrays: to_host(steps.logprobs(teacher.graphdef, teacher.params_for(params), arrays,
+                                                             micro)))
+        arrays["advantages"] = steps.put(advantages)
         metrics.update(teacher_metrics)
     return arrays, metrics
 
@@ -125,122 +127,57 @@ def _single_stale_version(versions: np.ndarray, mask: np.ndarray, current: int) 
     return bool(len(sampled)) and sampled.min() == sampled.max() < current
 
 
-def update(rl: RL, state: TrainState, arrays: dict[str, jax.Array], loss_mask: np.ndarray,
-           step: int, *, old_from_update: bool = False) -> tuple[TrainState, dict[str, float]]:
-    """``ppo_epochs`` x ``minibatches`` jitted updates; minibatch order from ``fold_in(rng, step)``.
-
-    ``loss_mask``: the batch's [R, T] mask on the host (which minibatches have a loss token).
-    A minibatch of only masked / padding rows is skipped (counted): an optimizer step on zero
-    gradients would still move the params (Adam's momentum, weight decay). With
-    ``algorithm.pack_rows`` each minibatch is packed into token-budget rows on device.
-    """
-    a = rl.config.algorithm
-    rows = loss_mask.shape[0]
-    per_minibatch = rows // a.minibatches
-    max_response = int(loss_mask.sum(axis=1).max()) or 1
-    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), step)
-    if a.pack_rows:  # one plan (and row count) per minibatch, below
-        segment_ids = to_host(arrays["segment_ids"])
-    else:
-        fn = rl.update_fn(state, per_minibatch, per_minibatch // micro_rows(rl, rows), old_from_update=old_from_update)
-    collected, pack_metrics, empty_minibatches = [], [], 0
-    for epoch in range(a.ppo_epochs):
-        order = to_host(jax.random.permutation(jax.random.fold_in(key, epoch), rows))
-        for mb in range(a.minibatches):
-            idx = order[mb * per_minibatch: (mb + 1) * per_minibatch]
-            if not loss_mask[idx].any():
-                empty_minibatches += 1
-                continue
-            normalizer = rl.put(global_normalizer(loss_mask[idx], a.aggregation,
-                                                  max_response_length=int(a.loss_normalizer) or max_response))
-            if a.pack_rows:
-                plan = plan_minibatch(segment_ids, idx, row_tokens=a.pack_row_tokens,
-                                      micro_batch_tokens=a.micro_batch_tokens)
-                packed_fn = rl.update_fn(state, plan.num_rows, plan.num_micro_batches, old_from_update=old_from_update,
-                                         num_sequences=rows, max_segments=plan.segment_bound)
-                state, metrics = packed_fn(state, arrays, rl.put(plan.gather_index().astype(np.int32)),
-                                           rl.put(plan.segment_ids()), normalizer)
-                pack_metrics.append(packing_stats(plan))
-            else:
-                state, metrics = fn(state, arrays, rl.put(idx.astype(np.int32)), normalizer)
-            collected.append(metrics)
-    collected = [{k: float(to_host(v)) for k, v in m.items()} for m in collected]
-    out = {k: float(np.mean([m[k] for m in collected])) for k in collected[0]} if collected else {}
-    out["skipped_updates"] = float(sum(m["skipped"] for m in collected) + empty_minibatches)
-    out["learning_rate"] = float(rl.schedule(int(to_host(state.step))))
-    out["train_tokens"] = float(loss_mask.sum())
-    out.update({k: float(np.mean([m[k] for m in pack_metrics])) for k in (pack_metrics[0] if pack_metrics else ())})
-    if old_from_update and "logprob_gap_abs" in out:
-        # the update's forward was the old policy's: its gap to the engine is the same metric
-        out["logprob_gap_train_infer"] = out["logprob_gap_abs"]
-    return state, out
-
-
-def empty_step(rl: RL, state: TrainState, step: int, num_trajectories: int) -> dict[str, float]:
+def empty_step(algorithm: AlgorithmConfig, schedule: Callable[[int], Any], state: TrainState, step: int,
+               num_trajectories: int) -> dict[str, float]:
     """No episode trains a token (all masked, e.g. every one ran out of context): no update, counted."""
-    a = rl.config.algorithm
     logger.warning("step %d: all %d episodes are masked (truncated or environment errors); no update",
                    step, num_trajectories)
-    return {"skipped_updates": float(a.ppo_epochs * a.minibatches), "train/empty_batch": 1.0,
-            "train_tokens": 0.0, "learning_rate": float(rl.schedule(int(to_host(state.step))))}
+    return {"skipped_updates": float(algorithm.ppo_epochs * algorithm.minibatches), "train/empty_batch": 1.0,
+            "train_tokens": 0.0, "learning_rate": float(schedule(int(to_host(state.step))))}
 
 
-async def push_weights(rl: RL, params: Any, version: int) -> int:
-    """Push ``params`` to the engine as version ``version + 1``; returns the new version.
+async def push_weights(driver: Any, engine_params: Callable[[Any], Any], params: Any, version: int) -> int:
+    """Push ``params`` (in the engine's layout, ``engine_params``) to the driver as version
+    ``version + 1``; returns the new version.
 
     The engine re-lays them out into its own buffers (``Engine.load_params`` never aliases
     the caller's arrays), so the next update may donate the train state while decoding goes
     on with these (async rollouts).
     """
-    await rl.driver.update_params(rl.engine_params(params), version + 1)
+    await driver.update_params(engine_params(params), version + 1)
     return version + 1
 
 
-async def finish_step(rl: RL, state: TrainState, version: int, step: int, trajectories: list[Trajectory],
-                      metrics: dict[str, float], *, data_state: Any, token_staleness: np.ndarray | None,
-                      checkpoint_extra: dict[str, Any]) -> bool:
-    """Metrics, periodic evaluation and checkpoint after ``step``; True when preempted (saved).
+def log_step(config: Config, writer: Any, tokenizer: Any, engine_stats: dict[str, Any], step: int,
+             trajectories: list[Trajectory], metrics: dict[str, float], token_staleness: np.ndarray | None) -> None:
+    """The step's metrics (with the rollouts' and the engine's), the staleness histogram of an
+    async run and sample texts, every ``logging.log_every`` steps.
 
-    ``data_state``: the data position before the first prompts not trained yet.
+    ``engine_stats``: the engine's counters since the driver started (slot occupancy, KV pool
+    use, prefix-cache hits).
     """
-    c = rl.config
     metrics.update(rollout_metrics(trajectories))
-    # Engine counters since the driver started (slot occupancy, KV pool use, prefix-cache hits).
-    metrics.update({f"rollout/engine/{k}": float(v) for k, v in rl.driver.stats().items()})
+    metrics.update({f"rollout/engine/{k}": float(v) for k, v in engine_stats.items()})
     metrics["throughput/trajectories_per_s"] = len(trajectories) / max(metrics.get("time/step", 0.0), 1e-9)
-    if step % max(c.logging.log_every, 1) == 0:
-        rl.writer.write(step + 1, metrics)
-        if c.async_rl.enabled and token_staleness is not None and len(token_staleness):
-            rl.writer.write_histograms(step + 1, {"async/token_staleness": token_staleness})
-        if c.logging.sample_trajectories:
-            rl.writer.write_text(step + 1, {
-                f"sample_{i}": rl.tokenizer.decode(t.token_ids.tolist())
-                for i, t in enumerate(trajectories[: c.logging.sample_trajectories])
-            })
-    if c.eval.every_steps and (step + 1) % c.eval.every_steps == 0 and step + 1 < c.total_steps:
-        ev = await evaluate(rl, rl.eval_tasks, label=f"step {step + 1}")
-        rl.writer.write(step + 1, {f"eval/{k}": v for k, v in ev.items()})
-    # The last step is saved once, by train() after the final evaluation (with the results).
-    if rl.checkpointer is None or step + 1 >= c.total_steps:
-        return False
-    stop = rl.checkpointer.should_stop()
-    if stop or (c.checkpoint.every_steps and (step + 1) % c.checkpoint.every_steps == 0):
-        save(rl, state, version, step + 1, data_state=data_state, extra=checkpoint_extra)
-    if stop:
-        logger.warning("preemption requested: saved step %d, stopping", step + 1)
-    return stop
-
-
-def save(rl: RL, state: TrainState, version: int, step: int, *, data_state: Any = None,
-         extra: dict[str, Any] | None = None) -> None:
-    """Checkpoint the train state, the data position, the params version and a lagged
-    teacher's params at ``step``."""
-    if rl.checkpointer is None:
+    if step % max(config.logging.log_every, 1):
         return
-    data_state = rl.data.get_state() if data_state is None else data_state
-    trees = rl.roles.teacher.checkpoint_trees() if rl.roles.teacher is not None else {}
-    rl.checkpointer.save(step, state, data_state=data_state, config_dict=to_dict(rl.config),
-                         extra={"version": version, **(extra or {})}, trees=trees, force=True)
+    writer.write(step + 1, metrics)
+    if config.async_rl.enabled and token_staleness is not None and len(token_staleness):
+        writer.write_histograms(step + 1, {"async/token_staleness": token_staleness})
+    if config.logging.sample_trajectories:
+        writer.write_text(step + 1, {
+            f"sample_{i}": tokenizer.decode(t.token_ids.tolist())
+            for i, t in enumerate(trajectories[: config.logging.sample_trajectories])
+        })
+
+
+def save(checkpointer: Any, config: Config, teacher: Teacher | None, state: TrainState, version: int, step: int, *,
+         data_state: Any, extra: dict[str, Any] | None = None) -> None:
+    """Checkpoint the train state, the data position (``data_state``), the params version and a
+    lagged teacher's params at ``step``."""
+    trees = teacher.checkpoint_trees() if teacher is not None else {}
+    checkpointer.save(step, state, data_state=data_state, config_dict=to_dict(config),
+                      extra={"version": version, **(extra or {})}, trees=trees, force=True)
 
 
 def place_optimizer_state(state: TrainState, memory_kind: str | None) -> TrainState:

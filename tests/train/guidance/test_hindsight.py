@@ -14,6 +14,12 @@ from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.models import Decoder, DecoderConfig, split_params
 from agentrl_jax.models.tiny import train_tiny_tokenizer
 from agentrl_jax.models.tokenizer import Tokenizer
+from agentrl_jax.train.guidance.distillation import (
+    hindsight_contexts,
+    teacher_advantages,
+    teacher_context,
+    teacher_logprobs,
+)
 from agentrl_jax.train.guidance.hindsight import (
     JUDGE_TEMPLATE,
     ArithmeticOracleJudge,
@@ -24,12 +30,6 @@ from agentrl_jax.train.guidance.hindsight import (
     parse_judge_output,
 )
 from agentrl_jax.train.step import forward_logprobs
-from agentrl_jax.train.guidance.teacher import (
-    hindsight_contexts,
-    teacher_advantages,
-    teacher_context,
-    teacher_logprobs,
-)
 
 CORPUS = [
     "What is 12*34? <code>print(12*34)</code> <interpreter>408</interpreter> \\boxed{408}",

@@ -8,8 +8,8 @@ from agentrl_jax.envs import bridge_thought, make_tasks
 from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.models.tiny import train_tiny_tokenizer
 from agentrl_jax.models.tokenizer import Tokenizer
+from agentrl_jax.train.guidance.distillation import teacher_advantages
 from agentrl_jax.train.guidance.hindsight import Verdict, is_failed, placebo_for, teacher_hints
-from agentrl_jax.train.guidance.teacher import teacher_advantages
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_shaped_teacher_advantages_against_numpy(mode):
 
 
 def test_term_diagnostics_against_numpy():
-    from agentrl_jax.train.guidance.signal import term_diagnostics
+    from agentrl_jax.train.guidance.teacher import term_diagnostics
 
     rng = np.random.default_rng(3)
     tea, logp = rng.normal(-1, 1, (4, 7)), rng.normal(-1, 1, (4, 7))
@@ -115,7 +115,7 @@ def test_term_diagnostics_against_numpy():
 def test_teacher_params_per_choice():
     import jax.numpy as jnp
 
-    from agentrl_jax.train.guidance.signal import Teacher
+    from agentrl_jax.train.guidance.teacher import Teacher
 
     start = {"w": jnp.array([1.0, 2.0]), "b": jnp.array(0.5)}
     frozen = {"w": jnp.array([9.0, 9.0]), "b": jnp.array(9.0)}

@@ -1,4 +1,4 @@
-"""Teacher alignment per teacher choice (issue 16), through the ``score`` stage of the RL step.
+"""Teacher alignment per teacher choice, through the ``compute_logprobs`` stage of the RL step.
 
 For each ``hybrid.teacher`` (frozen reference, the current policy, a lagged snapshot and an
 EMA of the policy) the teacher logprobs that enter the advantage must be those of the
@@ -22,12 +22,13 @@ from agentrl_jax.models import Decoder, DecoderConfig, split_params
 from agentrl_jax.models.tiny import train_tiny_tokenizer
 from agentrl_jax.models.tokenizer import Tokenizer
 from agentrl_jax.train.batch import build_batch
+from agentrl_jax.train.build import build_step_functions
 from agentrl_jax.train.episodes import trajectory_record
 from agentrl_jax.train.guidance.hindsight import Verdict
 from agentrl_jax.train.guidance.old_policy import OldPolicy
-from agentrl_jax.train.guidance.signal import Teacher
+from agentrl_jax.train.guidance.teacher import Teacher
 from agentrl_jax.train.rl import stages
-from agentrl_jax.train.rl.roles import RL, Roles, loss_settings
+from agentrl_jax.train.rl.roles import Roles, StepFunctions
 
 HINT_FORMAT = "\nHint: {hint}"
 
@@ -73,15 +74,11 @@ def episode(tokenizer, question, answer):
                       reward=0.0, reward_components={"correct": 0.0}, group_id=0)
 
 
-_COMPILED: dict = {}  # one jitted forward for every case (same graph definition)
-
-
-def rl_for(config: Config, graphdef, teacher: Teacher, tokenizer) -> RL:
-    """Just what ``score`` reads; rollout pieces are absent."""
-    return RL(config=config, roles=Roles(policy=graphdef, teacher=teacher), tokenizer=tokenizer, driver=None,
-              agent_loop=None, env_factory=None, data=None, eval_tasks=[], writer=None, checkpointer=None, mesh=None,
-              engine_params=lambda p: p, settings=loss_settings(config), optimizer=None, schedule=None,
-              old_policy=OldPolicy(config.async_rl, 0), _compiled=_COMPILED)
+@functools.cache
+def step_functions(graphdef, pad_token_id: int) -> StepFunctions:
+    """One jitted forward for every case (same graph definition and temperature); no update runs."""
+    config = apply_overrides(Config(), ["rollout.temperature=1.0"])
+    return build_step_functions(config, graphdef, None, None, None, pad_token_id)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +110,9 @@ def test_teacher_logprobs_come_from_the_chosen_params(tokenizer, models, choice)
                     episode(tokenizer, "What is 7*5?", "\\boxed{35}")]
     verdicts = [Verdict("hint", hint="I should call the interpreter before answering."), Verdict("no_intervention")]
     batch = build_batch([trajectory_record(t) for t in trajectories])
-    arrays, _ = stages.score(rl_for(config, graphdef, teacher, tokenizer), batch, policy, 0, trajectories,
-                             verdicts, step=0)
+    roles, old_policy = Roles(policy=graphdef, teacher=teacher), OldPolicy(config.async_rl, 0)
+    arrays, _ = stages.compute_logprobs(config, roles, old_policy, step_functions(graphdef, tokenizer.pad_token_id),
+                                        tokenizer, batch, policy, 0, trajectories, verdicts, step=0)
     teacher_logp = np.asarray(arrays["advantages"]) + np.asarray(arrays["old_logprobs"])  # mode opd: A = tea - old
     for i, hint in enumerate(["I should call the interpreter before answering.", None]):
         t = trajectories[i]
@@ -132,8 +130,6 @@ def test_teacher_logprobs_come_from_the_chosen_params(tokenizer, models, choice)
 def test_a_resumed_run_restores_the_lagged_teacher_from_the_checkpoint(tmp_path, models, kind):
     """The lagged params go into the checkpoint the RL loop writes (``stages.save``, real orbax)
     and come back on resume, not the resumed policy that ``build_roles`` starts a teacher at."""
-    import types
-
     from agentrl_jax.train.checkpoint import Checkpointer
 
     graphdef, policy, reference, later = models
@@ -144,9 +140,8 @@ def test_a_resumed_run_restores_the_lagged_teacher_from_the_checkpoint(tmp_path,
     overrides = ["hybrid.mode=hybrid", "hybrid.teacher=lagged",
                  "hybrid.teacher_lag_steps=2" if kind == "snapshot" else "hybrid.teacher_ema_decay=0.5"]
     with Checkpointer(tmp_path / "checkpoints") as checkpointer:
-        rl = types.SimpleNamespace(config=apply_overrides(Config(), overrides), checkpointer=checkpointer,
-                                   roles=Roles(policy=graphdef, teacher=teacher))
-        stages.save(rl, {"params": reference}, 3, 3, data_state={})
+        stages.save(checkpointer, apply_overrides(Config(), overrides), teacher, {"params": reference}, 3, 3,
+                    data_state={})
     saved = jax.tree.map(np.asarray, teacher.params)
 
     resumed = Teacher(graphdef, "lagged", initial=reference, **lag)  # as build_roles(policy_params=resumed)

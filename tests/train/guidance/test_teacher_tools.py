@@ -8,7 +8,7 @@ from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.envs.tools import calculator_tool
 from agentrl_jax.models.tiny import train_tiny_tokenizer
 from agentrl_jax.models.tokenizer import Tokenizer
-from agentrl_jax.train.guidance.teacher import teacher_context
+from agentrl_jax.train.guidance.distillation import teacher_context
 
 
 def test_teacher_prompt_lists_the_trajectorys_tools(tmp_path):

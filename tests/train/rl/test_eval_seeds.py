@@ -8,7 +8,6 @@ policy's first turn and ends the episode.
 from __future__ import annotations
 
 import asyncio
-import types
 from collections import defaultdict
 
 import pytest
@@ -63,9 +62,7 @@ def _evaluations(pieces, tasks, times: int) -> list[dict[str, list[str]]]:
             loop = AgentLoop(driver, tokenizer, max_new_tokens_per_turn=12, max_total_tokens=96)
             for _ in range(times):
                 record = defaultdict(list)
-                rl = types.SimpleNamespace(config=config, agent_loop=loop,
-                                           env_factory=lambda record=record: Recording(record))
-                await evaluate(rl, tasks, label="test")
+                await evaluate(config.eval, loop, lambda record=record: Recording(record), tasks, label="test")
                 out.append({k: sorted(v) for k, v in record.items()})
         return out
 

@@ -1,4 +1,4 @@
-"""The admission rule of the RL loop's scheduler, with a scripted collect and the real Scheduler."""
+"""The admission rule of the RL loop, with a scripted collect and the real StepAdmission."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from agentrl_jax.train.rl.scheduler import Scheduler
+from agentrl_jax.train.rl.admission import StepAdmission
 
 
 class Prompts:
@@ -37,14 +37,14 @@ def _run(max_staleness: int, start_step: int = 0, total_steps: int = 5):
 
     async def main():
         states = {}
-        async with Scheduler(collect, data, start_step, total_steps, max_staleness) as scheduler:
+        async with StepAdmission(collect, data, start_step, total_steps, max_staleness) as admission:
             for step in range(start_step, total_steps):
-                trajectories, _, seconds = await scheduler.batch(step)
+                trajectories, _, seconds = await admission.batch(step)
                 assert trajectories == [step] and seconds > 0
                 await asyncio.sleep(0.02)  # the update
-                states[step] = scheduler.data_state(step + 1)
+                states[step] = admission.data_state(step + 1)
                 events.append(("finish", step))
-                await scheduler.finish(step)
+                await admission.finish(step)
         return states
 
     return events, asyncio.run(main())
@@ -81,8 +81,8 @@ def test_a_failing_collect_reaches_the_loop():
         raise ValueError("sandbox down")
 
     async def main():
-        async with Scheduler(collect, Prompts(), 0, 3, 0) as scheduler:
-            await scheduler.batch(0)
+        async with StepAdmission(collect, Prompts(), 0, 3, 0) as admission:
+            await admission.batch(0)
 
     with pytest.raises(ValueError, match="sandbox down"):
         asyncio.run(main())

@@ -31,7 +31,7 @@ from typing import Any
 Collect = Callable[[int, list[dict]], Awaitable[tuple[list, dict[str, float]]]]
 
 
-class Scheduler:
+class StepAdmission:
     """Starts each step's ``collect`` under the admission rule (see the module docstring).
 
     Args:
@@ -57,7 +57,7 @@ class Scheduler:
         """The admission rule."""
         return self.finished >= step - self.start_step - self.max_staleness
 
-    async def __aenter__(self) -> Scheduler:
+    async def __aenter__(self) -> StepAdmission:
         self._changed = asyncio.Condition()
         self._producer = asyncio.create_task(self._produce())
         self._producer.add_done_callback(lambda _: asyncio.ensure_future(self._notify()))
@@ -76,7 +76,7 @@ class Scheduler:
             await self._changed.wait_for(lambda: step in self.batches or self._producer.done())
         if step not in self.batches:
             self._producer.result()  # re-raises the producer's failure
-            raise RuntimeError(f"scheduler: the producer stopped before step {step}")
+            raise RuntimeError(f"step admission: the producer stopped before step {step}")
         try:
             return await self.batches[step]
         finally:
