@@ -1,6 +1,6 @@
 """Multi-host (multi-process) helpers for the trainer.
 
-The layout (DESIGN.md section 7):
+The layout:
 - Training is SPMD over the global mesh: every host runs the same sequence of jitted
   calls on global arrays.
 - Rollouts are host-local: each host has its own engine on a mesh of its local devices,

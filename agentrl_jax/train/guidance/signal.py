@@ -1,4 +1,4 @@
-"""The teacher's signal in one RL step (issue 16): which params teach, which hints they read,
+"""The teacher's signal in one RL step: which params teach, which hints they read,
 and the shaped OPD / hybrid advantages with their diagnostics.
 
 ``Teacher`` is the teacher role (``hybrid.teacher``): frozen params (the reference or a
