@@ -54,8 +54,8 @@ class ModelConfig(_Section):
         "docs/benchmarks.md, 'Train step', compares them).")
     lm_head_dtype: Literal["param", "compute"] = _f(
         "param", "Inputs of the logits matmul (trainer and engine alike; float32 logits either way): the output "
-        "embedding as stored (param) or cast to compute_dtype like every other weight (compute: +7% tokens/s "
-        "on the 1.7B update on an H200 with float32 params and bfloat16 compute; docs/benchmarks.md, 'Train step').")
+        "embedding as stored (param) or cast to compute_dtype like every other weight (compute: faster "
+        "on GPUs with float32 params and bfloat16 compute; docs/benchmarks.md, 'Train step').")
     scratch: ScratchModelConfig = _section(ScratchModelConfig, "Tiny from-scratch model (when path is empty).")
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"doc": (
         "Variables every chat-template render gets (prompts, appended tool messages, SFT records), e.g. "
@@ -264,7 +264,7 @@ class AlgorithmConfig(_Section):
     logprob_chunk_tokens: int = _f(
         1024, "Tokens per chunk of the chunked logprobs (every forward and the update): the largest float32 "
         "logits buffer is [chunk, vocab] (0.6 MB per token at a 152k vocabulary), and larger chunks mean fewer, "
-        "larger lm-head matmuls (8192: +0.7 MFU points on the 1.7B update; docs/benchmarks.md 'Train step').")
+        "larger lm-head matmuls (docs/benchmarks.md, 'Train step').")
     correction: Literal["none", "tis", "mis", "icepop"] = _f(
         "none", "Off-policy correction of the old/rollout discrepancy (arXiv:2605.12070)."
     )
