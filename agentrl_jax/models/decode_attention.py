@@ -24,9 +24,9 @@ with no entries (a short row's upper chunks, an idle row's) stores an empty part
 skips the projection and the loads.
 
 Two ways to compute a block's logits and outputs: ``"dot"`` (``tl.dot`` on the tensor
-cores with the G heads padded to a 16-row tile; the faster one on an H200, docs/benchmarks.md "Decode") and ``"vector"``
-(elementwise multiply and reduce on the CUDA cores, one query head at a time, probabilities
-kept in float32). Logits, softmax and accumulation are float32.
+cores with the G heads padded to a 16-row tile; the faster one on an H200, docs/benchmarks.md
+"Decode") and ``"vector"`` (elementwise multiply and reduce on the CUDA cores, one query head
+at a time, probabilities kept in float32). Logits, softmax and accumulation are float32.
 
 Paged caches: with a ``page_table`` the k/v buffers are pools of pages ``[N, KV, P, K]``
 and each program reads its row's blocks through the table and writes the new entry through
