@@ -6,23 +6,27 @@ Where paths are read from:
   under agentrl_jax/, configs/, bench/ and launch/ (read with ``tokenize``, so code is not).
 
 What counts as a path: a run of path characters (letters, digits, ``_ . - * { } ,``) that
-contains a ``/``, does not start right after ``/``, ``~``, ``:`` or a word character (so
-absolute paths like ``/data/x.parquet``, ``~/.cache/...`` and URLs are not read), and
-either ends in one of ``EXTENSIONS`` or starts with one of the repository's top-level
+contains a ``/`` and does not start inside a longer word or path (not right after a word
+character or one of ``/ ~ : . - , { } *``: absolute paths like ``/data/x.parquet``,
+``~/.cache/...`` and URLs are not read), trailing ``.`` and ``,`` dropped, and that either ends in one of ``EXTENSIONS`` or starts with one of the repository's top-level
 folders (``TOP_LEVEL``: ``docs/rollout_results/``, ``tests/e2e``). Anything else with a
 slash (``pi/old``, metric names like ``rollout/response_length``) is not a path.
 
 What is not a repository path, by rule: a path whose first part is in ``NOT_IN_REPO``:
 where a run writes (``runs/...``, a run's ``metrics/metrics.jsonl``), placeholders of a
-documented command or a docstring (``OUT/``, ``DIR/``, ``logdir/``, ``trace_dir/``), and files of other projects named
-next to the project (Search-R1's ``search_r1/...``, SandboxFusion's ``sandbox/...``).
+documented command or a docstring (``OUT/``, ``DIR/``, ``logdir/``, ``trace_dir/``), and
+files of other projects named next to the project (Search-R1's ``search_r1/...``,
+SandboxFusion's ``sandbox/...``).
 
 How a path resolves: ``{a,b}`` is expanded as a shell would and ``*`` must match at least
 one file; then the path must exist relative to the repository root, or to ``agentrl_jax/``
 (package-relative: ``train/setup.py`` is agentrl_jax/train/setup.py), or to the folder of
 the file that names it (docs/benchmarks.md's ``rollout_results/...``).
 
-A second test keeps out what the repository must not mention: a design document or seed
+A section of docs/benchmarks.md named after the file (``docs/benchmarks.md, "Decode lanes"``,
+quoted with ' or ", the name may wrap across lines) must begin one of its headings.
+
+A last test keeps out what the repository must not mention: a design document or seed
 notes that are not in it, development rounds ("the tenth session") and issue numbers.
 """
 
@@ -125,6 +129,22 @@ def test_the_scan_finds_the_paths_the_docs_name():
 def test_every_path_the_docs_and_docstrings_name_exists():
     missing = [f"{where}: {path}" for where, path in mentioned_paths() if not resolves(path, ROOT / where.split(":")[0])]
     assert not missing, f"{len(missing)} named paths do not exist in the repository:\n" + "\n".join(missing)
+
+
+BENCHMARK_SECTION = re.compile(r"benchmarks\.md,?\s*\(?([\"'])(.+?)\1", re.DOTALL)
+
+
+def test_benchmark_sections_named_exist():
+    headings = re.findall(r"^#+ (.+)$", (ROOT / "docs" / "benchmarks.md").read_text(), re.MULTILINE)
+    named = []
+    for file in doc_files() + code_files():
+        text = "\n".join(line for _, line in prose(file))
+        for _, name in BENCHMARK_SECTION.findall(text):
+            named.append((file.relative_to(ROOT), " ".join(name.split())))
+    assert len(named) > 10, f"only {len(named)} benchmark sections named: the scan broke"
+    missing = [f"{where}: {name!r}" for where, name in named
+               if not any(h.lower().startswith(name.lower()) for h in headings)]
+    assert not missing, "sections of docs/benchmarks.md that no heading begins with:\n" + "\n".join(missing)
 
 
 @pytest.mark.parametrize("what", sorted(FORBIDDEN))
