@@ -6,7 +6,7 @@ Usage (GPU, with google-tunix and what it imports installed, e.g. from wheels wi
 Quick check (CPU, tiny shapes, < 1 min):
     python bench/decode_tunix.py --tiny
 
-The issue (#15) asks for >= 2x Tunix's native sampler in the same run. This runs
+Its rows sit next to bench/decode.py's (`--compare`) for a same-card comparison. This runs
 `tunix.generate.sampler.Sampler` (its own jitted prefill + `while_loop` decode over a
 ``[B, cache, KV, K]`` cache per layer) on `tunix.models.qwen3.model.Qwen3` with random
 weights of bench/decode.py's Qwen3 shapes (bf16 on GPU), through its public ``__call__``:

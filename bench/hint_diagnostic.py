@@ -1,4 +1,4 @@
-"""The step-0 diagnostic of issue 16 on scripted failures: does the teacher read the hint?
+"""The step-0 diagnostic of docs/hybrid.md on scripted failures: does the teacher read the hint?
 
 At step 0 the reference, the current policy and a lagged policy are the same params, so
 one forward per context tells how every teacher choice starts. For held-out arithmetic

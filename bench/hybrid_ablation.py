@@ -1,4 +1,4 @@
-"""The hindsight-OPD ablation of issue 16: arms x seeds from one shared SFT per seed, table + plot.
+"""The hindsight-OPD ablation of docs/hybrid.md: arms x seeds from one shared SFT per seed, table + plot.
 
 The protocol (regime, arms, seeds, budget, threshold, metrics) is written in docs/hybrid.md
 ("Ablation protocol") and was fixed before any arm was run; this script is its only

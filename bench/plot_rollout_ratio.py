@@ -1,6 +1,6 @@
 """Plot where each `bench/rollout.py` workload's ratio goes, from the runs' ``--json`` files.
 
-    python bench/plot_rollout_ratio.py docs/rollout_results/*.json --out docs/rollout_ratio.png
+    python bench/plot_rollout_ratio.py docs/rollout_results/pipelined_baseline/*.json --out docs/rollout_ratio.png
 
 Each bar is one run: the whole-pass ratio (rollout / raw decode), what the dispatched steps
 lost against raw speed (prefill calls, longer contexts, host time: ceiling - ratio), and the

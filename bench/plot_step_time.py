@@ -1,8 +1,8 @@
 """Plot a decode step's device time, raw decode next to a traced rollout, by kernel.
 
-    python bench/plot_step_time.py --raw docs/rollout_results/eleventh/raw_decode_profile_programs.json \
-        --rollout docs/rollout_results/eleventh/multi_turn_stop_96_profile.json \
-        --timeline docs/rollout_results/eleventh/multi_turn_stop_96_profile_timeline.json \
+    python bench/plot_step_time.py --raw docs/rollout_results/multi_turn_profile/raw_decode_profile_programs.json \
+        --rollout docs/rollout_results/multi_turn_profile/multi_turn_stop_96_profile.json \
+        --timeline docs/rollout_results/multi_turn_profile/multi_turn_stop_96_profile_timeline.json \
         --out docs/rollout_step_time.png
 
 Inputs are what `bench/rollout.py --profile DIR` writes: DIR/raw_trace/programs.json (the raw
@@ -48,7 +48,7 @@ def main(argv=None) -> None:
     raw_program = next(p for name, p in raw.items() if name.startswith("jit_generate"))
     raw_steps = raw["dispatches"] * args.steps_per_dispatch
     steps = run["profile_decode_dispatches"] * args.steps_per_dispatch
-    def context(key):  # runs before the eleventh session's bench/rollout.py did not report it
+    def context(key):  # rows of bench/rollout.py older than mean_decode_context lack it
         return f"\n(mean context {run[key]})" if key in run else ""
 
     bars = {

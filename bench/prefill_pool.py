@@ -3,7 +3,7 @@
 A prefill call should cost what its tokens cost. If its program copies the pool (XLA does
 so when it cannot update the donated pool in place), the call grows with the KV budget
 instead: on an H200 with a 17.5 GB pool that was ~20 ms a call, a quarter of a multi-turn
-rollout's device time (docs/benchmarks.md, "Where a tick's time goes"). This script runs the
+rollout's device time (docs/benchmarks.md, "Prefill"). This script runs the
 same 40-token prefill of a 4-layer tiny Qwen3 into pools of different sizes and prints the
 median time per call; run it against two trees to compare them (the package is imported
 from PYTHONPATH, so the script may come from either tree):

@@ -2,7 +2,7 @@
 `prefill_row_tokens` tokens x attention window (pages) x tokens the dense layers compute.
 
 A multi-turn rollout's prefill calls cost ~18 ms each on an H200 for ~270 real tokens,
-whatever they compute (docs/benchmarks.md, "Where a tick's time goes"). This script runs
+whatever they compute (docs/benchmarks.md, "Prefill"). This script runs
 every shape the driver's token budget allows (`Engine.prefill_shapes`) with every row a
 real piece that reaches the window's end (its own pages, no admission; the shape's tokens
 spread evenly over its rows: ``C`` each in an uncompacted shape, fewer in a compacted one,

@@ -55,7 +55,7 @@ baselines' included ('none': XLA's own GEMMs instead of the GPU default's cuBLAS
 `steady_*` is the decoded tokens/s over the part of the timed pass in which new episodes
 still waited for a slot, `full_pool_*` over the part in which at least as many episodes
 were unfinished as there are slots (the pool can be kept full, as with partial rollouts; no
-ragged tail), next to the whole-pass number, which the issue's targets are read against.
+ragged tail), next to the whole-pass number, which a synchronous RL step sees.
 
 Other workloads: `--header N` starts every group's prompt with the same N tokens (a system
 prompt or few-shot header; with `--prefix-cache` the driver keeps their pages and later
@@ -262,7 +262,7 @@ def _raw_decode(engine, params, args, vocab: int, trace_dir: str | None = None, 
     driver's decode loop without prefills, tools or stop checks). Each dispatch is queued
     before the previous one's results are read, as the driver does, so the device does not
     wait for the host between dispatches (reading every result before the next dispatch,
-    as this loop did until the ninth session, made the baseline a few percent slower).
+    as this loop once did, made the baseline a few percent slower).
     ``trace_dir``: the timed pass runs under `jax.profiler.trace` (the per-program device time
     is then written to trace_dir/programs.json). ``extra_context``: a prompt this many tokens
     longer (`--matched-baseline`: the workload's mean context)."""

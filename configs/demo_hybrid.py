@@ -1,4 +1,4 @@
-"""The demo (configs/demo.py) with the Retool-RL hybrid advantage (seeds/000, issue 7).
+"""The demo (configs/demo.py) with the Retool-RL hybrid advantage (docs/hybrid.md).
 
 Same task, model and GRPO settings as the demo (its SFT data also has hint-following
 demonstrations, below); after each episode a judge
@@ -31,7 +31,7 @@ def get_config():
         name="demo_hybrid",
         output_dir="runs/demo_hybrid",
         # a quarter of the SFT demonstrations carry the oracle's hint and follow it, so the
-        # post-SFT policy, the teacher, can read a hint (issue 16; docs/hybrid.md)
+        # post-SFT policy, the teacher, can read a hint (docs/hybrid.md)
         environment=dataclasses.replace(config.environment, demo_hint_fraction=0.25),
         hybrid=HybridConfig(
             mode="hybrid",

@@ -1,4 +1,4 @@
-"""The regime of the hindsight-OPD ablation (issue 16; protocol in docs/hybrid.md).
+"""The regime of the hindsight-OPD ablation (protocol in docs/hybrid.md).
 
 The demo task made hard for GRPO: operands of 3-4 digits (an answer from memory is never
 right, only an exactly copied interpreter result is), and an SFT demonstrator that rarely

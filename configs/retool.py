@@ -1,4 +1,5 @@
-"""ReTool: RL with a code interpreter on competition math (Feng et al. 2025, seeds/000).
+"""ReTool: RL with a code interpreter on competition math (Feng et al. 2025,
+"ReTool: Reinforcement Learning for Strategic Tool Use in LLMs", arXiv:2504.11536).
 
 Start from a ReTool SFT checkpoint of a Qwen3-4B-class model (cold start on
 code-integrated reasoning traces), train with GRPO on DAPO-Math-17k-style problems, and
@@ -12,7 +13,7 @@ evaluate on AIME-style held-out problems with pass@k. The three paths are requir
 Settings follow the ReTool recipe: outcome reward +1/-1 from a verified `\\boxed{}`
 answer, the interpreter output masked from the loss, clip-higher (0.2 / 0.28),
 token-level loss, no KL, learning rate 1e-6, 16k-token context. Group size, batch size and
-lengths are those of seeds/000 (G = 8 samples, 512 prompts... scaled here to 64 prompts
+lengths are those of the Retool-RL case study (G = 8 samples, 512 prompts... scaled here to 64 prompts
 per step so one TPU v5p-64 / 8xH100 host fits; raise data.prompts_per_step on larger slices).
 """
 
@@ -43,8 +44,8 @@ def get_config() -> Config:
             max_concurrent=256,
             # decode lanes: 128 sequences decode per step, the other slots wait ready (prefilled, or
             # between tool calls) and take the lane of a turn that stops, on the device. 256 multi-turn
-            # episodes with 100 ms tools on one H200: 21.1k tokens/s against 13.3k with a lane per slot
-            # (docs/benchmarks.md, "Decode lanes for the recipes")
+            # episodes with 100 ms tools decode faster this way than with a lane per slot (docs/benchmarks.md,
+            # "Decode lanes")
             decode_batch=128,
             max_prompt_length=1024,
             max_sequence_length=16384,

@@ -1,15 +1,17 @@
 """ReTool + hybrid RL: PRM judge, hindsight bridge thoughts and on-policy distillation.
 
-The Retool-RL recipe of seeds/000 (sections 3-4): start from a ReTool SFT checkpoint
-(the seed: qwen3-4b-retool-sft, Qwen3-4B-Instruct after 3 epochs on JoeYing/ReTool-SFT),
+The Retool-RL recipe of
+"Agentic RL (Part III): Architecture Analysis of Verl and SkyRL to Retool-RL Case Practice"
+(sections 3-4): start from a ReTool SFT checkpoint
+(the case study's: qwen3-4b-retool-sft, Qwen3-4B-Instruct after 3 epochs on JoeYing/ReTool-SFT),
 run outcome GRPO with the interpreter in the loop (configs/retool.py), and add
 
 - a PRM judge after each episode: the frozen reference (the SFT model) reads the problem,
   the trajectory with the interpreter's feedback and the outcome, and answers
-  ``\\boxed{-1}`` (no intervention; the seed saw this on 60-65% of trajectories) or a
+  ``\\boxed{-1}`` (no intervention; the case study saw this on 60-65% of trajectories) or a
   short bridge thought, e.g. "I should define the variable 'x' as a symbol using
   symbols('x') before using it in the summation." (judge="reference": no extra model;
-  the seed: "completely eliminating the reliance on strong external models");
+  the case study: "completely eliminating the reliance on strong external models");
 - the hindsight teacher: the same reference scores the sampled response tokens under
   [prompt + bridge thought + response] (the hint appended to the user message: "appending
   this bridge thought to the reference model's prompt");
@@ -22,16 +24,16 @@ run outcome GRPO with the interpreter in the loop (configs/retool.py), and add
         --set data.train_path=/data/dapo_math_17k.parquet \\
         --set data.eval_path=/data/aime_2024.jsonl
 
-What the seed states and what is our choice:
+What the case study states and what is our choice:
 - stated: base model and SFT data, outcome GRPO baseline, judge = the reference model,
   ``\\boxed{-1}`` for no intervention, hint fraction 35-40%, teacher context
   [prompt + bridge thought + response], A = A_grpo + lambda * A_opd, pass@8 on AIME 2024
-  as the metric (eval.samples_per_task=8), best checkpoint early (step 6 of ~12; the seed
+  as the metric (eval.samples_per_task=8), best checkpoint early (step 6 of ~12; the case study
   recommends early stopping or lr decay, hence the cosine schedule and checkpoints every
   2 steps here).
 - not stated, chosen here: lambda = 1.0 (both terms at their natural scale: a GRPO
   advantage is O(1), a per-token log-ratio is O(1) nats on a hinted token), hint limit
-  64 tokens (the seed's examples are 15-30 tokens), greedy judge with 512 new tokens,
+  64 tokens (the case study's examples are 15-30 tokens), greedy judge with 512 new tokens,
   PRM weight 0.1 (well below the +-1 outcome so the ranking stays outcome-driven),
   teacher / judge in bfloat16.
 """

@@ -1,6 +1,6 @@
 """ReTool at a size one GPU trains in minutes: a ~25M-parameter model learns multi-turn code use.
 
-Everything is generated locally (issue 19; docs/retool_small.md), and every stage is the
+Everything is generated locally (docs/retool_small.md), and every stage is the
 real one: the ReTool environment (`<code>` / `<interpreter>` layout, the sandbox pool, the
 math verifier, +1/-1 outcome reward), the paged rollout engine, the GRPO trainer.
 

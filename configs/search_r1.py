@@ -59,8 +59,8 @@ def get_config() -> Config:
             max_concurrent=256,
             # decode lanes: 128 sequences decode per step, the other slots wait ready (prefilled, or
             # between tool calls) and take the lane of a turn that stops, on the device. 256 multi-turn
-            # episodes with 100 ms tools on one H200: 21.1k tokens/s against 13.3k with a lane per slot
-            # (docs/benchmarks.md, "Decode lanes for the recipes")
+            # episodes with 100 ms tools decode faster this way than with a lane per slot (docs/benchmarks.md,
+            # "Decode lanes")
             decode_batch=128,
             max_prompt_length=2048,  # Search-R1 max_start_length
             max_sequence_length=4608,  # max_prompt_length 4096 of the rolling context + one 500-token turn

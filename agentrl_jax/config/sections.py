@@ -55,8 +55,8 @@ class ModelConfig(_Section):
         "docs/benchmarks.md, 'Train step', compares them).")
     lm_head_dtype: Literal["param", "compute"] = _f(
         "param", "Inputs of the logits matmul (trainer and engine alike; float32 logits either way): the output "
-        "embedding as stored (param) or cast to compute_dtype like every other weight (compute: +7% tokens/s "
-        "on the 1.7B update on an H200 with float32 params and bfloat16 compute; docs/benchmarks.md, 'Train step').")
+        "embedding as stored (param) or cast to compute_dtype like every other weight (compute: faster "
+        "on GPUs with float32 params and bfloat16 compute; docs/benchmarks.md, 'Train step').")
     scratch: ScratchModelConfig = _section(ScratchModelConfig, "Tiny from-scratch model (when path is empty).")
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"doc": (
         "Variables every chat-template render gets (prompts, appended tool messages, SFT records), e.g. "
@@ -265,9 +265,9 @@ class AlgorithmConfig(_Section):
     logprob_chunk_tokens: int = _f(
         1024, "Tokens per chunk of the chunked logprobs (every forward and the update): the largest float32 "
         "logits buffer is [chunk, vocab] (0.6 MB per token at a 152k vocabulary), and larger chunks mean fewer, "
-        "larger lm-head matmuls (8192: +0.7 MFU points on the 1.7B update; docs/benchmarks.md 'Train step').")
+        "larger lm-head matmuls (docs/benchmarks.md, 'Train step').")
     correction: Literal["none", "tis", "mis", "icepop"] = _f(
-        "none", "Off-policy correction of the old/rollout discrepancy (seeds/003)."
+        "none", "Off-policy correction of the old/rollout discrepancy (arXiv:2605.12070)."
     )
     correction_level: Literal["token", "sequence"] = _f("token", "Level of the off-policy correction.")
     correction_cap: float = _f(2.0, "TIS truncation / MIS mask threshold / icepop upper bound.")
@@ -395,7 +395,7 @@ JUDGE_FIELDS = ("problem", "trajectory", "outcome", "reward", "reference_answer"
 
 @dataclass(frozen=True)
 class HybridConfig(_Section):
-    """Teacher, on-policy distillation, PRM judge and hindsight bridge thoughts (seeds/000).
+    """Teacher, on-policy distillation, PRM judge and hindsight bridge thoughts (docs/hybrid.md).
 
     mode "opd": A_t = tea_t - old_t on every trajectory (pure on-policy distillation).
     mode "hybrid": A_t = A_group + lam * (tea_t - old_t) on trajectories with a teacher
@@ -472,7 +472,7 @@ class HybridConfig(_Section):
         self._validate_teacher_signal()
 
     def _validate_teacher_signal(self) -> None:
-        """The issue-16 options: each must be able to act (a teacher, hints), none silently ignored."""
+        """The hint-reading options: each must be able to act (a teacher, hints), none silently ignored."""
         lagged = self.teacher == "lagged"
         _require(not lagged or (self.teacher_lag_steps >= 1) != (0 < self.teacher_ema_decay < 1),
                  self._path("teacher_lag_steps"), "teacher='lagged' needs exactly one of teacher_lag_steps >= 1 "
@@ -502,7 +502,7 @@ class HybridConfig(_Section):
 
 @dataclass(frozen=True)
 class AsyncConfig(_Section):
-    """Asynchronous rollouts with bounded staleness (seeds/003, seeds/004; docs/async.md).
+    """Asynchronous rollouts with bounded staleness (arXiv:2605.12070, arXiv:2605.15565; docs/async.md).
 
     Off (the default): each step rolls out, then trains, then syncs the weights. On: rollouts
     of later steps run while the trainer updates (a producer/consumer pipeline); a batch
@@ -528,7 +528,7 @@ class AsyncConfig(_Section):
                                 "after every step.")
     ewma_reset_every: int = _f(0, "old_logprobs='ewma': reset the EWMA to the params every N steps (0: never).")
     ewma_min_kept: float = _f(0.0, "old_logprobs='ewma': reset when the off-policy correction keeps less than "
-                                   "this share of the loss tokens (seeds/003's automatic reset; 0: off).")
+                                   "this share of the loss tokens (arXiv:2605.12070's automatic reset; 0: off).")
     offload_optimizer: bool = _f(False, "Synchronous colocated runs: keep the optimizer state in host memory "
                                         "during rollouts (moved back for the update).")
     release_kv_cache: bool = _f(True, "Synchronous runs: free the rollout KV cache after each rollout so the "
@@ -563,7 +563,7 @@ class Config(_Section):
     logging: LoggingConfig = _section(LoggingConfig, "Metrics and logs.")
     eval: EvalConfig = _section(EvalConfig, "Evaluation.")
     sft: SFTConfig = _section(SFTConfig, "Supervised cold start.")
-    hybrid: HybridConfig = _section(HybridConfig, "Teacher, OPD, PRM judge and hindsight hints (seeds/000).")
+    hybrid: HybridConfig = _section(HybridConfig, "Teacher, OPD, PRM judge and hindsight hints (docs/hybrid.md).")
     async_rl: AsyncConfig = _section(AsyncConfig, "Asynchronous rollouts, staleness bound, old-logit source.")
 
     def validate(self) -> None:

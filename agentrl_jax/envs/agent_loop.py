@@ -25,9 +25,10 @@ The environment answers through the typed episode contract (``envs.base.StepResu
 loop tells the environment the policy's token count in ``env.num_sampled_tokens`` before
 each ``step``. ``StepResult.info`` is free-form and never read here.
 
-Invariants (DESIGN.md section 1): sampled ids enter the trajectory exactly as the engine
-produced them, with the engine's logprobs and params versions; observation text is
-tokenized once, when appended; nothing is detokenized and tokenized again for training.
+Invariants (docs/architecture.md, "Invariants and where they are kept"): sampled ids enter
+the trajectory exactly as the engine produced them, with the engine's logprobs and params
+versions; observation text is tokenized once, when appended; nothing is detokenized and
+tokenized again for training.
 The driver session keeps the trajectory's KV cache between turns, so earlier turns are
 never prefilled again.
 

@@ -132,8 +132,8 @@ MISTAKES = ("memory", "wrong_code", "not_copied")
 
 
 def bridge_thought(task: dict[str, Any], mistake: str) -> str:
-    """The hint a perfect judge writes for a failed episode of ``task`` (seeds/000's format:
-    one short first-person, actionable fix). None of them states the answer, so the
+    """The hint a perfect judge writes for a failed episode of ``task`` (the Retool-RL
+    case study's format: one short first-person, actionable fix). None of them states the answer, so the
     leakage guard (``rewards.hints``) lets them through.
 
     mistake "memory": answered without the tool; "wrong_code": printed another

@@ -1,4 +1,4 @@
-"""Environment API and the Trajectory record the trainer consumes (DESIGN.md sections 1 and 5).
+"""Environment API and the Trajectory record the trainer consumes (docs/architecture.md).
 
 The agent loop (envs/agent_loop.py) drives an `Environment`:
 

@@ -1,4 +1,4 @@
-"""Host-side asyncio pool of Python sandboxes (DESIGN.md section 5, issue 5).
+"""Host-side asyncio pool of Python sandboxes (docs/environments.md).
 
 `SandboxPool` keeps `num_servers` pre-warmed fork servers (`_forkserver.py`, numpy and
 sympy imported once) and forks one child per execution, so a cell costs milliseconds,

@@ -228,7 +228,8 @@ def hybrid_advantages(
     *,
     lam: float = 1.0,
 ) -> Float[Array, "B T"]:
-    """Hybrid group + OPD advantage (hindsight OPD, Retool-RL recipe, DESIGN.md sec. 6):
+    """Hybrid group + OPD advantage (hindsight OPD, the Retool-RL recipe of
+    "Agentic RL (Part III): Architecture Analysis of Verl and SkyRL to Retool-RL Case Practice"):
 
         A_t = A_group + lam * has_teacher * (log pi_teacher(y_t) - sg(log pi(y_t)))
 

@@ -1,7 +1,8 @@
 """Off-policy corrections for the train/inference discrepancy and for missing old logits.
 
-The total ratio of a token sampled by the rollout engine (mu) is split (seeds/003,
-"Missing Old Logits in Asynchronous Agentic RL", sec. 2):
+The total ratio of a token sampled by the rollout engine (mu) is split ("Missing Old Logits
+in Asynchronous Agentic RL: Semantic Mismatch and Repair Methods for Off-Policy Correction",
+arXiv:2605.12070, sec. 2):
 
     pi / mu = (old / mu) * (pi / old)
               discrepancy    staleness
@@ -173,7 +174,7 @@ def decoupled_loss(
     **loss_hparams: Any,
 ) -> tuple[Float[Array, "B T"], dict[str, Array], Float[Array, "B T"]]:
     """Decoupled off-policy loss (Hilton et al. 2022, "Batch Size-Invariance for Policy
-    Optimization", eq. 2; seeds/003 sec. 2): pi/mu = (old/mu) * (pi/old).
+    Optimization", eq. 2; arXiv:2605.12070 sec. 2): pi/mu = (old/mu) * (pi/old).
 
         l_t = sg(w_t) * loss_fn(pi/old)_t,     w = correction(old/mu)
 
@@ -208,7 +209,7 @@ def ewma_update(
     reset_every: int = 0,
     reset: bool | Array = False,
 ) -> Any:
-    """PPO-EWMA proximal policy (Hilton et al. 2022, sec. 4; seeds/003 sec. 5 with auto reset):
+    """PPO-EWMA proximal policy (Hilton et al. 2022, sec. 4; arXiv:2605.12070 sec. 5 with auto reset):
 
         theta_ewma <- decay * theta_ewma + (1 - decay) * theta
         theta_ewma <- theta       if reset, or reset_every > 0 and step % reset_every == 0
@@ -241,7 +242,7 @@ def ewma_update(
 
 
 def should_reset_ewma(kept_fraction: Float[Array, ""], min_kept_fraction: float) -> Array:
-    """Automatic EWMA reset rule (seeds/003, fig. 4): reset when the share of loss tokens the
+    """Automatic EWMA reset rule (arXiv:2605.12070, fig. 4): reset when the share of loss tokens the
     train/infer correction keeps (1 - masked fraction) drops below `min_kept_fraction`."""
     return jnp.asarray(kept_fraction) < min_kept_fraction
 
@@ -253,7 +254,7 @@ def loglinear_old_logp(
     rollout_version: Int[Array, "B"] | Int[Array, "B T"],
     current_version: Int[Array, ""] | int,
 ) -> Float[Array, "B T"]:
-    """Log-linear interpolation proxy for missing old logits (seeds/003 appendix A,
+    """Log-linear interpolation proxy for missing old logits (arXiv:2605.12070 appendix A,
     proposition 1; AReaL's "loglinear" proximal approximation):
 
         alpha_t      = clip((v_cur - 1 - v_t) / (v_cur - v_t), 0, 1)    (0 if v_t >= v_cur)

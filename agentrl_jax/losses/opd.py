@@ -1,6 +1,8 @@
 """Shaping of the hindsight OPD term: centering, clipping, the lambda schedule, diagnostics.
 
-The hybrid advantage of the Retool-RL recipe (seeds/000 sec. 4.5) adds a per-token
+The hybrid advantage of the Retool-RL recipe
+("Agentic RL (Part III): Architecture Analysis of Verl and SkyRL to Retool-RL Case Practice",
+sec. 4.5) adds a per-token
 on-policy-distillation term to the group advantage,
 
     d_t   = log pi_teacher(y_t | prompt + hint) - sg(log pi_old(y_t | prompt))
@@ -131,7 +133,7 @@ def hindsight_advantages(
     sequence_ids: Int[Array, "B T"] | None = None,
     num_sequences: int | None = None,
 ) -> Float[Array, "B T"]:
-    """A_t = A_group_t + lam * shaped_opd_term_t (hindsight OPD, seeds/000 sec. 4.5).
+    """A_t = A_group_t + lam * shaped_opd_term_t (hindsight OPD, the Retool-RL recipe, sec. 4.5).
 
     With ``center=False, clip=0`` this is ``losses.hybrid_advantages`` exactly.
 
@@ -198,7 +200,7 @@ def opd_term_diagnostics(
     sequence_ids: Int[Array, "B T"] | None = None,
     num_sequences: int | None = None,
 ) -> dict[str, Array]:
-    """What the OPD term looks like on the taught tokens (issue 16's step-0 diagnostic).
+    """What the OPD term looks like on the taught tokens (the step-0 diagnostic of docs/hybrid.md).
 
     Returns scalars over sequences with a teacher signal and at least one loss token:
       mean: mean of the term over their loss tokens;

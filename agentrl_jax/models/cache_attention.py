@@ -82,8 +82,8 @@ def paged_xla_attend_and_write(write_pos, qkv, k_pool, v_pool, page_table, *, at
     With ``unique_writes`` the tokens at ``write_pos < 0`` (padding) are dropped rather than
     sent to the trash page, and the rest are scattered as unique indices. XLA's GPU scatter
     otherwise has to allow for colliding writes (the trash page takes every padding token's),
-    which cost a call ~2-5 ms at the 1.7B shape, more than the keys' and values' bytes
-    (docs/benchmarks.md). The queries of dropped tokens still attend (their outputs are not used).
+    which cost more than the keys' and values' bytes (docs/benchmarks.md, "Prefill"). The
+    queries of dropped tokens still attend (their outputs are not used).
 
     Args:
       write_pos: ``[B, T]`` cache index of each new token (with ``unique_writes``, < 0: not written).

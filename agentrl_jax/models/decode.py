@@ -4,7 +4,7 @@ The trainer's `Decoder` stacks the L layers' weights (``[L, ...]``) and runs the
 ``lax.scan``, and its cache path scatters new keys/values into one ``[L, B, S, KV, K]``
 buffer carried through that scan, slices the layer back out and attends over all S
 entries of every slot. Decoding one token per slot, that costs several passes over the
-whole cache per step (15 ms at batch 64 on the 1.7B shape, see docs/benchmarks.md). This
+whole cache per step (docs/benchmarks.md, "Decode"). This
 module is the rollout engine's forward instead:
 
 - `DecodeParams`: the same weights in an inference layout, one dict per layer (a tuple,

@@ -16,7 +16,7 @@ plus a bias, and
 
 So the engine's step has no split-K reduction, no QK-norm/RoPE pass, no scatter into the
 cache and no combine after the kernel: 6 fewer kernels per layer than XLA + JAX's
-``pallas.ops.gpu.decode_attention`` (docs/benchmarks.md). One program per (row, kv head)
+``pallas.ops.gpu.decode_attention`` (docs/benchmarks.md, "Decode"). One program per (row, kv head)
 when there are many rows; with few rows, or rows of ragged lengths, each row's own entries
 are split evenly into chunks of whole blocks (more, smaller programs keep the SMs busy and
 even out long and short rows) whose float32 partial results a few XLA ops combine. A chunk
@@ -24,9 +24,9 @@ with no entries (a short row's upper chunks, an idle row's) stores an empty part
 skips the projection and the loads.
 
 Two ways to compute a block's logits and outputs: ``"dot"`` (``tl.dot`` on the tensor
-cores with the G heads padded to a 16-row tile; the faster one on H200) and ``"vector"``
-(elementwise multiply and reduce on the CUDA cores, one query head at a time, probabilities
-kept in float32). Logits, softmax and accumulation are float32.
+cores with the G heads padded to a 16-row tile; the faster one on an H200, docs/benchmarks.md
+"Decode") and ``"vector"`` (elementwise multiply and reduce on the CUDA cores, one query head
+at a time, probabilities kept in float32). Logits, softmax and accumulation are float32.
 
 Paged caches: with a ``page_table`` the k/v buffers are pools of pages ``[N, KV, P, K]``
 and each program reads its row's blocks through the table and writes the new entry through

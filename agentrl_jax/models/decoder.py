@@ -157,7 +157,7 @@ class Decoder(nnx.Module):
         "compute": cast to ``dtype`` first, like every other weight of the model. The logits
         are float32 either way (float32 accumulation). With float32 params and bfloat16
         activations, "param" makes the lm head a float32 matmul (TF32 on GPUs, half the bf16
-        rate; 6.5% of the 1.7B update's step time, docs/benchmarks.md "Train step").
+        rate; docs/benchmarks.md, "Where the update's time goes").
       rngs: initializer randomness.
     """
 

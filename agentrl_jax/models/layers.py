@@ -202,7 +202,7 @@ def packed_attention(
     offsets and lengths (Hopper or newer). Outputs and gradients at padding positions are 0 (the
     kernel does not define them, and a NaN there would leak into weight gradients). The
     backward kernel's workspace is B x ``max_segments`` x T x ~16 KiB at the 1.7B shape
-    (16 GiB for one 16k row at 64 segments, measured on an H200), so keep the bound tight
+    (docs/benchmarks.md, "Long rows: memory"), so keep the bound tight
     (``train.packing.PackPlan.segment_bound``).
 
     Args:

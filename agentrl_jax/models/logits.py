@@ -27,8 +27,8 @@ def output_logits(
     cotangent of the logits is cast to the inputs' dtype before the two gradient matmuls
     (float32 accumulation), as autocast does in PyTorch. Left to autodiff, a bf16 matmul
     with float32 logits has a float32 cotangent, which promotes both gradient matmuls to
-    float32 (TF32 on GPUs: 70 of the 1.7B update's 448 ms, where the bf16 forward of the
-    same size takes 13; docs/benchmarks.md "Train step"). Float32 inputs: the same numbers
+    float32 (TF32 on GPUs, half the bf16 rate; docs/benchmarks.md, "Where the update's time
+    goes"). Float32 inputs: the same numbers
     as autodiff.
 
     Args:

@@ -5,8 +5,8 @@ one sequence each, into rows; row r's tokens sit at cache entries ``[starts[r], 
 lengths[r])`` and its queries attend over the sequence's pages through the row's page
 table. The XLA path (`cache_attention.paged_xla_attend_and_write`) gathers every row's whole window
 (the call's longest reach, in pages) into a copy, writes ``[R, KV, G, C, W]`` float32
-scores and runs softmax over them: several passes over the window and ~8 kernels per layer,
-about a third of the prefill's device time at a 1.7B shape (docs/benchmarks.md).
+scores and runs softmax over them: several passes over the window and ~8 kernels per layer
+(docs/benchmarks.md, "Prefill").
 
 This kernel reads K/V straight from the pool instead, after the XLA scatter has written the
 rows' new keys and values. One program per (row, kv head, query block): the query block is

@@ -1,4 +1,4 @@
-"""Bridge-thought hygiene: the leakage guard and the placebo control (issue 16).
+"""Bridge-thought hygiene: the leakage guard and the placebo control (docs/hybrid.md).
 
 Self-distillation with privileged context (SDPO, OPSD, RLSD) has one failure mode named in
 every report: the privileged text gives the answer away, the teacher then prefers the

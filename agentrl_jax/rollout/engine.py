@@ -94,8 +94,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MEMORY_FRACTION = 0.8  # of the free device memory, for the KV pool, when nothing else is set
 # XLA options the decode dispatch compiles with on GPU meshes, when `Engine(decode_compiler_options=)` is None.
 # A decode step's weight matmuls have M = the batch (64): XLA's autotuner picks split-K Triton GEMMs for
-# them, whose float32 partials the next fusion reads again; cuBLAS measured 2.3% faster per step at batch
-# 64 on the 1.7B shape (docs/benchmarks.md, "cuBLAS for the decode step's weight matmuls"). Per program
+# them, whose float32 partials the next fusion reads again; cuBLAS measured faster per step at batch 64
+# on the 1.7B shape (docs/benchmarks.md, "cuBLAS for the decode step's weight matmuls"). Per program
 # (`jax.jit(compiler_options=)`), so the trainer's and the prefill's programs keep XLA's own choice.
 GPU_DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
@@ -128,9 +128,9 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         lengths, and the few rows left at the end of a batch, over the SMs; with rows of one
         length they only add the combine. Default `models.decode.PALLAS_MIN_PROGRAMS` (512),
         twice that with decode lanes (B < S), whose rows are a mix of lengths and drain to a
-        few at the end of a batch (docs/benchmarks.md, "the decode kernel's chunks": +4.5%
-        tokens/s on the multi-turn workload at 64 lanes, gained in the batch's tail; -6.5%
-        on a batch of 64 equal lengths).
+        few at the end of a batch (docs/benchmarks.md, "Decode kernel chunks": faster on the
+        multi-turn workload with lanes, in the batch's tail; slower on a batch of equal
+        lengths).
       decode_compiler_options: XLA options (``jax.jit(compiler_options=)``) for the decode
         dispatch programs only, e.g. ``{"xla_gpu_enable_triton_gemm": False}``. Default:
         `GPU_DECODE_COMPILER_OPTIONS` on GPU meshes (cuBLAS for the decode step's skinny weight

@@ -307,8 +307,8 @@ def copy_pages(state: DecodeState, copy_src, copy_dst) -> DecodeState:
 
     Padding pairs (``copy_dst < 0``) are dropped and the real ones, whose destinations are
     fresh pages, are scattered as unique indices: XLA's GPU scatter serializes colliding
-    writes, and 64 padding copies of one page cost ~27 us per layer's k or v (1.5 ms a call
-    at the 1.7B shape), more than the copies' bytes.
+    writes, so 64 padding copies of one page cost more than the copies' bytes
+    (docs/benchmarks.md, "Prefill").
     """
 
     def copy(pool):

@@ -24,7 +24,7 @@ XLA leaves outside its CUDA graphs runs on the host: the predicate is copied bac
 launching thread waits for the device to reach it. The cond this module used to pick the
 path, once per decode step inside the dispatch's loop, did that: launching a dispatch took
 as long as the device work queued before it, so the driver's host work no longer overlapped
-the device (docs/benchmarks.md, ninth session). A small cond on its own is captured in a
+the device (docs/benchmarks.md, "No host round trip in a dispatch"). A small cond on its own is captured in a
 graph and does not wait (`bench/dispatch_probe.py`), so the rule here is simply: none.
 
 Randomness: each request owns a key derived from its seed; the key for its i-th generated

@@ -39,7 +39,7 @@ from agentrl_jax.rollout.tracks import Pending, Sequence, Session
 __all__ = ["Pending", "Scheduler", "Sequence", "Session"]
 
 # Free fraction of the page pool at or below which episodes under way are prefilled before new
-# ones (above it: arrival order). Swept on CPU in docs/benchmarks.md ("Agentic rollout").
+# ones (above it: arrival order). Swept on CPU in docs/benchmarks.md ("Scheduler constants (CPU)").
 TIGHT_FREE_FRACTION = 0.5
 
 

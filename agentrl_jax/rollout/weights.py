@@ -75,9 +75,8 @@ class EngineWeights:
         """``params`` cast and in the inference sharding.
 
         Arrays already on the engine's devices are resharded by a jitted identity with
-        ``out_shardings`` (on-device collectives: 0.018 s for Qwen3-1.7B in float32 on 2
-        H200s, where ``jax.device_put`` between the two shardings took 0.89 s;
-        bench/weight_sync.py). Anything else (host arrays, other devices) goes through
+        ``out_shardings`` (on-device collectives, far faster than ``jax.device_put`` between the two
+        shardings: docs/benchmarks.md, "Weight push"). Anything else (host arrays, other devices) goes through
         ``jax.device_put``, a device-to-device copy between devices.
         """
         mesh_devices = set(self._mesh.devices.flat)

@@ -41,7 +41,7 @@ def attention_implementation(setting: str, compute_dtype: str, backend: str | No
     kernel on TPU, else JAX's choice.
 
     JAX's own choice (None) keeps the XLA kernel on GPU for the trainer's causal attention,
-    2x slower than cuDNN's fused kernel at the 1.7B shape (docs/benchmarks.md). cuDNN's
+    slower than cuDNN's fused kernel (docs/benchmarks.md, "Train step"). cuDNN's
     fused attention takes only 16-bit inputs, so float32 compute stays on XLA. On TPU JAX's
     choice is XLA with a ``[B, 1, T, T]`` mask for packed rows; the splash kernel
     (``models.splash``) takes segment ids instead.

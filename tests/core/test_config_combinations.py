@@ -1,4 +1,4 @@
-"""Every config combination the trainer cannot run fails at load (issue: silent failures, items 4-5).
+"""Every config combination the trainer cannot run fails at load.
 
 Each case is refused twice: through ``--set`` overrides (``apply_overrides``), and for a
 ``Config`` built in Python (``from_dict`` constructs the sections with ``Config(...)``), so
@@ -15,7 +15,7 @@ from agentrl_jax.config import Config, ConfigError, apply_overrides, from_dict, 
 from agentrl_jax.losses import check_registered_names
 
 INVALID = [
-    # items 4-5 of the issue: accepted before, failed (or silently degraded) mid-run
+    # combinations once accepted that failed (or silently degraded) mid-run
     (["async_rl.enabled=true", "async_rl.max_staleness=0", "hybrid.judge=oracle"], "hybrid.judge"),
     (["async_rl.enabled=true", "async_rl.max_staleness=0", "hybrid.mode=hybrid", "hybrid.judge=oracle",
       "hybrid.prm_weight=0.5"], "hybrid.judge"),

@@ -1,4 +1,4 @@
-"""bench/hybrid_ablation.py (issue 16): its statistics, its table from run directories, its
+"""bench/hybrid_ablation.py (docs/hybrid.md): its statistics, its table from run directories, its
 preflight, and (slow) the documented end-to-end check of 1 seed x 2 arms x 3 steps."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The agent loop's episode endings (issue: silent failures, item 1): every way an episode
+"""The agent loop's episode endings (docs/troubleshooting.md): every way an episode
 ends, how a cut-short or crashed one is scored and whether it trains.
 
 Real pieces: a trained tiny tokenizer, a random tiny decoder, the real Engine and Driver on

@@ -1,4 +1,4 @@
-"""Hint-following SFT demonstrations of the arithmetic demo (issue 16): format, mix, config."""
+"""Hint-following SFT demonstrations of the arithmetic demo (docs/hybrid.md): format, mix, config."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Hindsight OPD shaping (issue 16): centering, clipping, lambda schedule, diagnostics.
+"""Hindsight OPD shaping (docs/hybrid.md): centering, clipping, lambda schedule, diagnostics.
 
 Hand-computed cases, a float64 NumPy reference on random ragged inputs, packed == unpacked,
 and the reduction to ``hybrid_advantages`` when no shaping is asked for; all under jax.jit.

@@ -1,6 +1,6 @@
 """Template-exact multi-turn appends for the Qwen2.5, Qwen3 and Llama 3.1 chat formats.
 
-The invariant (issue 17): the ids built turn by turn, as the agent loop builds them (the
+The invariant (docs/chat_formats.md): the ids built turn by turn, as the agent loop builds them (the
 prompt, then each sampled turn with its end-of-turn token, then the tool messages appended
 with ``Tokenizer.append_messages``), equal the ids of rendering the whole message list at
 once, for 1-5 tool turns, thinking on and off. The one exception is a template that

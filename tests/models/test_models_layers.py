@@ -188,8 +188,8 @@ def _hidden_sum_grad(graphdef, **kwargs):
 def test_cudnn_packed_backward_memory_follows_the_segment_bound():
     """Compiled temporaries of a long packed row's gradient. A bound of 1 (the plan's for a row
     of one trajectory) costs what a padded row costs; cuDNN's packed kernel compiled for M
-    segments holds backward scratch for M x the row length, the 10x long-row memory of issue
-    #18 when M was always 64 (``train.packing.PackPlan.segment_bound``)."""
+    segments holds backward scratch for M x the row length, the long-row memory of an
+    update that always compiled M = 64 (``train.packing.PackPlan.segment_bound``)."""
     graphdef, params = _cudnn_decoder()
     ids = jax.ShapeDtypeStruct((1, 8192), jnp.int32)
 

@@ -1,4 +1,4 @@
-"""Leakage guard and placebo shuffle for bridge thoughts (issue 16)."""
+"""Leakage guard and placebo shuffle for bridge thoughts (docs/hybrid.md)."""
 
 from collections import Counter
 

@@ -1,5 +1,5 @@
 """A custom loss with its own hyper-parameter, defined and registered in a user's config
-file, trains end to end without touching the library (issue 14, item 3).
+file, trains end to end without touching the library (docs/custom_loss.md).
 
 The loss reports the values it received as metrics: `beta` comes from
 `algorithm.loss_hparams` (a hyper-parameter the library has no field for), `clip` from the

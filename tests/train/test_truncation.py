@@ -1,4 +1,4 @@
-"""How truncated and crashed episodes train (issue: silent failures, item 1).
+"""How truncated and crashed episodes train.
 
 Units on hand-built trajectories (advantages, loss normalizer, metrics, dynamic sampling),
 and whole runs of the real trainer (tiny scratch model, real engine and driver on the fake

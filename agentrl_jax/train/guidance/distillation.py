@@ -3,7 +3,8 @@ aligned to the student's batch, and the OPD / hybrid advantages (the ``Teacher``
 
 On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025, "On-Policy
 Distillation") needs log pi_teacher(y_t | context) for every token y_t the policy sampled.
-In the hindsight variant of the Retool-RL recipe (seeds/000, sec. 4.4) the teacher's
+In the hindsight variant of the Retool-RL recipe ("Agentic RL (Part III): Architecture Analysis of
+Verl and SkyRL to Retool-RL Case Practice", sec. 4.4) the teacher's
 context differs from the student's: a bridge thought is inserted before the response,
 
     student: [prompt        ][response]        token j of the response at index P + j

@@ -1,4 +1,6 @@
-"""PRM judge and hindsight bridge thoughts (the Retool-RL recipe, seeds/000 sections 3-4).
+"""PRM judge and hindsight bridge thoughts (the Retool-RL recipe of
+"Agentic RL (Part III): Architecture Analysis of Verl and SkyRL to Retool-RL Case Practice",
+sections 3-4).
 
 After an episode ends, a judge sees the problem, the trajectory with its tool feedback and
 the outcome, and answers in a fixed format:

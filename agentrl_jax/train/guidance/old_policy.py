@@ -1,4 +1,5 @@
-"""Where the PPO ratio's "old" logprobs come from (``async_rl.old_logprobs``; seeds/003).
+"""Where the PPO ratio's "old" logprobs come from (``async_rl.old_logprobs``;
+"Missing Old Logits in Asynchronous Agentic RL", arXiv:2605.12070).
 
 The decoupled objective splits a sampled token's ratio pi/mu into old/mu (the discrepancy,
 corrected by TIS/MIS/icepop) and pi/old (clipped by PPO). In a synchronous run "old" is

@@ -10,7 +10,8 @@ step finished:
 ``max_staleness = 0`` is the synchronous schedule: step j's rollouts start only after
 step j - 1 is done, with the same prompts and sampling seeds. With ``max_staleness = k``
 up to k later steps roll out while the trainer updates (the decoupled rollout and
-training of seeds/004; PipelineRL-style in-flight weight updates). Every token of step
+training of "AstraFlow: Dataflow-Oriented Reinforcement Learning for Agentic LLMs",
+arXiv:2605.15565; PipelineRL-style in-flight weight updates). Every token of step
 j's rollouts is sampled at a version >= v0 + (j - s0) - k (in-flight requests continue on
 new weights, each token tagged with its version), while step j trains version
 v0 + (j - s0): no trained token lags more than k versions, and nothing finished is

@@ -1,4 +1,4 @@
-"""The RL loop: the stages of one step, in order.
+"""The RL loop: the stages of one step, in order (docs/architecture.md, "The loop").
 
     collect           G episodes per prompt through the agent loop        collect.py
                       (when it may start: the admission rule)              admission.py

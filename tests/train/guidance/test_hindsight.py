@@ -1,4 +1,4 @@
-"""Teacher role, OPD / hybrid advantages, PRM judge parsing and judges (issue 7, seeds/000)."""
+"""Teacher role, OPD / hybrid advantages, PRM judge parsing and judges (docs/hybrid.md)."""
 
 import asyncio
 import dataclasses

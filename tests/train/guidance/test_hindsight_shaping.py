@@ -1,4 +1,4 @@
-"""Issue 16 on the host side of the hindsight teacher: which hints the teacher reads (failed
+"""The host side of the hindsight teacher (docs/hybrid.md): which hints the teacher reads (failed
 episodes only, placebo), and the shaped OPD advantages with their diagnostic metrics."""
 
 import numpy as np
@@ -146,7 +146,7 @@ def test_teacher_params_per_choice():
             Teacher("g", **kwargs)
 
 
-def test_issue16_config_fields_are_validated_naming_the_field():
+def test_hint_reading_config_fields_are_validated_naming_the_field():
     from agentrl_jax.config import Config, ConfigError, apply_overrides
 
     base = ["hybrid.mode=hybrid", "hybrid.judge=oracle"]

@@ -1,4 +1,4 @@
-"""Teacher alignment per teacher choice, through the ``compute_logprobs`` stage of the RL step.
+"""Teacher alignment per teacher choice (docs/hybrid.md), through the ``compute_logprobs`` stage of the RL step.
 
 For each ``hybrid.teacher`` (frozen reference, the current policy, a lagged snapshot and an
 EMA of the policy) the teacher logprobs that enter the advantage must be those of the
