@@ -16,6 +16,7 @@ import jax
 import pytest
 import torch
 import transformers
+from hf_reference import hf_greedy
 from repo_scripts import load_script
 
 from agentrl_jax.assets import SMOLLM2
@@ -47,18 +48,6 @@ PROMPTS = ["Compute 4821*(937 + 55).", "Hi! How are you today?", "Why is the sky
 NEW_TOKENS = 24
 
 
-def _hf_greedy(model, prompt: list[int]) -> list[int]:
-    """NEW_TOKENS argmax tokens with transformers' KV cache (as the Driver without eos ids)."""
-    tokens, past, step = [], None, torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            out = model(input_ids=step, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            tokens.append(int(out.logits[0, -1].argmax()))
-            step = torch.tensor([[tokens[-1]]])
-    return tokens
-
-
 def test_the_recipe_runs_from_the_gguf_file_and_its_export_decodes_as_our_engine(tmp_path):
     """The recipe at smoke size, then the trained policy's HF export: transformers loads it and its
     greedy tokens equal our engine's on 4 chat prompts."""
@@ -86,7 +75,7 @@ def test_the_recipe_runs_from_the_gguf_file_and_its_export_decodes_as_our_engine
     ours = [c.token_ids for c in asyncio.run(generate())]
     theirs = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     for prompt, tokens in zip(prompts, ours, strict=True):
-        assert list(tokens) == _hf_greedy(theirs, prompt)
+        assert list(tokens) == hf_greedy(theirs, prompt, NEW_TOKENS)
 
 
 def test_the_config_file_points_at_the_assets_cache():

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from hf_reference import hf_greedy
 
 from agentrl_jax.assets import SMOLLM2
 from agentrl_jax.models import Tokenizer
@@ -43,18 +44,6 @@ def smollm2(tmp_path_factory):
     hf = transformers.AutoModelForCausalLM.from_pretrained(GGUF.parent, gguf_file=GGUF.name,
                                                            dtype=torch.float32).eval()
     return directory, hf, prompts
-
-
-def _hf_greedy(model, prompt: list[int]) -> list[int]:
-    """NEW_TOKENS argmax tokens with transformers' KV cache, through eos (as the Driver without eos ids)."""
-    tokens, past, step = [], None, torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            out = model(input_ids=step, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            tokens.append(int(out.logits[0, -1].argmax()))
-            step = torch.tensor([[tokens[-1]]])
-    return tokens
 
 
 def test_tokenizer_matches_transformers_from_the_file(smollm2):
@@ -99,5 +88,5 @@ def test_greedy_tokens_match_transformers_and_the_exported_directory(smollm2):
     ours = [c.token_ids for c in asyncio.run(generate())]
     exported = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     for prompt, tokens in zip(prompts, ours, strict=True):
-        assert tokens == _hf_greedy(hf, prompt) == _hf_greedy(exported, prompt)
+        assert tokens == hf_greedy(hf, prompt, NEW_TOKENS) == hf_greedy(exported, prompt, NEW_TOKENS)
         assert len(tokens) == NEW_TOKENS
