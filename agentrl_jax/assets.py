@@ -25,7 +25,8 @@ import zipfile
 import zlib
 from pathlib import Path
 
-from agentrl_jax.models.gguf import GGUFError, cache_root, convert_gguf, file_sha256
+from agentrl_jax.models.gguf import GGUFError, convert_gguf
+from agentrl_jax.models.gguf_cache import cache_root, file_sha256
 
 
 @dataclasses.dataclass(frozen=True)

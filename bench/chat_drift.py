@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from agentrl_jax.models import Tokenizer
-    from agentrl_jax.models.gguf import hf_directory
+    from agentrl_jax.models.gguf_cache import hf_directory
     from agentrl_jax.rollout import Engine
 
     base_path = hf_directory(args.base)  # a .gguf file: its cached conversion, as model.path uses it

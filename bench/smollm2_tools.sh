@@ -22,7 +22,7 @@ done
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$(python3 -c "print(round(0.9 / max($n, 1), 3))")}
 mkdir -p "$out/base"
 # Converted once here, so the processes below find it in the cache instead of converting it side by side.
-hf=$(python3 -c "import sys; from agentrl_jax.models.gguf import hf_directory; print(hf_directory(sys.argv[1]))" "$gguf")
+hf=$(python3 -c "import sys; from agentrl_jax.models.gguf_cache import hf_directory; print(hf_directory(sys.argv[1]))" "$gguf")
 run="python3 $here/../launch/tpu_pod.py --config $here/../configs/smollm2_tools.py --set model.path=$gguf"
 for s in $seeds; do  # run the command again to finish what a killed call left
   [ -f "$out/base/seed$s/results.json" ] || $run --set seed=$s --set sft.steps=0 --set total_steps=0 \

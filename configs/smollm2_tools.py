@@ -45,7 +45,7 @@ from agentrl_jax.config import (
     SFTConfig,
 )
 
-from agentrl_jax.models.gguf import cache_root
+from agentrl_jax.models.gguf_cache import cache_root
 
 #: Where ``python -m agentrl_jax.assets smollm2 DIR`` leaves the GGUF file.
 DEFAULT_GGUF = str(cache_root() / "assets" / SMOLLM2.gguf_name)

@@ -138,8 +138,9 @@ def env_factory(config: Config, pool: Any, verifier: MathVerifier, count_tokens=
 
 def checkpoint_directory(key: str, path: str) -> str:
     """The HF directory of the checkpoint path of config field ``key``: ``path``, or for a ``.gguf``
-    file its float32 conversion, made once per file in the user cache (``models/gguf.py``)."""
-    from agentrl_jax.models.gguf import GGUFError, hf_directory
+    file its float32 conversion, made once per file in the user cache (``models/gguf_cache.py``)."""
+    from agentrl_jax.models.gguf import GGUFError
+    from agentrl_jax.models.gguf_cache import hf_directory
 
     try:
         return hf_directory(path)

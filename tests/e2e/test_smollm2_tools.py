@@ -22,7 +22,7 @@ from repo_scripts import load_script
 from agentrl_jax.assets import SMOLLM2
 from agentrl_jax.config import load_config
 from agentrl_jax.models import Tokenizer, load_hf_checkpoint
-from agentrl_jax.models.gguf import cache_root
+from agentrl_jax.models.gguf_cache import cache_root
 from agentrl_jax.rollout import Driver, Engine, SamplingParams
 from agentrl_jax.sharding import make_mesh
 from agentrl_jax.train.run import train

@@ -17,7 +17,8 @@ from hf_reference import hf_greedy
 
 from agentrl_jax.assets import SMOLLM2
 from agentrl_jax.models import Tokenizer
-from agentrl_jax.models.gguf import cache_root, convert_gguf
+from agentrl_jax.models.gguf import convert_gguf
+from agentrl_jax.models.gguf_cache import cache_root
 from agentrl_jax.models.hf_io import load_hf_checkpoint
 from agentrl_jax.rollout.driver import Driver
 from agentrl_jax.rollout.engine import Engine
