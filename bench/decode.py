@@ -89,8 +89,8 @@ def qwen3_model(size: str):
 
 
 def compiler_options(text: str) -> dict | None:
-    """``--compiler-options`` (one set) as `Engine(decode_compiler_options=)` (`config.sections.parse_compiler_options`)."""
-    from agentrl_jax.config.sections import parse_compiler_options
+    """``--compiler-options`` (one set) as `Engine(decode_compiler_options=)` (`config.rollout.parse_compiler_options`)."""
+    from agentrl_jax.config.rollout import parse_compiler_options
 
     try:
         return parse_compiler_options(text)

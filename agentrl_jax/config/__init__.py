@@ -6,7 +6,8 @@ types and impossible combinations fail at load time with a :class:`ConfigError` 
 names the field and what is allowed.
 
 - ``config/core.py``: the machinery (section base, type checks, overrides, loading, describe).
-- ``config/sections.py``: the training sections and ``Config``.
+- ``config/sections.py``: the training sections and ``Config``; the two largest sections in
+  ``config/rollout.py`` and ``config/hybrid.py``.
 - ``config/environments.py``: the base of the environment section; each environment
   registers its own subclass with :func:`register_environment` (the built-in ones in envs/),
   selected by ``environment.name``.
@@ -40,8 +41,8 @@ from agentrl_jax.config.environments import (
     overlong_max_tokens,
     register_environment,
 )
+from agentrl_jax.config.hybrid import JUDGE_FIELDS
 from agentrl_jax.config.sections import (
-    JUDGE_FIELDS,
     AlgorithmConfig,
     AsyncConfig,
     CheckpointConfig,

@@ -1,6 +1,7 @@
 """The config machinery: typed sections, type checks, overrides, loading, describe.
 
-The sections themselves live in ``config/sections.py`` (training) and
+The sections themselves live in ``config/sections.py`` (training; with ``rollout.py`` and
+``hybrid.py``) and
 ``config/environments.py`` (the environment section's base; each environment's own
 section lives with it in envs/). A config file is Python:
 ``configs/retool.py`` defines ``get_config() -> Config``. The command line overrides

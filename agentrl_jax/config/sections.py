@@ -1,20 +1,22 @@
 """The sections of an experiment's Config: model, mesh, rollout, algorithm, ..., and Config.
 
 Each section is a frozen dataclass whose fields carry their documentation; the machinery
-(type checks, overrides, loading) is in ``config/core.py``, and the environment section's
-base (each environment registers its own subclass, chosen by ``environment.name``) is in
-``config/environments.py``.
+(type checks, overrides, loading) is in ``config/core.py``, the environment section's base
+(each environment registers its own subclass, chosen by ``environment.name``) in
+``config/environments.py``, and the two largest sections in ``config/rollout.py`` and
+``config/hybrid.py``.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from agentrl_jax.config.core import (SECTION_PATHS, ConfigError, DType, _f, _require, _section, _Section,
+from agentrl_jax.config.core import (SECTION_PATHS, DType, _f, _require, _section, _Section,
                                      run_config_checks)
 from agentrl_jax.config.environments import EnvironmentConfig
+from agentrl_jax.config.hybrid import HybridConfig
+from agentrl_jax.config.rollout import RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -92,149 +94,6 @@ class MeshConfig(_Section):
 
     def shape(self) -> dict[str, int]:
         return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
-
-
-@dataclass(frozen=True)
-class RolloutConfig(_Section):
-    max_concurrent: int = _f(64, "Decode slots in the KV cache (trajectories in flight at once).")
-    decode_batch: int = _f(
-        0, "Sequences decoded per step (0: every slot). Fewer than max_concurrent: the other slots hold admitted "
-        "sequences ready, and a sequence that stops (eos, a stop id, a stop string's tokens, its token limit) hands "
-        "its decode lane to one of them at the next step, on the device, instead of idling it until the host reads "
-        "the stop (docs/architecture.md, 'Decode lanes'). A multiple of the mesh's data shards."
-    )
-    max_prompt_length: int = _f(1024, "Longest prompt (tokens) the engine prefills.")
-    max_sequence_length: int = _f(4096, "KV-cache length per slot: prompt + all turns + observations.")
-    max_new_tokens_per_turn: int = _f(1024, "Tokens the policy may write in one turn.")
-    temperature: float = _f(1.0, "Sampling temperature; the trainer uses the same one for logprobs.")
-    top_p: float = _f(1.0, "Nucleus sampling threshold (1.0: off).")
-    top_k: int = _f(0, "Top-k sampling (0: off).")
-    steps_per_dispatch: int = _f(8, "Decode steps per jitted call (host stop checks in between).")
-    cache_dtype: DType = _f("bfloat16", "KV-cache dtype.")
-    page_size: int = _f(32, "Tokens per KV-cache page (a power of two; >= 16 for the GPU decode kernel).")
-    kv_cache_bytes: int = _f(0, "KV page pool bytes per device (0: use kv_cache_memory_fraction).")
-    kv_cache_memory_fraction: float = _f(
-        0.0, "KV page pool as this fraction of the free device memory when the rollout state is built "
-        "(0: the engine's default, 0.8; devices that report no memory, e.g. CPU, get every slot at full length)."
-    )
-    prefill_token_budget: int = _f(0, "New tokens prefilled per driver tick (0: 4 x max_prompt_length).")
-    prefix_cache: bool = _f(
-        False, "Keep full KV pages of finished prompts and reuse them for later sequences with the same leading "
-        "tokens (repeated system prompts, a task's prompt in later steps); emptied by every weight update."
-    )
-    warmup: Literal["auto", "on", "off"] = _f(
-        "auto", "Compile every rollout program (the closed set of prefill shapes, the decode dispatch, the slot "
-        "frees) before the first rollout, so no step compiles mid-rollout ('auto': on for GPU/TPU engines, off "
-        "on CPU, where a run meets only a few of the shapes)."
-    )
-    compilation_cache_dir: str = _f(
-        "", "JAX persistent compilation cache directory ('~' expanded), so a restarted run does not compile the "
-        "rollout (or anything else) again ('': off)."
-    )
-    decode_compiler_options: str = _f(
-        "default", "XLA options for the decode dispatch only, as 'name=value,...' ('default': the engine's, which "
-        "on GPU puts the decode step's weight matmuls on cuBLAS, xla_gpu_enable_triton_gemm=false; 'none': XLA's "
-        "own defaults). Engine(decode_compiler_options=); docs/architecture.md, 'Decode lanes'."
-    )
-
-    def engine_kwargs(self) -> dict:
-        """The paged-cache, decode-lane and compilation-cache arguments of `rollout.Engine` from this section."""
-        return {
-            "decode_batch": self.decode_batch or None,
-            "page_size": self.page_size,
-            "kv_cache_bytes": self.kv_cache_bytes or None,
-            "kv_cache_memory_fraction": self.kv_cache_memory_fraction or None,
-            "compilation_cache_dir": self.compilation_cache_dir or None,
-            "decode_compiler_options": parse_compiler_options(self.decode_compiler_options),
-        }
-
-    def validate(self) -> None:
-        _require(self.max_concurrent >= 1, self._path("max_concurrent"), "must be >= 1")
-        _require(
-            0 <= self.decode_batch <= self.max_concurrent, self._path("decode_batch"),
-            f"({self.decode_batch}) must be in [0, rollout.max_concurrent ({self.max_concurrent})] (0: every slot)",
-        )
-        _require(
-            self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0,
-            self._path("page_size"), f"must be a power of two, got {self.page_size}",
-        )
-        _require(
-            self.page_size <= self.max_sequence_length, self._path("page_size"),
-            f"({self.page_size}) must be <= rollout.max_sequence_length ({self.max_sequence_length})",
-        )
-        _require(self.kv_cache_bytes >= 0, self._path("kv_cache_bytes"), "must be >= 0 (0: use the fraction)")
-        _require(
-            0 <= self.kv_cache_memory_fraction <= 1, self._path("kv_cache_memory_fraction"),
-            f"must be in [0, 1] (0: the default), got {self.kv_cache_memory_fraction}",
-        )
-        _require(
-            self.prefill_token_budget == 0 or self.prefill_token_budget >= self.max_prompt_length,
-            self._path("prefill_token_budget"),
-            f"({self.prefill_token_budget}) must be 0 or >= rollout.max_prompt_length ({self.max_prompt_length})",
-        )
-        _require(self.temperature > 0, self._path("temperature"), "must be > 0 for RL (logprobs are tempered)")
-        _require(0 < self.top_p <= 1, self._path("top_p"), f"must be in (0, 1], got {self.top_p}")
-        _require(self.top_k >= 0, self._path("top_k"), "must be >= 0 (0: off)")
-        _require(self.steps_per_dispatch >= 1, self._path("steps_per_dispatch"), "must be >= 1")
-        _require(
-            self.max_prompt_length < self.max_sequence_length,
-            self._path("max_prompt_length"),
-            f"({self.max_prompt_length}) must be < rollout.max_sequence_length ({self.max_sequence_length})",
-        )
-        try:
-            parse_compiler_options(self.decode_compiler_options)
-        except ValueError as e:
-            _require(False, self._path("decode_compiler_options"), str(e))
-        if self.compilation_cache_dir:
-            problem = _unusable_directory(self.compilation_cache_dir)
-            _require(problem is None, self._path("compilation_cache_dir"), f"{self.compilation_cache_dir!r} {problem} "
-                     "(the engine creates it and writes compiled programs there; '' turns the cache off)")
-
-
-def parse_compiler_options(text: str) -> dict[str, Any] | None:
-    """XLA options written as text (``rollout.decode_compiler_options``, the benches' ``--compiler-options``)
-    as `Engine(decode_compiler_options=)`: "" or "default" -> None (the engine's platform default), "none"
-    -> {} (XLA's own defaults), "name=value,..." -> a dict (true / false -> bool, numbers -> int or float,
-    else the string). ValueError on an item that is not name=value."""
-    text = text.strip()
-    if text in ("", "default"):
-        return None
-    if text == "none":
-        return {}
-    options: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, sep, value = item.partition("=")
-        name, value = name.strip(), value.strip()
-        if not sep or not name or not value:
-            raise ValueError(f"{item!r} is not name=value (in {text!r}; or 'default', 'none')")
-        if value.lower() in ("true", "false"):
-            options[name] = value.lower() == "true"
-            continue
-        for kind in (int, float):
-            try:
-                options[name] = kind(value)
-                break
-            except ValueError:
-                pass
-        else:
-            options[name] = value
-    return options
-
-
-def _unusable_directory(path: str) -> str | None:
-    """Why ``path`` cannot be (created as) a writable directory, or None: checked at config load, so a bad
-    path fails before the model loads, not when the rollout engine is built."""
-    path = os.path.abspath(os.path.expanduser(path))
-    if os.path.exists(path):
-        if not os.path.isdir(path):
-            return "exists and is not a directory"
-        return None if os.access(path, os.W_OK | os.X_OK) else "is not writable"
-    parent = os.path.dirname(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        return f"cannot be created: {parent} is not a directory"
-    return None if os.access(parent, os.W_OK | os.X_OK) else f"cannot be created: {parent} is not writable"
 
 
 @dataclass(frozen=True)
@@ -388,116 +247,6 @@ class SFTConfig(_Section):
     def validate(self) -> None:
         _require(self.steps >= 0, self._path("steps"), "must be >= 0")
         _require(self.batch_size >= 1, self._path("batch_size"), "must be >= 1")
-
-
-JUDGE_FIELDS = ("problem", "trajectory", "outcome", "reward", "reference_answer")
-
-
-@dataclass(frozen=True)
-class HybridConfig(_Section):
-    """Teacher, on-policy distillation, PRM judge and hindsight bridge thoughts (docs/hybrid.md).
-
-    mode "opd": A_t = tea_t - old_t on every trajectory (pure on-policy distillation).
-    mode "hybrid": A_t = A_group + lam * (tea_t - old_t) on trajectories with a teacher
-    signal (a judge hint; every trajectory when judge="none"), pure A_group elsewhere.
-    With a judge, the teacher scores the response under [prompt + bridge thought + response].
-    """
-
-    mode: Literal["none", "opd", "hybrid"] = _f("none", "Teacher signal in the advantage: off, pure OPD, or hybrid.")
-    lam: float = _f(1.0, "lambda: weight of the OPD term in the hybrid advantage A_group + lambda * A_opd.")
-    teacher: Literal["reference", "checkpoint", "policy", "lagged"] = _f(
-        "reference", "The teacher: the frozen reference (model.reference_path if set, else the starting "
-        "policy; no extra memory when the dtypes match), the HF checkpoint at hybrid.teacher_path, the "
-        "current policy before the update (self-distillation with the hint, as SDPO / OPSD), or a lagged "
-        "copy of the policy (hybrid.teacher_lag_steps or hybrid.teacher_ema_decay).")
-    teacher_path: str = _f("", "HF checkpoint of the teacher when hybrid.teacher='checkpoint'.")
-    teacher_dtype: DType = _f("bfloat16", "Dtype of the frozen teacher params (reference / checkpoint teachers).")
-    teacher_lag_steps: int = _f(0, "teacher='lagged': copy the policy's params into the teacher every N steps.")
-    teacher_ema_decay: float = _f(0.0, "teacher='lagged': instead of snapshots, an EMA of the policy's params "
-                                       "(theta_T <- decay * theta_T + (1 - decay) * theta after every step).")
-    hint_only_failed: bool = _f(False, "Drop the judge's hints on episodes that solved their task (counted as "
-                                       "judge/dropped_on_solved).")
-    center: bool = _f(False, "Center the OPD term per trajectory (subtract its mean over the trajectory's loss "
-                             "tokens): the hint's uniform offset and the frozen teacher's KL-to-start part cancel.")
-    clip: float = _f(0.0, "Clip the OPD term per token to [-clip, clip] (after centering); 0: off.")
-    lam_schedule: Literal["constant", "linear_warmup", "linear_decay", "cosine_decay"] = _f(
-        "constant", "lambda over the RL steps (losses.opd_lambda): constant, linear warmup from 0 over "
-        "lam_warmup_steps, or a linear / cosine decay to lam_final over lam_decay_steps.")
-    lam_warmup_steps: int = _f(0, "lam_schedule='linear_warmup': steps of the ramp from 0 to lam.")
-    lam_decay_steps: int = _f(0, "lam_schedule='linear_decay' / 'cosine_decay': steps from lam to lam_final.")
-    lam_final: float = _f(0.0, "lambda at the end of a decay.")
-    placebo: bool = _f(False, "Placebo control: the teacher reads another task's hint of the same token length "
-                              "(rewards.hints.placebo_hints) instead of the trajectory's own.")
-    placebo_diagnostic_every: int = _f(
-        0, "Every N steps (from the first) also score the hinted trajectories under placebo hints and log "
-        "opd/placebo_min_token and opd/placebo_near_zero_fraction (one more teacher pass); 0: never.")
-    judge: Literal["none", "policy", "reference", "teacher", "oracle"] = _f(
-        "none", "Who writes bridge thoughts / PRM scores after an episode: nobody, a model through the "
-        "rollout driver (current policy, reference or teacher params), or a scripted oracle (arithmetic only).")
-    judge_template: str = _f("", "Judge prompt with {problem} {trajectory} {outcome} {reward} {reference_answer}; "
-                                 "empty: the built-in template (agentrl_jax.train.guidance.hindsight).")
-    judge_max_new_tokens: int = _f(256, "Decoding budget of one judge answer.")
-    judge_temperature: float = _f(0.0, "Judge sampling temperature (0: greedy).")
-    max_hint_tokens: int = _f(64, "A bridge thought longer than this many tokens is rejected (counted).")
-    hint_placement: Literal["user_message", "assistant_prefix"] = _f(
-        "user_message", "Where the teacher context carries the hint: appended to the last user message "
-        "(prompt re-templated) or as tokens right after the generation prompt, before the response.")
-    hint_format: str = _f("\n\nHint: {hint}", "Text inserted for a hint; must contain {hint}.")
-    prm_weight: float = _f(0.0, "Weight of the judge's PRM score (in [0, 1]) added to the reward (0: off).")
-    sample_hints: int = _f(4, "Hints written as tensorboard text per logged step.")
-
-    def validate(self) -> None:
-        _require(self.lam >= 0, self._path("lam"), "must be >= 0")
-        _require(self.teacher != "checkpoint" or bool(self.teacher_path), self._path("teacher_path"),
-                 "is required when hybrid.teacher='checkpoint'")
-        _require(self.max_hint_tokens >= 1, self._path("max_hint_tokens"), "must be >= 1")
-        _require(self.judge_max_new_tokens >= 1, self._path("judge_max_new_tokens"), "must be >= 1")
-        _require(self.judge_temperature >= 0, self._path("judge_temperature"), "must be >= 0")
-        _require(self.prm_weight >= 0, self._path("prm_weight"), "must be >= 0")
-        _require("{hint}" in self.hint_format, self._path("hint_format"), "must contain {hint}")
-        if self.judge_template:
-            import string
-
-            try:
-                names = {f for _, f, _, _ in string.Formatter().parse(self.judge_template) if f is not None}
-            except ValueError as e:
-                raise ConfigError(f"hybrid.judge_template: not a format string ({e})") from None
-            unknown = names - set(JUDGE_FIELDS)
-            _require(not unknown, self._path("judge_template"),
-                     f"unknown fields {sorted(unknown)}; allowed: {', '.join(JUDGE_FIELDS)} "
-                     "(write literal braces as {{ }})")
-            _require("trajectory" in names, self._path("judge_template"), "must contain {trajectory}")
-        _require(self.prm_weight == 0 or self.judge != "none", self._path("prm_weight"),
-                 "needs a judge (hybrid.judge != 'none')")
-        self._validate_teacher_signal()
-
-    def _validate_teacher_signal(self) -> None:
-        """The hint-reading options: each must be able to act (a teacher, hints), none silently ignored."""
-        lagged = self.teacher == "lagged"
-        _require(not lagged or (self.teacher_lag_steps >= 1) != (0 < self.teacher_ema_decay < 1),
-                 self._path("teacher_lag_steps"), "teacher='lagged' needs exactly one of teacher_lag_steps >= 1 "
-                 f"or 0 < teacher_ema_decay < 1 (got {self.teacher_lag_steps}, {self.teacher_ema_decay})")
-        _require(lagged or (self.teacher_lag_steps == 0 and self.teacher_ema_decay == 0),
-                 self._path("teacher_lag_steps"), "teacher_lag_steps / teacher_ema_decay need teacher='lagged'")
-        _require(self.judge != "teacher" or self.teacher in ("reference", "checkpoint"), self._path("judge"),
-                 f"'teacher' decodes with the teacher's own params; teacher={self.teacher!r} has none "
-                 "(use judge='policy')")
-        _require(self.clip >= 0, self._path("clip"), "must be >= 0 (0: off)")
-        _require(self.lam_final >= 0, self._path("lam_final"), "must be >= 0")
-        ramp = {"linear_warmup": ("lam_warmup_steps", self.lam_warmup_steps),
-                "linear_decay": ("lam_decay_steps", self.lam_decay_steps),
-                "cosine_decay": ("lam_decay_steps", self.lam_decay_steps)}.get(self.lam_schedule)
-        if ramp:
-            _require(ramp[1] >= 1, self._path(ramp[0]), f"must be >= 1 with lam_schedule={self.lam_schedule!r}")
-        _require(self.placebo_diagnostic_every >= 0, self._path("placebo_diagnostic_every"), "must be >= 0")
-        shaped = {"center": self.center, "clip": self.clip, "placebo": self.placebo,
-                  "hint_only_failed": self.hint_only_failed, "placebo_diagnostic_every": self.placebo_diagnostic_every,
-                  "lam_schedule": self.lam_schedule != "constant", "teacher": lagged or self.teacher == "policy"}
-        for key, value in shaped.items():
-            _require(self.mode != "none" or not value, self._path(key), "has no effect with hybrid.mode='none'")
-        for key in ("placebo", "hint_only_failed", "placebo_diagnostic_every"):
-            _require(self.judge != "none" or not getattr(self, key), self._path(key),
-                     "needs hints: set hybrid.judge")
 
 
 @dataclass(frozen=True)
