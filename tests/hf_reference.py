@@ -1,8 +1,30 @@
-"""transformers (PyTorch) as the independent reference the engine's greedy decoding is checked against."""
+"""Greedy decoding two ways, for parity tests on real checkpoints: our Engine + Driver, and
+transformers (PyTorch) as the independent reference."""
 
 from __future__ import annotations
 
+import asyncio
+
 import torch
+
+
+def engine_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """``new_tokens`` argmax tokens per prompt through our Engine + Driver on one device (no eos stop)."""
+    import jax
+
+    from agentrl_jax.rollout import Driver, Engine, SamplingParams
+    from agentrl_jax.sharding import make_mesh
+
+    longest = max(len(p) for p in prompts)
+    engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=len(prompts),
+                    max_target_length=longest + new_tokens, max_prefill_length=longest, page_size=16)
+
+    async def generate():
+        async with Driver(engine, model, steps_per_dispatch=8) as driver:
+            return await asyncio.gather(*(driver.generate(p, SamplingParams(temperature=0.0),
+                                                          max_new_tokens=new_tokens) for p in prompts))
+
+    return [list(c.token_ids) for c in asyncio.run(generate())]
 
 
 def hf_greedy(model, prompt: list[int], new_tokens: int) -> list[int]:

@@ -7,24 +7,20 @@ $AGENTRL_SMOLLM2_GGUF, else where ``python -m agentrl_jax.assets smollm2 DIR`` c
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from pathlib import Path
 
-import jax
 import pytest
 import torch
 import transformers
-from hf_reference import hf_greedy
+from hf_reference import engine_greedy, hf_greedy
 from repo_scripts import load_script
 
 from agentrl_jax.assets import SMOLLM2
 from agentrl_jax.config import load_config
 from agentrl_jax.models import Tokenizer, load_hf_checkpoint
 from agentrl_jax.models.gguf_cache import cache_root
-from agentrl_jax.rollout import Driver, Engine, SamplingParams
-from agentrl_jax.sharding import make_mesh
 from agentrl_jax.train.run import train
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,19 +59,10 @@ def test_the_recipe_runs_from_the_gguf_file_and_its_export_decodes_as_our_engine
     tokenizer = Tokenizer(export)
     prompts = [tokenizer.apply_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     assert all(p[:3] == prompts[0][:3] for p in prompts)  # the ChatML template came along: same header
-    model = load_hf_checkpoint(export)
-    engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=4,
-                    max_target_length=128, max_prefill_length=96, page_size=16)
-
-    async def generate():
-        async with Driver(engine, model, steps_per_dispatch=8) as driver:
-            return await asyncio.gather(*(driver.generate(p, SamplingParams(temperature=0.0),
-                                                          max_new_tokens=NEW_TOKENS) for p in prompts))
-
-    ours = [c.token_ids for c in asyncio.run(generate())]
+    ours = engine_greedy(load_hf_checkpoint(export), prompts, NEW_TOKENS)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
     for prompt, tokens in zip(prompts, ours, strict=True):
-        assert list(tokens) == hf_greedy(theirs, prompt, NEW_TOKENS)
+        assert tokens == hf_greedy(theirs, prompt, NEW_TOKENS)
 
 
 def test_the_config_file_points_at_the_assets_cache():

@@ -4,26 +4,20 @@ Slow: the real 98 MB file. It is found at $AGENTRL_SMOLLM2_GGUF, else where
 ``python -m agentrl_jax.assets smollm2 DIR`` caches it.
 """
 
-import asyncio
 import os
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 import torch
 import transformers
-from hf_reference import hf_greedy
+from hf_reference import engine_greedy, hf_greedy
 
 from agentrl_jax.assets import SMOLLM2
 from agentrl_jax.models import Tokenizer
 from agentrl_jax.models.gguf import convert_gguf
 from agentrl_jax.models.gguf_cache import cache_root
 from agentrl_jax.models.hf_io import load_hf_checkpoint
-from agentrl_jax.rollout.driver import Driver
-from agentrl_jax.rollout.engine import Engine
-from agentrl_jax.rollout.sampling import SamplingParams
-from agentrl_jax.sharding import make_mesh
 
 GGUF = Path(os.environ.get("AGENTRL_SMOLLM2_GGUF") or cache_root() / "assets" / SMOLLM2.gguf_name)
 pytestmark = [
@@ -77,16 +71,7 @@ def test_greedy_tokens_match_transformers_and_the_exported_directory(smollm2):
     """32 greedy tokens on 4 chat prompts: our Engine + Driver, transformers on the GGUF file, and
     transformers on our converted directory."""
     directory, hf, prompts = smollm2
-    model = load_hf_checkpoint(directory)
-    engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=4,
-                    max_target_length=128, max_prefill_length=64, page_size=16)
-
-    async def generate():
-        async with Driver(engine, model, steps_per_dispatch=8) as driver:
-            return await asyncio.gather(*(driver.generate(p, SamplingParams(temperature=0.0),
-                                                          max_new_tokens=NEW_TOKENS) for p in prompts))
-
-    ours = [c.token_ids for c in asyncio.run(generate())]
+    ours = engine_greedy(load_hf_checkpoint(directory), prompts, NEW_TOKENS)
     exported = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     for prompt, tokens in zip(prompts, ours, strict=True):
         assert tokens == hf_greedy(hf, prompt, NEW_TOKENS) == hf_greedy(exported, prompt, NEW_TOKENS)
