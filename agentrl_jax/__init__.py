@@ -9,7 +9,7 @@ a config built after importing only ``agentrl_jax.config`` knows every built-in 
 and loss. Nothing heavy is imported here (the answer-verifier workers import this package).
 """
 
-from agentrl_jax.config.core import add_registry_loader
+from agentrl_jax.config.registries import add_registry_loader
 
 __version__ = "0.1.0"
 

@@ -5,7 +5,10 @@ command line overrides any field with ``--set section.field=value``. Unknown key
 types and impossible combinations fail at load time with a :class:`ConfigError` that
 names the field and what is allowed.
 
-- ``config/core.py``: the machinery (section base, type checks, overrides, loading, describe).
+- ``config/core.py``: the section base (field helpers, type checks, describe).
+- ``config/overrides.py`` (``--set`` overrides) and ``config/loading.py`` (config files,
+  saved dicts): a Config from outside.
+- ``config/registries.py``: the hooks the layers above fill (environments, config checks).
 - ``config/sections.py``: the training sections and ``Config``; the two largest sections in
   ``config/rollout.py`` and ``config/hybrid.py``.
 - ``config/environments.py``: the base of the environment section; each environment
@@ -20,18 +23,7 @@ first time a registry is read.
 
 from agentrl_jax.config.core import _f as config_field
 from agentrl_jax.config.core import _require as require
-from agentrl_jax.config.core import (
-    ConfigError,
-    DType,
-    apply_overrides,
-    check_required_paths,
-    describe,
-    from_dict,
-    load_config,
-    register_config_check,
-    resolve_config_path,
-    to_dict,
-)
+from agentrl_jax.config.core import ConfigError, DType, describe
 from agentrl_jax.config.environments import (
     TOOL_REWARD_CAP,
     EnvironmentConfig,
@@ -42,6 +34,9 @@ from agentrl_jax.config.environments import (
     register_environment,
 )
 from agentrl_jax.config.hybrid import JUDGE_FIELDS
+from agentrl_jax.config.loading import check_required_paths, from_dict, load_config, resolve_config_path, to_dict
+from agentrl_jax.config.overrides import apply_overrides
+from agentrl_jax.config.registries import register_config_check
 from agentrl_jax.config.sections import (
     AlgorithmConfig,
     AsyncConfig,

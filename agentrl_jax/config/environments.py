@@ -38,7 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from agentrl_jax.config.core import SECTION_PATHS, ConfigError, _f, _require, _section, _Section, load_registry
+from agentrl_jax.config.core import SECTION_PATHS, ConfigError, _f, _require, _section, _Section
+from agentrl_jax.config.registries import load_registry
 
 if TYPE_CHECKING:
     from agentrl_jax.config.sections import Config

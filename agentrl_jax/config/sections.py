@@ -1,10 +1,10 @@
 """The sections of an experiment's Config: model, mesh, rollout, algorithm, ..., and Config.
 
-Each section is a frozen dataclass whose fields carry their documentation; the machinery
-(type checks, overrides, loading) is in ``config/core.py``, the environment section's base
-(each environment registers its own subclass, chosen by ``environment.name``) in
-``config/environments.py``, and the two largest sections in ``config/rollout.py`` and
-``config/hybrid.py``.
+Each section is a frozen dataclass whose fields carry their documentation; the section
+base and type checks are in ``config/core.py`` (overrides and loading beside it), the
+environment section's base (each environment registers its own subclass, chosen by
+``environment.name``) in ``config/environments.py``, and the two largest sections in
+``config/rollout.py`` and ``config/hybrid.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from agentrl_jax.config.core import (SECTION_PATHS, DType, _f, _require, _section, _Section,
-                                     run_config_checks)
+from agentrl_jax.config.core import SECTION_PATHS, DType, _f, _require, _section, _Section
+from agentrl_jax.config.registries import run_config_checks
 from agentrl_jax.config.environments import EnvironmentConfig
 from agentrl_jax.config.hybrid import HybridConfig
 from agentrl_jax.config.rollout import RolloutConfig
