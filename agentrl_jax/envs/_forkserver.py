@@ -1,7 +1,8 @@
 """Fork server of the sandbox pool: a pre-warmed interpreter that forks one child per cell.
 
 The pool (`agentrl_jax/envs/sandbox.py`) starts this file as a script, never imports it,
-so the trainer process does not fork. The server imports numpy/sympy once, isolates itself
+so the trainer process does not fork. What a child does before and while it runs a cell is
+in `_sandbox_child.py`. The server imports numpy/sympy once, isolates itself
 (`_sandbox_isolation.py`: a network namespace with loopback down, a mount namespace with
 private tmpfs on /tmp, /var/tmp, /dev/shm and closed home directories, the interpreter's
 paths bound back read-only), reports which protections it got and which it lacks, then
@@ -22,10 +23,8 @@ of its uid are killed, so a grandchild that called setsid() does not survive it 
 and its directory is removed.
 """
 
-import ctypes
 import json
 import os
-import resource
 import selectors
 import shutil
 import signal
@@ -33,103 +32,12 @@ import sys
 import time
 import traceback
 
-import _sandbox_isolation as isolation  # the sibling file; sys.path[0] is this directory
+import _sandbox_child  # the sibling files; sys.path[0] is this directory
+import _sandbox_isolation as isolation
 
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
-CELL_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+PR_SET_CHILD_SUBREAPER = 36
 READ_CHUNK = 1 << 16
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _vm_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _apply_limits(limits, session, own_uid):
-    """Resource limits of a child; the address space budget is on top of the warm image.
-
-    RLIMIT_NPROC counts every process of the real uid, so without a uid of its own it
-    would count the trainer's threads: it is only set when the child has its own uid.
-    """
-    cpu = max(1, int(limits["cpu_s"] + 0.999))
-    cpu_hard = int(limits.get("session_cpu_s", cpu)) if session else cpu + 1
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, max(cpu, cpu_hard)))
-    address_space = _vm_bytes() + int(limits["memory_mb"]) * 2**20
-    resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
-    if own_uid:
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"], limits["max_processes"]))
-    fsize = int(limits["max_file_mb"]) * 2**20
-    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
-def _enter_child(uid, workdir, keep_in_tmp, limits, out_w, err_w, session_fds):
-    """Runs in the forked child: isolate it, then return (the caller runs the code)."""
-    signal.set_wakeup_fd(-1)
-    for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-    os.setsid()
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(out_w, 1)
-    os.dup2(err_w, 2)
-    for target, fd in zip((3, 4), session_fds):
-        os.dup2(fd, target)
-    os.closerange(3 + len(session_fds), 1 << 16)
-    if keep_in_tmp is not None:
-        workdir = isolation.private_tmp(workdir, keep_in_tmp)
-    _apply_limits(limits, bool(session_fds), uid is not None)
-    os.chdir(workdir)
-    if uid is not None:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    os.environ.clear()
-    os.environ.update(CELL_ENV, HOME=workdir, TMPDIR=workdir)
-    sys.stdin = open(0, "r", closefd=False)
-    sys.stdout = open(1, "w", closefd=False, encoding="utf-8", errors="replace")
-    sys.stderr = open(2, "w", closefd=False, encoding="utf-8", errors="replace")
-    sys.argv = ["<cell>"]
-
-
-def _exec_cell(code, namespace):
-    """Executes one cell; returns its exit status (0, 1 for an exception, or SystemExit's)."""
-    status = 0
-    try:
-        exec(compile(code, "<cell>", "exec"), namespace)
-    except SystemExit as e:
-        status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if e.code is not None and not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-    except BaseException as e:  # the cell's own failure, reported like the interpreter would
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
-        status = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            status = status or 1
-    return status
-
-
-def _session_main(code_in=3, result_out=4):
-    """Body of a session child: exec cells from fd 3 in one namespace, report on fd 4."""
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-    reader = os.fdopen(code_in, "r", encoding="utf-8")
-    for line in reader:
-        cell = json.loads(line)
-        used = resource.getrusage(resource.RUSAGE_SELF)
-        budget = int(used.ru_utime + used.ru_stime + cell["cpu_s"] + 1)
-        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
-        resource.setrlimit(resource.RLIMIT_CPU, (min(budget, hard), hard))
-        status = _exec_cell(cell["code"], namespace)
-        os.write(result_out, (json.dumps({"exit_status": status}) + "\n").encode())
-    os._exit(0)
 
 
 class Child:
@@ -197,11 +105,11 @@ class ForkServer:
         pid = os.fork()
         if pid == 0:
             try:
-                _enter_child(uid, workdir, self.keep_in_tmp, limits, out_w, err_w,
-                             (cmd_r, ctrl_w) if session else ())
+                _sandbox_child.enter_child(uid, workdir, self.keep_in_tmp, limits, out_w, err_w,
+                                           (cmd_r, ctrl_w) if session else ())
                 if session:
-                    _session_main()
-                os._exit(_exec_cell(code, {"__name__": "__main__", "__builtins__": __builtins__}))
+                    _sandbox_child.session_main()
+                os._exit(_sandbox_child.exec_cell(code, _sandbox_child.fresh_namespace()))
             except BaseException:  # on the cell's stderr when it got that far, else the server's
                 try:
                     traceback.print_exc()
@@ -464,8 +372,8 @@ def main():
         sys.exit(3)
     if uid_block is None:
         missing["uid_separation"] = uid_refused
-    _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _sandbox_child.libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    _sandbox_child.libc.prctl(_sandbox_child.PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     proto_out = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # stray prints of the server must not corrupt the protocol
     keep_in_tmp = isolation.under_tmp(isolation.visible_paths(PACKAGE_DIR))

@@ -1,9 +1,10 @@
 """Host-side asyncio pool of Python sandboxes (docs/environments.md).
 
 `SandboxPool` keeps `num_servers` pre-warmed fork servers (`_forkserver.py`, numpy and
-sympy imported once) and forks one child per execution, so a cell costs milliseconds,
-not an interpreter start. What a child gets, and what it cannot do, is documented in
-`_forkserver.py` and `_sandbox_isolation.py`; in short, as root without containers:
+sympy imported once; the pool's handle on each is `sandbox_server.py`) and forks one child
+per execution, so a cell costs milliseconds, not an interpreter start. What a child gets,
+and what it cannot do, is documented in `_forkserver.py`, `_sandbox_child.py` and
+`_sandbox_isolation.py`; in short, as root without containers:
 
 - own uid, process group, CPU/address-space/process/file-size limits, wall-clock
   deadline with the whole process group and uid killed, output byte cap;
@@ -32,21 +33,19 @@ import dataclasses
 import itertools
 import json
 import logging
-import os
 import sys
 import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from agentrl_jax.envs.sandbox_server import ForkServerProcess
+
 if TYPE_CHECKING:
     from agentrl_jax.config import Config
     from agentrl_jax.envs.remote_sandbox import RemoteSandbox
 
 logger = logging.getLogger(__name__)
-_SERVER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_forkserver.py")
-_SERVER_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
-               "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
 # What a cell can do when a protection is missing (the keys are the fork server's names).
 PROTECTIONS = {
     "uid_separation": "cells run as the trainer's own user: they can signal its processes and read or "
@@ -55,7 +54,6 @@ PROTECTIONS = {
     "mount_namespace": "cells share the host's /tmp, /var/tmp and /dev/shm with each other and the host, "
                        "and closed directories (/root) are as visible as their permissions allow",
 }
-_STDERR_LINES = 50
 
 
 class SandboxIsolationError(RuntimeError):
@@ -116,33 +114,12 @@ class ExecResult:
         return self.exit_status == 0 and not self.timed_out and self.error is None
 
 
-class _Server:
-    """One fork-server process and the requests waiting on it."""
-
-    def __init__(self, process, info):
-        self.process = process
-        self.info = info
-        self.pending: dict[int, asyncio.Future] = {}
-        self.reader_task: asyncio.Task | None = None
-        self.stderr_task: asyncio.Task | None = None
-
-    @property
-    def alive(self) -> bool:
-        return self.process.returncode is None
-
-    def fail_pending(self, reason: str):
-        for future in self.pending.values():
-            if not future.done():
-                future.set_exception(ConnectionError(reason))
-        self.pending.clear()
-
-
 class SandboxPool:
     """Async pool of sandboxed Python executions. Use `async with SandboxPool(cfg) as pool`."""
 
     def __init__(self, config: SandboxPoolConfig | None = None):
         self.config = config or SandboxPoolConfig()
-        self._servers: list[_Server | None] = [None] * self.config.num_servers
+        self._servers: list[ForkServerProcess | None] = [None] * self.config.num_servers
         self._semaphore = asyncio.Semaphore(self.config.max_concurrency)
         self._ids = itertools.count()
         self._session_server: dict[str, int] = {}
@@ -193,75 +170,19 @@ class SandboxPool:
     def filesystem_isolated(self) -> bool:
         return all(s is not None and s.info["filesystem_isolated"] for s in self._servers)
 
-    async def _start_server(self) -> _Server:
-        cfg = self.config
-        server_config = {k: getattr(cfg, k) for k in (
-            "preimport", "isolate_network", "isolate_filesystem", "tmpfs_mb", "run_as_unprivileged", "uid_base")}
-        process = await asyncio.create_subprocess_exec(
-            cfg.python, "-E", "-s", _SERVER_SCRIPT, json.dumps(server_config),
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env=dict(_SERVER_ENV), limit=8 * cfg.output_limit_bytes + 2**20, close_fds=True)
-        stderr_tail: collections.deque = collections.deque(maxlen=_STDERR_LINES)
-        stderr_task = asyncio.create_task(self._forward_stderr(process, stderr_tail))
-        line = b""
-        try:
-            line = await asyncio.wait_for(process.stdout.readline(), timeout=120)
-            info = json.loads(line) if line else None
-        except (asyncio.TimeoutError, ValueError):
-            info = None
-        if not isinstance(info, dict) or not info.get("ready"):
-            if process.returncode is None:
-                process.kill()
-            status = await process.wait()
-            await asyncio.gather(stderr_task, return_exceptions=True)
-            said = "\n".join(stderr_tail) or "(nothing on stderr)"
-            raise RuntimeError(f"sandbox fork server failed to start ({cfg.python} {_SERVER_SCRIPT}, exit "
-                               f"{status}; first line {line[:200]!r}); its stderr:\n{said}")
-        server = _Server(process, info)
-        server.stderr_task = stderr_task
-        server.reader_task = asyncio.create_task(self._read_replies(server))
+    async def _start_server(self) -> ForkServerProcess:
+        server = await ForkServerProcess.start(self.config)
         self._counts["servers_started"] += 1
         return server
 
-    @staticmethod
-    async def _forward_stderr(process, tail: collections.deque):
-        """The server's stderr (failed pre-imports, a child that died before its cell) to the log."""
-        pending = b""
-        while chunk := await process.stderr.read(1 << 16):
-            *lines, pending = (pending + chunk).split(b"\n")
-            pending = pending[-4096:]  # a line without end is cut, never buffered without bound
-            for raw in lines:
-                tail.append(raw.decode("utf-8", "replace").rstrip())
-                logger.warning("sandbox fork server %d: %s", process.pid, tail[-1])
-        if pending:
-            tail.append(pending.decode("utf-8", "replace").rstrip())
-            logger.warning("sandbox fork server %d: %s", process.pid, tail[-1])
-
-    async def _read_replies(self, server: _Server):
-        try:
-            while True:
-                line = await server.process.stdout.readline()
-                if not line:
-                    break
-                reply = json.loads(line)
-                future = server.pending.pop(reply.get("id"), None)
-                if future is not None and not future.done():
-                    future.set_result(reply)
-        except (ValueError, asyncio.LimitOverrunError) as e:
-            logger.error("sandbox: bad reply from fork server: %s", e)
-        finally:
-            server.fail_pending("sandbox fork server died")
-            if server.alive:
-                server.process.kill()
-
-    async def _server(self, index: int) -> _Server:
+    async def _server(self, index: int) -> ForkServerProcess:
         async with self._restart_lock:
             server = self._servers[index]
             if server is None or not server.alive or server.reader_task.done():
                 if server is not None:
                     self._counts["servers_replaced"] += 1
                     self._drop_sessions_of(index)
-                    await self._stop_server(server)
+                    await server.stop(self.config.grace_s)
                 server = self._servers[index] = await self._start_server()
             return server
 
@@ -269,18 +190,6 @@ class SandboxPool:
         for sid, owner in list(self._session_server.items()):
             if owner == index:
                 del self._session_server[sid]
-
-    async def _stop_server(self, server: _Server):
-        if server.alive:
-            server.process.kill()
-        await server.process.wait()
-        server.fail_pending("sandbox fork server stopped")
-        if server.reader_task is not None:
-            await asyncio.gather(server.reader_task, return_exceptions=True)
-        if server.stderr_task is not None:  # EOF unless a straggler inherited the pipe
-            done, _ = await asyncio.wait([server.stderr_task], timeout=self.config.grace_s)
-            if not done:
-                server.stderr_task.cancel()
 
     def _limits(self, timeout_s, memory_mb, session):
         cfg = self.config
@@ -398,7 +307,7 @@ class SandboxPool:
                     await asyncio.wait_for(server.process.wait(), 5)
                 except asyncio.TimeoutError:
                     pass
-                await self._stop_server(server)
+                await server.stop(self.config.grace_s)
                 self._servers[index] = None
 
 
