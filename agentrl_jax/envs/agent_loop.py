@@ -74,6 +74,47 @@ logger = logging.getLogger(__name__)
 TRUNCATION_RULES = ("mask", "penalize")
 
 
+@dataclasses.dataclass
+class _Tokens:
+    """The trajectory's token streams as the episode grows them, position by position."""
+
+    ids: list[int]
+    mask: list[int]  # loss mask: 1 on the policy's sampled tokens
+    logprobs: list[float]  # the engine's, on sampled tokens; 0 elsewhere
+    versions: list[int]  # params version that sampled each token; -1 elsewhere
+
+    @classmethod
+    def of_prompt(cls, prompt: Sequence[int]) -> _Tokens:
+        return cls(list(prompt), [0] * len(prompt), [0.0] * len(prompt), [-1] * len(prompt))
+
+    def add_sampled(self, completion: Any) -> None:
+        self.ids += completion.token_ids
+        self.mask += [1] * len(completion.token_ids)
+        self.logprobs += list(completion.logprobs)
+        self.versions += list(completion.params_versions)
+
+    def add_observation(self, observation: Sequence[int]) -> None:
+        self.ids += observation
+        self.mask += [0] * len(observation)
+        self.logprobs += [0.0] * len(observation)
+        self.versions += [-1] * len(observation)
+
+    @property
+    def num_sampled(self) -> int:
+        return int(sum(self.mask))
+
+
+@dataclasses.dataclass
+class _Outcome:
+    """How an episode ended and what it is worth."""
+
+    finish: str
+    reward: float = 0.0
+    components: dict[str, float] = dataclasses.field(default_factory=dict)
+    tool_stats: ToolStats = dataclasses.field(default_factory=ToolStats)
+    masked: bool = False
+
+
 class AgentLoop:
     """Runs episodes of any ``Environment`` through a rollout ``Driver``.
 
@@ -133,108 +174,106 @@ class AgentLoop:
     async def run_episode(
         self, env: Environment, task: dict[str, Any], sampling: SamplingParams, *, group_id: int = 0
     ) -> Trajectory:
-        tok = self.tokenizer
+        """One episode of ``env`` on ``task``: the policy's turns and the environment's answers,
+        then the grade (or the score of an episode cut short), as a Trajectory."""
         messages = await env.reset(task)
-        prompt = list(tok.apply_chat(messages, tools=env.tools, add_generation_prompt=True))
-        ids: list[int] = list(prompt)
-        mask: list[int] = [0] * len(prompt)
-        logprobs: list[float] = [0.0] * len(prompt)
-        versions: list[int] = [-1] * len(prompt)
+        prompt = list(self.tokenizer.apply_chat(messages, tools=env.tools, add_generation_prompt=True))
+        tokens = _Tokens.of_prompt(prompt)
         turns: list[dict[str, str]] = list(messages)
         session = self.driver.session()
-        pending: Sequence[int] = prompt
-        reward, components, finish, masked = 0.0, {}, "", False
-        tool_stats = ToolStats()
         try:
-            while True:
-                budget = min(self.max_new_tokens_per_turn, self.max_total_tokens - len(ids) - 1)
-                if budget < 1:
-                    finish = "max_tokens" if any(mask) else "context_overflow"
-                    break
-                completion = await self.driver.generate(
-                    pending,
-                    sampling,
-                    stop_token_ids=tok.eos_token_ids,
-                    stop_strings=env.stop_strings,
-                    max_new_tokens=budget,
-                    session=session,
-                )
-                ids += completion.token_ids
-                mask += [1] * len(completion.token_ids)
-                logprobs += list(completion.logprobs)
-                versions += list(completion.params_versions)
-                # Cut by the context (not by the per-turn budget): nothing more fits after this turn.
-                context_full = completion.finish_reason == "capacity" or (
-                    completion.finish_reason == "length" and budget < self.max_new_tokens_per_turn)
-                text = tok.decode(completion.token_ids, skip_special_tokens=True)
-                turns.append({"role": "assistant", "content": text})
-                env.num_sampled_tokens = int(sum(mask))
-                try:
-                    step = await env.step(text)
-                except Exception as e:  # noqa: BLE001  (a broken env ends its episode, not the run)
-                    finish = self._env_error(task, "step", e)
-                    break
-                tool_stats = step.tool_stats or tool_stats
-                # A turn the context cut off is graded only as an answer it completed before the cut.
-                if step.done and (not context_full or step.finish_reason == "answer"):
-                    reward, components = self._graded(step)
-                    finish = step.finish_reason or "done"
-                    break
-                if context_full or len(ids) + 1 >= self.max_total_tokens:
-                    finish = "max_tokens"
-                    break
-                observation = self._observation_ids(ids, step, env.tools)
-                turns += (step.observation_messages if step.observation_messages is not None
-                          else [{"role": "tool", "content": step.observation_text}])
-                if len(ids) + len(observation) + 1 >= self.max_total_tokens:
-                    finish = "context_overflow"
-                    break
-                ids += observation
-                mask += [0] * len(observation)
-                logprobs += [0.0] * len(observation)
-                versions += [-1] * len(observation)
-                pending = observation
-            if finish in TRUNCATED_REASONS:
-                env.num_sampled_tokens = int(sum(mask))
-                try:
-                    scored = env.truncated_result(finish, int(sum(mask)))
-                except Exception as e:  # noqa: BLE001
-                    finish, scored = self._env_error(task, "truncated_result", e), None
-                if scored is not None:
-                    reward, components = self._graded(scored)
-                    tool_stats = scored.tool_stats or tool_stats
-                    masked = self.truncation == "mask"
-                elif finish != "env_error":
-                    masked = True
-                    name = type(env).__name__
-                    if name not in self._warned_unscored:
-                        self._warned_unscored.add(name)
-                        logger.warning("%s.truncated_result returned None: episodes cut short by the context "
-                                       "are masked (they cannot be scored as a wrong answer)", name)
-                components["correct"] = 0.0
-            if finish == "env_error":
-                reward, components, masked = 0.0, {"correct": 0.0}, True
+            outcome = await self._play(env, task, sampling, session, tokens, turns)
+            if outcome.finish in TRUNCATED_REASONS:
+                self._score_cut_short(env, task, outcome, tokens.num_sampled)
+            if outcome.finish == "env_error":
+                outcome.reward, outcome.components, outcome.masked = 0.0, {"correct": 0.0}, True
         finally:
             session.close()
             await env.close()
-        self.masked += int(masked)
-        self.truncated += int(finish in TRUNCATED_REASONS)
+        self.masked += int(outcome.masked)
+        self.truncated += int(outcome.finish in TRUNCATED_REASONS)
         return Trajectory(
             prompt_token_ids=np.asarray(prompt, np.int32),
-            token_ids=np.asarray(ids, np.int32),
-            loss_mask=np.asarray(mask, np.int8),
-            rollout_logprobs=np.asarray(logprobs, np.float32),
-            params_versions=np.asarray(versions, np.int32),
+            token_ids=np.asarray(tokens.ids, np.int32),
+            loss_mask=np.asarray(tokens.mask, np.int8),
+            rollout_logprobs=np.asarray(tokens.logprobs, np.float32),
+            params_versions=np.asarray(tokens.versions, np.int32),
             turns=turns,
             tools=env.tools,
-            reward=reward,
-            reward_components=components,
-            tool_stats=dataclasses.replace(tool_stats),
-            finish_reason=finish,
+            reward=outcome.reward,
+            reward_components=outcome.components,
+            tool_stats=dataclasses.replace(outcome.tool_stats),
+            finish_reason=outcome.finish,
             group_id=group_id,
             task_metadata={k: v for k, v in task.items() if k != "question"},
-            masked=masked,
+            masked=outcome.masked,
         )
+
+    async def _play(self, env: Environment, task: dict[str, Any], sampling: SamplingParams, session: Any,
+                    tokens: _Tokens, turns: list[dict[str, str]]) -> _Outcome:
+        """The turns, appended to ``tokens`` and ``turns``, until the environment ends the
+        episode (graded), it fails, or the context would overflow (cut short)."""
+        tok = self.tokenizer
+        tool_stats = ToolStats()
+        pending: Sequence[int] = list(tokens.ids)
+        while True:
+            budget = min(self.max_new_tokens_per_turn, self.max_total_tokens - len(tokens.ids) - 1)
+            if budget < 1:
+                return _Outcome("max_tokens" if any(tokens.mask) else "context_overflow", tool_stats=tool_stats)
+            completion = await self.driver.generate(
+                pending,
+                sampling,
+                stop_token_ids=tok.eos_token_ids,
+                stop_strings=env.stop_strings,
+                max_new_tokens=budget,
+                session=session,
+            )
+            tokens.add_sampled(completion)
+            # Cut by the context (not by the per-turn budget): nothing more fits after this turn.
+            context_full = completion.finish_reason == "capacity" or (
+                completion.finish_reason == "length" and budget < self.max_new_tokens_per_turn)
+            text = tok.decode(completion.token_ids, skip_special_tokens=True)
+            turns.append({"role": "assistant", "content": text})
+            env.num_sampled_tokens = tokens.num_sampled
+            try:
+                step = await env.step(text)
+            except Exception as e:  # noqa: BLE001  (a broken env ends its episode, not the run)
+                return _Outcome(self._env_error(task, "step", e), tool_stats=tool_stats)
+            tool_stats = step.tool_stats or tool_stats
+            # A turn the context cut off is graded only as an answer it completed before the cut.
+            if step.done and (not context_full or step.finish_reason == "answer"):
+                reward, components = self._graded(step)
+                return _Outcome(step.finish_reason or "done", reward, components, tool_stats)
+            if context_full or len(tokens.ids) + 1 >= self.max_total_tokens:
+                return _Outcome("max_tokens", tool_stats=tool_stats)
+            observation = self._observation_ids(tokens.ids, step, env.tools)
+            turns += (step.observation_messages if step.observation_messages is not None
+                      else [{"role": "tool", "content": step.observation_text}])
+            if len(tokens.ids) + len(observation) + 1 >= self.max_total_tokens:
+                return _Outcome("context_overflow", tool_stats=tool_stats)
+            tokens.add_observation(observation)
+            pending = observation
+
+    def _score_cut_short(self, env: Environment, task: dict[str, Any], outcome: _Outcome, num_sampled: int) -> None:
+        """Scores an episode the context cut short as the environment scores it unanswered, and
+        decides whether it trains (``truncation``; module docstring); never graded correct."""
+        env.num_sampled_tokens = num_sampled
+        try:
+            scored = env.truncated_result(outcome.finish, num_sampled)
+        except Exception as e:  # noqa: BLE001
+            outcome.finish, scored = self._env_error(task, "truncated_result", e), None
+        if scored is not None:
+            outcome.reward, outcome.components = self._graded(scored)
+            outcome.tool_stats = scored.tool_stats or outcome.tool_stats
+            outcome.masked = self.truncation == "mask"
+        elif outcome.finish != "env_error":
+            outcome.masked = True
+            name = type(env).__name__
+            if name not in self._warned_unscored:
+                self._warned_unscored.add(name)
+                logger.warning("%s.truncated_result returned None: episodes cut short by the context "
+                               "are masked (they cannot be scored as a wrong answer)", name)
+        outcome.components["correct"] = 0.0
 
     def _observation_ids(self, ids: list[int], step: StepResult, tools: list[dict[str, Any]] | None) -> list[int]:
         """The ids that answer a turn: the observation text as is (inline layout), or the
