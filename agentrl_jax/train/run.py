@@ -1,6 +1,7 @@
 """``train(config)``: the whole job behind ``launch/tpu_pod.py``.
 
-1. tasks, model assets (a configured HF checkpoint, or a scratch model + tokenizer);
+1. the meshes (first: a mesh the devices cannot take is reported before anything is read),
+   tasks, model assets (a configured HF checkpoint, or a scratch model + tokenizer);
 2. the policy on the mesh, the rollout engine and driver, the sandbox pool;
 3. optional SFT cold start, then an evaluation of the starting policy;
 4. the roles and everything the loop uses (``train/build.py``), then the RL loop
@@ -101,6 +102,10 @@ def train(config: Config, *, make_env: MakeEnv | None = None) -> dict[str, Any]:
 async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dict[str, Any]:
     """The coroutine behind :func:`train`: wiring, the starting policy, RL, the outputs."""
     t_start = time.perf_counter()
+    # First what only the devices can tell (what several hosts do not support; a mesh these
+    # devices cannot take): config errors to report now, not after the data and model assets.
+    multihost.check_supported(config)
+    mesh, engine_mesh = make_meshes(config)
     out = Path(config.output_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
     train_tasks, eval_tasks, data_stats = setup.load_task_data(config)
@@ -112,7 +117,6 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
     # Native-layout demonstrations carry their calls as tool_calls (rendered by the template).
     corpus = [m["content"] or json.dumps(m.get("tool_calls") or "") for conv in (sft_conversations or [])
               for m in conv] or [t["question"] for t in train_tasks]
-    multihost.check_supported(config)
     resume_step = _resume_step(config, out)
     if jax.process_index() == 0:  # hosts may share output_dir: one writes, the others wait
         if resume_step is None:
@@ -121,7 +125,6 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
     multihost.barrier("model assets")
     model_path, tokenizer_path = setup.prepare_model_assets(config, corpus)
     tokenizer = Tokenizer(tokenizer_path, chat_template_kwargs=config.model.chat_template_kwargs)
-    mesh, engine_mesh = make_meshes(config)
     policy = _load_policy(config, model_path, mesh)
     check_reference_architecture(config, policy.config)
     # Resuming at step s: the rows a killed run logged after its checkpoint (steps > s) go.

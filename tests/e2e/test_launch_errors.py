@@ -61,7 +61,11 @@ def _model_path_without_config_json(tmp_path):
 
 
 def _mesh_that_does_not_divide_the_devices(tmp_path):
-    return ["mesh.data=3", "sft.steps=0", "environment.num_train_tasks=32", "environment.num_eval_tasks=2"], (
+    """Reported before the data and the model are read: this data path and model.path are
+    mistakes too, found only later."""
+    (tmp_path / "not_a_checkpoint").mkdir()
+    return ["mesh.data=3", f"data.train_path={tmp_path / 'missing.jsonl'}",
+            f"data.eval_path={tmp_path / 'missing.jsonl'}", f"model.path={tmp_path / 'not_a_checkpoint'}"], (
         "config error: mesh: 8 devices are not divisible by the fixed axes {'data': 3, 'fsdp': -1, 'tensor': 1}")
 
 
