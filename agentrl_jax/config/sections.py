@@ -346,19 +346,19 @@ class Config(_Section):
                  "'oracle' is a scripted judge of the arithmetic environment only")
         _require(hybrid.judge != "teacher" or hybrid.mode != "none", "hybrid.judge",
                  "'teacher' needs a teacher (hybrid.mode 'opd' or 'hybrid')")
-        a = self.async_rl
-        if a.enabled:
+        async_rl = self.async_rl
+        if async_rl.enabled:
             _require(hybrid.judge == "none", "hybrid.judge",
                      f"{hybrid.judge!r} with async_rl.enabled=true: the async pipeline does not run a judge (a "
                      "model judge decodes through the rollout driver between steps, which async rollouts keep "
                      "busy), so training would go on without verdicts: no hints (hybrid.mode='hybrid' would "
                      "distill on every trajectory) and no PRM reward. Use async_rl.enabled=false, or "
                      "hybrid.judge='none' (docs/async.md)")
-            _require(a.max_staleness == 0 or a.old_logprobs == "snapshot" or algo.correction != "none",
-                     "algorithm.correction",
-                     f"async_rl.max_staleness={a.max_staleness} with old_logprobs={a.old_logprobs!r}: the 'old' "
-                     "policy is not the one that sampled the tokens, so the discrepancy old/mu must be corrected "
-                     "(set algorithm.correction to 'tis', 'mis' or 'icepop'; or async_rl.old_logprobs='snapshot')")
+            _require(async_rl.max_staleness == 0 or async_rl.old_logprobs == "snapshot"
+                     or algo.correction != "none", "algorithm.correction",
+                     f"async_rl.max_staleness={async_rl.max_staleness} with old_logprobs={async_rl.old_logprobs!r}: "
+                     "the 'old' policy is not the one that sampled the tokens, so the discrepancy old/mu must be "
+                     "corrected (set algorithm.correction to 'tis', 'mis' or 'icepop'; or async_rl.old_logprobs='snapshot')")
 
         self.environment.validate_in(self)
 
