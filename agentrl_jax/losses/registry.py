@@ -264,21 +264,21 @@ def check_registered_names(config: Config) -> None:
     # The trainer calls the estimator and the loss with these arguments only
     # (train/episodes.py compute_advantages, train/step.py); one that needs more (a critic's
     # values, teacher logprobs, a hyper-parameter without default) would fail at the first update.
-    a = config.algorithm
-    min_group_size, note = advantage_info(a.advantage)
-    needs = _required_parameters(get_advantage(a.advantage), positional=3,
+    algorithm = config.algorithm
+    min_group_size, note = advantage_info(algorithm.advantage)
+    needs = _required_parameters(get_advantage(algorithm.advantage), positional=3,
                                  keywords={"num_groups", "sequence_ids"})
-    require(not needs, "algorithm.advantage", f"{a.advantage!r} {note}" if note else
-            f"{a.advantage!r} requires {sorted(needs)}, which the RL trainer does not pass (it passes rewards, "
+    require(not needs, "algorithm.advantage", f"{algorithm.advantage!r} {note}" if note else
+            f"{algorithm.advantage!r} requires {sorted(needs)}, which the RL trainer does not pass (it passes rewards, "
             "group_ids, loss_mask, num_groups); use a sequence estimator (grpo, drgrpo, rloo, reinforce_pp)")
-    require(a.group_size >= min_group_size, "algorithm.group_size",
-            f"must be >= {min_group_size} for the group estimator {a.advantage!r} (got {a.group_size})")
-    errors = loss_hparam_errors(a.loss, config)
+    require(algorithm.group_size >= min_group_size, "algorithm.group_size",
+            f"must be >= {min_group_size} for the group estimator {algorithm.advantage!r} (got {algorithm.group_size})")
+    errors = loss_hparam_errors(algorithm.loss, config)
     require(not errors, "algorithm.loss_hparams", "; ".join(errors))
-    needs = _required_parameters(get_loss(a.loss), positional=4,
-                                 keywords={"sequence_ids", "num_sequences", *loss_hparams(a.loss, config)})
+    needs = _required_parameters(get_loss(algorithm.loss), positional=4,
+                                 keywords={"sequence_ids", "num_sequences", *loss_hparams(algorithm.loss, config)})
     require(not needs, "algorithm.loss_hparams",
-            f"loss {a.loss!r} requires {sorted(needs)}, which have no defaults; set them with "
+            f"loss {algorithm.loss!r} requires {sorted(needs)}, which have no defaults; set them with "
             "--set 'algorithm.loss_hparams=[[\"name\", value]]'")
 
 
