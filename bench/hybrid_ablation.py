@@ -107,7 +107,7 @@ def sft_done(sft: Path) -> bool:
     return _finished(sft, "start") and (sft / "export" / "config.json").exists()
 
 
-class Scheduler:
+class AblationRuns:
     """The runs of the ablation on a pool of ``jobs`` processes, across seeds: every seed's SFT
     first (concurrently), each seed's arms as soon as its SFT is there. Finished runs are
     skipped (a killed ablation continues where it stopped, reusing the exported SFTs); no run
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.report_only:
         check_arms(args.arms, budget)
         deadline = None if args.deadline is None else time.monotonic() + args.deadline
-        Scheduler(out, budget, args.sft_steps, args.jobs, deadline).run(args.seeds, args.arms)
+        AblationRuns(out, budget, args.sft_steps, args.jobs, deadline).run(args.seeds, args.arms)
     summary = summarize(out, args.seeds, args.arms)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     table = table_markdown(summary)

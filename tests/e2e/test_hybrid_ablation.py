@@ -111,10 +111,10 @@ class _Launches:
         (run_dir / "results.json").write_text(json.dumps({"start": {}} if sft else {"start": {}, "end": {}}))
 
 
-def test_scheduler_runs_sfts_first_across_seeds_and_continues_a_partial_out(tmp_path, monkeypatch):
+def test_ablation_runs_sfts_first_across_seeds_and_continues_a_partial_out(tmp_path, monkeypatch):
     launches = _Launches()
     monkeypatch.setattr(ablation, "_launch", launches)
-    ablation.Scheduler(tmp_path, ["total_steps=2"], 5, jobs=3, deadline=None).run([0, 1], ["grpo", "placebo"])
+    ablation.AblationRuns(tmp_path, ["total_steps=2"], 5, jobs=3, deadline=None).run([0, 1], ["grpo", "placebo"])
     names = [name for name, _ in launches.calls]
     assert sorted(names) == sorted(f"seed{s}/{r}" for s in (0, 1) for r in ("sft", "grpo", "placebo"))
     for seed in (0, 1):  # each seed's arms after its SFT, from its export
@@ -124,23 +124,23 @@ def test_scheduler_runs_sfts_first_across_seeds_and_continues_a_partial_out(tmp_
     assert "sft.steps=5" in dict(launches.calls)["seed0/sft"]
     # a second pass over the same OUT: everything is reused; a lost export reruns that SFT only
     launches.calls.clear()
-    ablation.Scheduler(tmp_path, ["total_steps=2"], 5, jobs=3, deadline=None).run([0, 1], ["grpo", "placebo"])
+    ablation.AblationRuns(tmp_path, ["total_steps=2"], 5, jobs=3, deadline=None).run([0, 1], ["grpo", "placebo"])
     assert launches.calls == []
     (tmp_path / "seed1" / "sft" / "export" / "config.json").unlink()
     (tmp_path / "seed1" / "sft" / "export").rmdir()
     (tmp_path / "seed1" / "placebo" / "results.json").unlink()
-    ablation.Scheduler(tmp_path, ["total_steps=2"], 5, jobs=3, deadline=None).run([0, 1], ["grpo", "placebo"])
+    ablation.AblationRuns(tmp_path, ["total_steps=2"], 5, jobs=3, deadline=None).run([0, 1], ["grpo", "placebo"])
     assert [name for name, _ in launches.calls] == ["seed1/sft", "seed1/placebo"]
 
 
-def test_scheduler_reports_failures_and_the_deadline(tmp_path, monkeypatch, capsys):
+def test_ablation_runs_report_failures_and_the_deadline(tmp_path, monkeypatch, capsys):
     launches = _Launches(fail={"grpo"})
     monkeypatch.setattr(ablation, "_launch", launches)
-    scheduler = ablation.Scheduler(tmp_path, [], None, jobs=2, deadline=None)
-    scheduler.run([0], ["grpo", "placebo"])
-    assert scheduler.failed == ["seed0/grpo"] and (tmp_path / "seed0" / "placebo" / "results.json").exists()
+    runs = ablation.AblationRuns(tmp_path, [], None, jobs=2, deadline=None)
+    runs.run([0], ["grpo", "placebo"])
+    assert runs.failed == ["seed0/grpo"] and (tmp_path / "seed0" / "placebo" / "results.json").exists()
     assert "FAILED: seed0/grpo" in capsys.readouterr().out
-    late = ablation.Scheduler(tmp_path / "late", [], None, jobs=2, deadline=0.0)
+    late = ablation.AblationRuns(tmp_path / "late", [], None, jobs=2, deadline=0.0)
     late.run([0, 1], ["grpo"])
     assert sorted(late.skipped) == ["seed0/grpo", "seed0/sft", "seed1/grpo", "seed1/sft"]
 
