@@ -7,7 +7,7 @@ names the field and what is allowed.
 
 - ``config/core.py``: the machinery (section base, type checks, overrides, loading, describe).
 - ``config/sections.py``: the training sections and ``Config``; the two largest sections in
-  ``config/rollout.py`` and ``config/hybrid.py``.
+  ``config/rollout.py`` and ``config/hybrid.py``; the critic's in ``config/critic.py``.
 - ``config/environments.py``: the base of the environment section; each environment
   registers its own subclass with :func:`register_environment` (the built-in ones in envs/),
   selected by ``environment.name``.
@@ -32,6 +32,7 @@ from agentrl_jax.config.core import (
     resolve_config_path,
     to_dict,
 )
+from agentrl_jax.config.critic import CriticConfig
 from agentrl_jax.config.environments import (
     TOOL_REWARD_CAP,
     EnvironmentConfig,
@@ -61,7 +62,7 @@ from agentrl_jax.config.sections import (
 
 __all__ = [
     "JUDGE_FIELDS", "TOOL_REWARD_CAP",
-    "AlgorithmConfig", "AsyncConfig", "CheckpointConfig", "Config", "ConfigError", "DType", "DataConfig",
+    "AlgorithmConfig", "AsyncConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DType", "DataConfig",
     "EnvironmentConfig", "EvalConfig", "HybridConfig", "LoggingConfig", "MeshConfig", "ModelConfig",
     "OptimizerConfig", "RolloutConfig", "SFTConfig", "SandboxConfig", "ScratchModelConfig", "VerifierConfig",
     "apply_overrides", "check_required_paths", "config_field", "describe", "environment_names", "from_dict",
