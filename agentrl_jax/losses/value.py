@@ -52,12 +52,18 @@ def clipped_value_loss(
     return jnp.where(mask, per_token, 0.0), {"value_clip_frac": clip_frac}
 
 
+# Returns R = A + V of a batch whose rewards are all equal are constant only up to float32
+# rounding (Var ~ 1e-15), which would make the ratio below astronomically negative.
+_CONSTANT_VARIANCE = 1e-8
+
+
 def explained_variance(
     values: Float[Array, "N"], returns: Float[Array, "N"]
 ) -> Float[Array, ""]:
     """1 - Var[R - V] / Var[R] over the given tokens: 1 for a perfect critic, 0 for a
-    constant one, negative for one worse than a constant. 0 when the returns are constant."""
+    constant one, negative for one worse than a constant. 0 when the returns are constant
+    (variance below 1e-8)."""
     chex.assert_rank([values, returns], 1)
     var_returns = jnp.var(returns)
-    return jnp.where(var_returns > 0, 1.0 - jnp.var(returns - values) / jnp.where(var_returns > 0, var_returns, 1.0),
-                     0.0)
+    constant = var_returns < _CONSTANT_VARIANCE
+    return jnp.where(constant, 0.0, 1.0 - jnp.var(returns - values) / jnp.where(constant, 1.0, var_returns))

@@ -177,3 +177,5 @@ def test_explained_variance():
     want = 1 - np.var(returns - values) / np.var(returns)
     assert float(explained_variance(jnp.asarray(values), jnp.asarray(returns))) == pytest.approx(want, rel=1e-5)
     assert float(explained_variance(jnp.asarray(values), jnp.ones(50))) == 0.0
+    rounding = 1.0 + 1e-7 * rng.normal(size=50)  # all-equal returns after float32 rounding
+    assert float(explained_variance(jnp.asarray(values), jnp.asarray(rounding, jnp.float32))) == 0.0
