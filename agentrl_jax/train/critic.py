@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 from typing import Any
 
 import jax
@@ -31,10 +30,8 @@ from agentrl_jax.losses import aggregate, clipped_value_loss, explained_variance
 from agentrl_jax.models.value_head import value_model_from_policy
 from agentrl_jax.train.episodes import compute_advantages
 from agentrl_jax.train.multihost import to_host
-from agentrl_jax.train.step import LossSettings, TrainState, init_train_state, make_logprob_fn, make_optimizer, \
-    make_update_fn
+from agentrl_jax.train.step import LossSettings, init_train_state, make_logprob_fn, make_optimizer, make_update_fn
 
-logger = logging.getLogger(__name__)
 CHECKPOINT_TREE = "critic"
 
 

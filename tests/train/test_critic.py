@@ -1,7 +1,6 @@
 """The critic: its value model, its forward and update in micro-batches and packed rows, its
 checkpoint, and a toy problem whose returns it must learn."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -149,9 +149,9 @@ def train_step(rl: RL, state: TrainState, version: int, step: int, trajectories:
         state, metrics = update(c.algorithm, rl.steps, rl.schedule, state, arrays, batch.loss_mask, step,
                                 old_from_update=old_from_update)
     if critic is not None:
+        critic_arrays = {k: rl.steps.put(v) for k, v in critic_arrays.items()}
         metrics.update(critic_metrics)
-        metrics.update(update_critic(c.algorithm, critic, rl.steps, arrays | {k: rl.steps.put(v) for k, v in
-                                                                              critic_arrays.items()}, step))
+        metrics.update(update_critic(c.algorithm, critic, rl.steps, arrays | critic_arrays, step))
     jax.block_until_ready(state.params)
     if rl.roles.teacher is not None:  # a lagged teacher follows the policy
         rl.roles.teacher.observe(state.params, step + 1)
