@@ -10,7 +10,7 @@ names the field and what is allowed.
   saved dicts): a Config from outside.
 - ``config/registries.py``: the hooks the layers above fill (environments, config checks).
 - ``config/sections.py``: the training sections and ``Config``; the two largest sections in
-  ``config/rollout.py`` and ``config/hybrid.py``.
+  ``config/rollout.py`` and ``config/hybrid.py``; the critic's in ``config/critic.py``.
 - ``config/environments.py``: the base of the environment section; each environment
   registers its own subclass with :func:`register_environment` (the built-in ones in envs/),
   selected by ``environment.name``.
@@ -24,6 +24,7 @@ first time a registry is read.
 from agentrl_jax.config.core import _f as config_field
 from agentrl_jax.config.core import _require as require
 from agentrl_jax.config.core import ConfigError, DType, describe
+from agentrl_jax.config.critic import CriticConfig
 from agentrl_jax.config.environments import (
     TOOL_REWARD_CAP,
     EnvironmentConfig,
@@ -56,7 +57,7 @@ from agentrl_jax.config.sections import (
 
 __all__ = [
     "JUDGE_FIELDS", "TOOL_REWARD_CAP",
-    "AlgorithmConfig", "AsyncConfig", "CheckpointConfig", "Config", "ConfigError", "DType", "DataConfig",
+    "AlgorithmConfig", "AsyncConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DType", "DataConfig",
     "EnvironmentConfig", "EvalConfig", "HybridConfig", "LoggingConfig", "MeshConfig", "ModelConfig",
     "OptimizerConfig", "RolloutConfig", "SFTConfig", "SandboxConfig", "ScratchModelConfig", "VerifierConfig",
     "apply_overrides", "check_required_paths", "config_field", "describe", "environment_names", "from_dict",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from agentrl_jax.config.core import SECTION_PATHS, DType, _f, _require, _section, _Section
+from agentrl_jax.config.critic import CriticConfig
 from agentrl_jax.config.registries import run_config_checks
 from agentrl_jax.config.environments import EnvironmentConfig
 from agentrl_jax.config.hybrid import HybridConfig
@@ -305,6 +306,7 @@ class Config(_Section):
     mesh: MeshConfig = _section(MeshConfig, "Device mesh.")
     rollout: RolloutConfig = _section(RolloutConfig, "Rollout engine.")
     algorithm: AlgorithmConfig = _section(AlgorithmConfig, "Advantages, loss, corrections.")
+    critic: CriticConfig = _section(CriticConfig, "The value model of algorithm.advantage='gae' (PPO with a critic).")
     optimizer: OptimizerConfig = _section(OptimizerConfig, "Optimizer and schedule.")
     data: DataConfig = _section(DataConfig, "Datasets.")
     environment: EnvironmentConfig = _section(EnvironmentConfig, "Environment, tools and rewards.")
@@ -372,6 +374,7 @@ SECTION_PATHS.update({
     "MeshConfig": "mesh",
     "RolloutConfig": "rollout",
     "AlgorithmConfig": "algorithm",
+    "CriticConfig": "critic",
     "OptimizerConfig": "optimizer",
     "DataConfig": "data",
     "CheckpointConfig": "checkpoint",

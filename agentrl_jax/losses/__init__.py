@@ -11,6 +11,8 @@ from agentrl_jax.losses.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
     sequence_to_token_advantages,
+    value_positions,
+    whiten_advantages,
 )
 from agentrl_jax.losses.aggregation import AGGREGATIONS, aggregate, global_normalizer
 from agentrl_jax.losses.corrections import (
@@ -51,10 +53,12 @@ from agentrl_jax.losses.registry import (
     known_advantages,
     known_losses,
     loss_hparams,
+    needs_critic,
     register_advantage,
     register_loss,
 )
 from agentrl_jax.losses.sequences import sequence_sums, sequence_to_tokens
+from agentrl_jax.losses.value import clipped_value_loss, explained_variance
 
 __all__ = [
     "AGGREGATIONS",
@@ -65,12 +69,14 @@ __all__ = [
     "center_per_sequence",
     "check_registered_names",
     "cispo_loss",
+    "clipped_value_loss",
     "clip_per_token",
     "correct_discrepancy",
     "decoupled_loss",
     "drgrpo_advantages",
     "entropy_bonus",
     "ewma_update",
+    "explained_variance",
     "gae_advantages",
     "get_advantage",
     "get_loss",
@@ -92,6 +98,7 @@ __all__ = [
     "masked_max",
     "masked_mean",
     "masked_min",
+    "needs_critic",
     "opd_advantages",
     "opd_lambda",
     "opd_term_diagnostics",
@@ -109,4 +116,6 @@ __all__ = [
     "should_reset_ewma",
     "token_logprobs",
     "truncated_is",
+    "value_positions",
+    "whiten_advantages",
 ]

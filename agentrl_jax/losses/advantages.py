@@ -1,4 +1,4 @@
-"""Advantage estimators: group baselines (GRPO, Dr.GRPO, RLOO), REINFORCE++, GAE, OPD.
+"""Advantage estimators: group baselines (GRPO, Dr.GRPO, RLOO), REINFORCE++, GAE (a critic), OPD.
 
 Sequence-level estimators take one outcome reward per trajectory, `rewards [B]`, and the
 prompt group of each trajectory, `group_ids [B]` (arbitrary non-negative ints < num_groups,
@@ -148,45 +148,56 @@ def gae_advantages(
     *,
     gamma: float = 1.0,
     lam: float = 1.0,
+    turn_level: bool = False,
 ) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
     """GAE over agent tokens only (Schulman et al. 2016, "High-Dimensional Continuous Control
     Using Generalized Advantage Estimation", eq. 16).
 
-        delta_k = r_k + gamma * V_{k+1} - V_k          (V after the last agent token = 0)
+        delta_k = r_k + gamma * V_{k+1} - V_k          (V after the last step = 0)
         A_k     = delta_k + gamma * lam * A_{k+1}
 
-    where k runs over the agent tokens (loss_mask 1) of a row in order. Observation tokens
-    inside a response are skipped, not time steps: the agent tokens are compressed to the
-    front of the row, GAE runs there, and the result is scattered back. A reward sitting on
-    an observation token is credited to the agent token that precedes it (the action that
-    caused the observation); a reward before the first agent token has no action and is
-    ignored. One row is one trajectory (compute advantages before packing).
+    where k runs over the steps of a row in order. Token level (default): a step is an agent
+    token (loss_mask 1). Observation tokens inside a response are skipped, not time steps:
+    the value of the first agent token after an observation bootstraps the agent token
+    before it. A reward sitting on an observation token is credited to the agent token that
+    precedes it (the action that caused the observation); a reward before the first agent
+    token has no action and is ignored.
+
+    ``turn_level``: a step is a turn (a maximal run of agent tokens), valued at its last
+    agent token; the rewards of its tokens and of the observation after it are summed onto
+    it, and every agent token of the turn gets the turn's advantage (the turn-level option
+    of agentic PPO: one critic estimate per action, not per token). One row is one
+    trajectory (compute advantages before packing).
 
     Args:
       token_rewards: [B, T] per-token rewards (outcome on the last agent token, KL penalties).
-      values: [B, T] critic values at each token (used at agent tokens only).
+      values: [B, T] critic values at each token (read at the steps' value positions only).
       loss_mask: [B, T] 1 on agent tokens.
       gamma, lam: discount and GAE lambda.
+      turn_level: one step per turn instead of per agent token.
     Returns:
-      (advantages [B, T], returns [B, T] = advantages + values), both 0 off the agent tokens.
+      (advantages [B, T], 0 off the agent tokens; returns [B, T] = advantages + values at
+      the value positions (`value_positions`), 0 elsewhere).
     """
     chex.assert_rank([token_rewards, values, loss_mask], 2)
     chex.assert_equal_shape([token_rewards, values, loss_mask])
     batch, seq_len = loss_mask.shape
     is_agent = loss_mask > 0
     dtype = jnp.result_type(token_rewards, values)
-    step = jnp.cumsum(is_agent, axis=1) - 1  # index of the latest agent token at or before t
+    valued = value_positions(loss_mask, turn_level=turn_level)
+    starts = valued if not turn_level else is_agent & ~jnp.pad(is_agent, ((0, 0), (1, 0)))[:, :-1]
+    step = jnp.cumsum(starts, axis=1) - 1  # the step a token belongs to (-1: before the first)
     rows = jnp.arange(batch)[:, None]
-    # Out-of-range index `seq_len` + mode="drop" discards prompt rewards / non-agent values.
+    # Out-of-range index `seq_len` + mode="drop" discards prompt rewards / unvalued positions.
     reward_slot = jnp.where(step >= 0, step, seq_len)
-    value_slot = jnp.where(is_agent, step, seq_len)
+    value_slot = jnp.where(valued, step, seq_len)
     step_rewards = jnp.zeros((batch, seq_len), dtype).at[rows, reward_slot].add(
         token_rewards.astype(dtype), mode="drop"
     )
     step_values = jnp.zeros((batch, seq_len), dtype).at[rows, value_slot].set(
         values.astype(dtype), mode="drop"
     )
-    num_steps = jnp.sum(is_agent, axis=1)
+    num_steps = jnp.sum(valued, axis=1)
     has_next = (jnp.arange(seq_len)[None, :] + 1) < num_steps[:, None]
     next_values = jnp.concatenate([step_values[:, 1:], jnp.zeros((batch, 1), dtype)], axis=1)
     deltas = step_rewards + gamma * next_values * has_next - step_values
@@ -201,8 +212,31 @@ def gae_advantages(
     )
     step_adv = step_adv.T
     advantages = jnp.where(is_agent, jnp.take_along_axis(step_adv, jnp.maximum(step, 0), 1), 0.0)
-    returns = jnp.where(is_agent, advantages + values.astype(dtype), 0.0)
+    returns = jnp.where(valued, advantages + values.astype(dtype), 0.0)
     return advantages, returns
+
+
+def value_positions(loss_mask: Float[Array, "B T"], *, turn_level: bool = False) -> Bool[Array, "B T"]:
+    """Where `gae_advantages` reads the critic (and where the value loss trains it): every
+    agent token, or with ``turn_level`` the last agent token of each turn."""
+    is_agent = loss_mask > 0
+    if not turn_level:
+        return is_agent
+    return is_agent & ~jnp.pad(is_agent, ((0, 0), (0, 1)))[:, 1:]
+
+
+def whiten_advantages(
+    advantages: Float[Array, "B T"], loss_mask: Float[Array, "B T"], *, eps: float = 1e-8
+) -> Float[Array, "B T"]:
+    """(A - mean) / (std + eps) over the loss tokens of the whole batch (population std), 0
+    elsewhere: PPO's advantage normalization ("Implementation Matters in Deep Policy
+    Gradients", arXiv:2005.12729). A batch without loss tokens stays 0."""
+    chex.assert_equal_shape([advantages, loss_mask])
+    mask = (loss_mask > 0).astype(advantages.dtype)
+    count = jnp.maximum(jnp.sum(mask), 1.0)
+    mean = jnp.sum(advantages * mask) / count
+    var = jnp.sum(jnp.square(advantages - mean) * mask) / count
+    return (advantages - mean) / (jnp.sqrt(var) + eps) * mask
 
 
 def opd_advantages(
@@ -272,20 +306,20 @@ _TEACHER_NOTE = (
 )
 
 
-@register_advantage("gae", note=(
-    "needs a critic (value head), which the RL trainer does not have; it is available as "
-    "agentrl_jax.losses.gae_advantages for your own trainer. Use grpo, drgrpo, rloo or reinforce_pp"))
+@register_advantage("gae", needs_critic=True)
 def gae_token_advantages(
-    rewards, group_ids, loss_mask, *, num_groups, values, token_rewards=None, gamma=1.0, lam=1.0
+    rewards, group_ids, loss_mask, *, num_groups, values, token_rewards=None, gamma=1.0, lam=1.0,
+    turn_level=False,
 ):
     """`gae_advantages` with the outcome reward [B] on the last agent token, plus optional
     per-token rewards [B, T] (e.g. a KL penalty). group_ids/num_groups are unused (a critic
-    is the baseline). Returns advantages [B, T]."""
+    is the baseline). The RL trainer passes `values` from its critic and gamma, lam,
+    turn_level from the critic section. Returns advantages [B, T] (not whitened)."""
     del group_ids, num_groups
     step_rewards = outcome_token_rewards(rewards, loss_mask)
     if token_rewards is not None:
         step_rewards = step_rewards + token_rewards
-    advantages, _ = gae_advantages(step_rewards, values, loss_mask, gamma=gamma, lam=lam)
+    advantages, _ = gae_advantages(step_rewards, values, loss_mask, gamma=gamma, lam=lam, turn_level=turn_level)
     return advantages
 
 

@@ -52,6 +52,10 @@ _ADVANTAGES: dict[str, Callable[..., Any]] = {}
 _LOSS_HPARAMS: dict[str, dict[str, "HparamSource"]] = {}
 # name -> (min_group_size, note): what the config checks before the trainer calls it.
 _ADVANTAGE_INFO: dict[str, tuple[int, str]] = {}
+# Estimators whose baseline is a learned value model: the trainer builds a critic for them and
+# passes its values (and the critic section's GAE settings) as keywords.
+_CRITIC_ESTIMATORS: set[str] = set()
+CRITIC_KEYWORDS = ("values", "gamma", "lam", "turn_level")
 
 HparamSource = str | Callable[[Any], Any]
 """A config path ("algorithm.eps_low") or a function of the whole config (derived values)."""
@@ -142,7 +146,8 @@ def register_loss(name: str, *, hparams: Mapping[str, HparamSource] | None = Non
     return decorator
 
 
-def register_advantage(name: str, *, min_group_size: int = 1, note: str = "") -> Callable[[F], F]:
+def register_advantage(name: str, *, min_group_size: int = 1, note: str = "",
+                       needs_critic: bool = False) -> Callable[[F], F]:
     """Decorator: make an `AdvantageEstimator` selectable by `name` in the config.
 
     Args:
@@ -151,12 +156,17 @@ def register_advantage(name: str, *, min_group_size: int = 1, note: str = "") ->
         baseline: a group of one has no baseline).
       note: why the RL trainer cannot call it, when its signature needs more than the
         trainer passes (shown instead of the generic message).
+      needs_critic: the estimator takes a critic's ``values`` [B, T]; the RL trainer then trains
+        a value model (``train/critic.py``) and passes ``values``, ``gamma``, ``lam`` and
+        ``turn_level`` (the ``critic`` section) as keywords.
     """
     register = _register(_ADVANTAGES, "advantage", name)
 
     def decorator(fn: F) -> F:
         fn = register(fn)
         _ADVANTAGE_INFO[name] = (min_group_size, note)
+        if needs_critic:
+            _CRITIC_ESTIMATORS.add(name)
         return fn
 
     return decorator
@@ -235,6 +245,12 @@ def advantage_info(name: str) -> tuple[int, str]:
     return _ADVANTAGE_INFO.get(name, (1, ""))
 
 
+def needs_critic(name: str) -> bool:
+    """Whether the registered estimator `name` takes a critic's values (see register_advantage)."""
+    get_advantage(name)
+    return name in _CRITIC_ESTIMATORS
+
+
 def known_losses() -> list[str]:
     _load_builtins()
     return sorted(_LOSSES)
@@ -266,13 +282,15 @@ def check_registered_names(config: Config) -> None:
     # values, teacher logprobs, a hyper-parameter without default) would fail at the first update.
     algorithm = config.algorithm
     min_group_size, note = advantage_info(algorithm.advantage)
+    critic_keywords = set(CRITIC_KEYWORDS) if needs_critic(algorithm.advantage) else set()
     needs = _required_parameters(get_advantage(algorithm.advantage), positional=3,
-                                 keywords={"num_groups", "sequence_ids"})
+                                 keywords={"num_groups", "sequence_ids", *critic_keywords})
     require(not needs, "algorithm.advantage", f"{algorithm.advantage!r} {note}" if note else
             f"{algorithm.advantage!r} requires {sorted(needs)}, which the RL trainer does not pass (it passes rewards, "
             "group_ids, loss_mask, num_groups); use a sequence estimator (grpo, drgrpo, rloo, reinforce_pp)")
     require(algorithm.group_size >= min_group_size, "algorithm.group_size",
             f"must be >= {min_group_size} for the group estimator {algorithm.advantage!r} (got {algorithm.group_size})")
+    _check_critic(config)
     errors = loss_hparam_errors(algorithm.loss, config)
     require(not errors, "algorithm.loss_hparams", "; ".join(errors))
     needs = _required_parameters(get_loss(algorithm.loss), positional=4,
@@ -280,6 +298,22 @@ def check_registered_names(config: Config) -> None:
     require(not needs, "algorithm.loss_hparams",
             f"loss {algorithm.loss!r} requires {sorted(needs)}, which have no defaults; set them with "
             "--set 'algorithm.loss_hparams=[[\"name\", value]]'")
+
+
+def _check_critic(config: Config) -> None:
+    """The critic section against the estimator: settings nothing would use, and what the
+    critic path does not support."""
+    a, critic = config.algorithm, config.critic
+    if not needs_critic(a.advantage):
+        require(not critic.path, "critic.path", f"is loaded only for a critic estimator (algorithm.advantage='gae'); "
+                f"{a.advantage!r} trains no critic")
+        return
+    require(config.hybrid.mode == "none", "algorithm.advantage",
+            f"{a.advantage!r} with hybrid.mode={config.hybrid.mode!r}: the teacher's signal mixes into a group "
+            "estimator's advantages, not a critic's; use grpo, drgrpo, rloo or reinforce_pp with hybrid.mode")
+    require(not a.dynamic_sampling, "algorithm.dynamic_sampling",
+            f"drops groups whose rewards are all equal, which a critic baseline ({a.advantage!r}) still learns from "
+            "(with group_size=1 it would drop every group); turn it off")
 
 
 def _required_parameters(fn: Any, *, positional: int, keywords: set[str]) -> set[str]:

@@ -16,10 +16,11 @@ import jax.numpy as jnp
 
 from agentrl_jax.config import Config, ConfigError
 from agentrl_jax.envs.agent_loop import AgentLoop
-from agentrl_jax.losses.registry import loss_hparams
+from agentrl_jax.losses.registry import loss_hparams, needs_critic
 from agentrl_jax.models import split_params
 from agentrl_jax.models.hf_io import load_hf_checkpoint
 from agentrl_jax.sharding import DEFAULT_RULES
+from agentrl_jax.train.critic import build_critic
 from agentrl_jax.train.episodes import truncation_rule
 from agentrl_jax.train.guidance.hindsight import ArithmeticOracleJudge, ModelJudge
 from agentrl_jax.train.guidance.old_policy import OldPolicy
@@ -146,7 +147,9 @@ def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, dr
     the frozen reference, an HF checkpoint, the current policy or a lagged copy of it
     (``hybrid.teacher``, ``guidance.teacher.Teacher``; a lagged teacher starts at
     ``policy_params``, the params RL continues from, default ``initial_params``). Judge: the oracle, or a
-    model judge decoding with the reference / teacher / current policy (``hybrid.judge``).
+    model judge decoding with the reference / teacher / current policy (``hybrid.judge``). Critic (an
+    estimator that needs one): a value model whose trunk starts at ``initial_params`` or ``critic.path``
+    (a resumed run then restores its train state from the checkpoint).
     """
     h, m = config.hybrid, config.model
     reference = reference_params(config, initial_params, mesh) if config.algorithm.kl_coef > 0 else None
@@ -175,6 +178,11 @@ def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, dr
         start = initial_params if policy_params is None else policy_params
         teacher = Teacher(graphdef, h.teacher, initial=start if h.teacher == "lagged" else None,
                           lag_steps=h.teacher_lag_steps, ema_decay=h.teacher_ema_decay)
+    critic = None
+    if needs_critic(config.algorithm.advantage):
+        critic = build_critic(config, graphdef, initial_params, loss_settings(config), mesh=mesh,
+                              pad_token_id=tokenizer.pad_token_id, put=functools.partial(put_replicated, mesh=mesh),
+                              load_trunk=lambda path: _load_params(config, "critic.path", path, m.param_dtype, mesh))
     judge = None
     if h.judge == "oracle":
         judge = ArithmeticOracleJudge(lambda s: len(tokenizer.encode(s)), max_hint_tokens=h.max_hint_tokens)
@@ -185,7 +193,7 @@ def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, dr
         judge = ModelJudge(driver, tokenizer, template=h.judge_template, max_new_tokens=h.judge_max_new_tokens,
                            temperature=h.judge_temperature, max_hint_tokens=h.max_hint_tokens, params=params,
                            seed=config.seed, calls=start_step)
-    return Roles(policy=graphdef, reference=reference, teacher=teacher, judge=judge)
+    return Roles(policy=graphdef, reference=reference, teacher=teacher, judge=judge, critic=critic)
 
 
 def reference_params(config: Config, initial_params, mesh):
@@ -193,14 +201,19 @@ def reference_params(config: Config, initial_params, mesh):
     m = config.model
     if not m.reference_path:
         return frozen_copy(initial_params, m.reference_dtype)
-    reference = load_hf_checkpoint(checkpoint_directory("model.reference_path", m.reference_path),
-                                   dtype=DTYPES[m.reference_dtype],
-                                   compute_dtype=DTYPES[m.compute_dtype], mesh=mesh, rules=DEFAULT_RULES,
-                                   attention_impl=attention_implementation(m.attention_impl, m.compute_dtype))
-    _, params = split_params(reference)
+    params = _load_params(config, "model.reference_path", m.reference_path, m.reference_dtype, mesh)
     if jax.tree.structure(params) != jax.tree.structure(initial_params):
         raise ConfigError(f"model.reference_path: {m.reference_path!r} has a different architecture than the policy")
     return params
+
+
+def _load_params(config: Config, key: str, path: str, dtype: str, mesh):
+    """The params of the HF checkpoint at ``path`` (the config field ``key``), in ``dtype`` on ``mesh``."""
+    m = config.model
+    model = load_hf_checkpoint(checkpoint_directory(key, path), dtype=DTYPES[dtype],
+                               compute_dtype=DTYPES[m.compute_dtype], mesh=mesh, rules=DEFAULT_RULES,
+                               attention_impl=attention_implementation(m.attention_impl, m.compute_dtype))
+    return split_params(model)[1]
 
 
 def check_reference_architecture(config: Config, policy_config) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 
 from agentrl_jax.config import Config
 from agentrl_jax.envs.base import FINISH_REASONS, Trajectory
-from agentrl_jax.losses import get_advantage
+from agentrl_jax.losses import get_advantage, needs_critic
 from agentrl_jax.train.batch import TokenRecord
 
 
@@ -40,13 +40,17 @@ def trajectory_record(t: Trajectory) -> TokenRecord:
 
 
 def compute_advantages(config: Config, batch, rewards: np.ndarray, group_ids: np.ndarray,
-                       trained: np.ndarray | None = None) -> np.ndarray:
+                       trained: np.ndarray | None = None, values: np.ndarray | None = None) -> np.ndarray:
     """Per-token advantages [R, T] of a padded batch (one trajectory per row).
 
     Only the ``trained`` trajectories (default: all) enter the estimator: a masked episode
     (truncated under 'mask', or an environment error) has no score of its own, so it is
     left out of its group's mean/std (GRPO, RLOO, ...) and of REINFORCE++'s batch
     statistics, like the batch's padding rows; its advantage is 0.
+
+    ``values``: the critic's values [R, T], for an estimator that needs a critic
+    (``losses.needs_critic``: GAE), which also gets the critic section's gamma, lambda and
+    turn level.
     """
     rows = batch.shape[0]
     n = len(rewards)
@@ -57,9 +61,16 @@ def compute_advantages(config: Config, batch, rewards: np.ndarray, group_ids: np
         return adv
     assert rows >= n, "compute_advantages: one row per trajectory"
     estimator = get_advantage(config.algorithm.advantage)
+    critic_inputs = {}
+    if needs_critic(config.algorithm.advantage):
+        if values is None:
+            raise ValueError(f"compute_advantages: {config.algorithm.advantage!r} needs the critic's values")
+        c = config.critic
+        critic_inputs = dict(values=jnp.asarray(values[keep], jnp.float32), gamma=c.gamma, lam=c.lam,
+                             turn_level=c.turn_level)
     kept = estimator(
         jnp.asarray(rewards[keep], jnp.float32), jnp.asarray(group_ids[keep], jnp.int32),
-        jnp.asarray(batch.loss_mask[keep]), num_groups=int(group_ids[keep].max()) + 1,
+        jnp.asarray(batch.loss_mask[keep]), num_groups=int(group_ids[keep].max()) + 1, **critic_inputs,
     )
     adv[keep] = np.asarray(kept, np.float32)
     return adv * batch.loss_mask

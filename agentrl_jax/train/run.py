@@ -200,6 +200,8 @@ class _Job:
                 start_step=start.step, policy_params=start.state.params)
             if start.restored is not None and roles.teacher is not None:
                 roles.teacher.restore(self.checkpointer, start.step)  # a lagged teacher's snapshot / EMA
+            if start.restored is not None and roles.critic is not None:
+                roles.critic.restore(self.checkpointer, start.step)  # params and optimizer state
             if not finished and _warmup_wanted(r.warmup, self.engine_mesh):
                 # After the frozen models are placed: warm-up builds the KV pool, sized from the free memory.
                 # no rollout step compiles after this (evaluation samples without top-k / top-p)
@@ -227,7 +229,7 @@ class _Job:
                 results["end"] = await evaluate(c.eval, rl.agent_loop, env_factory, eval_tasks, label="end (after RL)")
                 self.writer.write(c.total_steps, {f"eval/{k}": v for k, v in results["end"].items()})
                 if start.step < c.total_steps:  # else: the step is on disk already (nothing trained since)
-                    save(self.checkpointer, c, roles.teacher, final.state, final.version, c.total_steps,
+                    save(self.checkpointer, c, roles, final.state, final.version, c.total_steps,
                          data_state=rl.data.get_state(), extra={"results": json.dumps(results)})
         return results, final
 

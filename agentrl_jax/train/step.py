@@ -244,6 +244,7 @@ def update_step(
     settings: LossSettings,
     num_micro_batches: int,
     num_sequences: int | None,
+    loss_fn: Callable[..., tuple[jax.Array, dict[str, jax.Array]]] = policy_loss,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update over a minibatch, accumulated over micro-batches.
 
@@ -253,13 +254,16 @@ def update_step(
         advantages, old_logprobs, rollout_logprobs, sequence_ids (+ ref_logprobs if KL).
       normalizer: the aggregation denominator of the whole minibatch.
       num_micro_batches: R is split into this many equal micro-batches (static).
+      loss_fn: ``(params, graphdef, micro, normalizer, settings, num_sequences) -> (loss,
+        metrics)``, the micro-batch's loss already divided by ``normalizer``: the policy's
+        (default) or the critic's (``train/critic.py``).
     Returns:
       (new state, metrics incl. grad_norm, param_norm, update_norm, skipped).
     """
     rows = minibatch["input_ids"].shape[0]
     if rows % num_micro_batches:
         raise ValueError(f"{rows} rows do not split into {num_micro_batches} micro-batches")
-    grad_fn = jax.value_and_grad(policy_loss, has_aux=True)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     if num_micro_batches == 1:
         # No accumulator: zeros + one gradient would be two more passes over the float32 grads.
         (_, metrics), grads = grad_fn(state.params, graphdef, minibatch, normalizer, settings, num_sequences)
@@ -298,7 +302,8 @@ def update_step(
 
 
 def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, settings: LossSettings, *,
-                   state_sharding: Any = None, mesh: Mesh | None = None, pad_token_id: int = 0):
+                   state_sharding: Any = None, mesh: Mesh | None = None, pad_token_id: int = 0,
+                   loss_fn: Callable[..., tuple[jax.Array, dict[str, jax.Array]]] = policy_loss):
     """The jitted ``update_step`` of one minibatch, gathered on device from the step's [N, T] arrays.
 
     Padded rows: ``update(state, arrays, rows, normalizer, num_micro_batches, old_from_current)``,
@@ -311,14 +316,14 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
 
     With a ``mesh`` the shardings are explicit: the state keeps ``state_sharding`` (params and
     optimizer state as laid out on the mesh), the batch and the metrics are replicated. The
-    state is donated.
+    state is donated. ``loss_fn``: as in ``update_step`` (the critic's update is built here too).
     """
 
     def update_on_rows(state, arrays, rows, normalizer, num_micro_batches, old_from_current):
         minibatch = jax.tree.map(lambda x: x[rows], arrays)
         return update_step(state, minibatch, normalizer, graphdef=graphdef, optimizer=optimizer,
                            settings=dataclasses.replace(settings, old_from_current=old_from_current, max_segments=0),
-                           num_micro_batches=num_micro_batches, num_sequences=None)
+                           num_micro_batches=num_micro_batches, num_sequences=None, loss_fn=loss_fn)
 
     def update_on_packed_rows(state, arrays, gather, segment_ids, normalizer, num_micro_batches, old_from_current,
                               num_sequences, max_segments):
@@ -326,7 +331,7 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
         return update_step(state, minibatch, normalizer, graphdef=graphdef, optimizer=optimizer,
                            settings=dataclasses.replace(settings, old_from_current=old_from_current,
                                                         max_segments=max_segments),
-                           num_micro_batches=num_micro_batches, num_sequences=num_sequences)
+                           num_micro_batches=num_micro_batches, num_sequences=num_sequences, loss_fn=loss_fn)
 
     if settings.packed:  # arrays, gather, segment_ids, normalizer after the state; then the static ones
         body, inputs, static = update_on_packed_rows, 4, (5, 6, 7, 8)
@@ -341,7 +346,7 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
 
 
 def make_logprob_fn(settings: LossSettings, *, put: Callable[[Any], jax.Array], pad_token_id: int = 0,
-                    row_tokens: int = 0, micro_batch_tokens: int = 0):
+                    row_tokens: int = 0, micro_batch_tokens: int = 0, forward: Callable[..., jax.Array] | None = None):
     """``logprobs(graphdef, params, inputs, micro_rows)``: tempered logprobs [N, T] of
     ``inputs['targets']`` under the model ``(graphdef, params)``, on device.
 
@@ -349,11 +354,15 @@ def make_logprob_fn(settings: LossSettings, *, put: Callable[[Any], jax.Array], 
     rows run in micro-batches of ``micro_rows``; with ``settings.packed`` the rows are packed
     (``train.packing.packed_logprobs``: ``row_tokens`` per row, micro-batches of
     ``micro_batch_tokens``) and the result is unpacked to the padded rows. ``put``: a host
-    array onto the training mesh.
+    array onto the training mesh. ``forward``: ``(graphdef, params, batch, *, packed,
+    max_segments) -> [B, T]`` per-token values in place of the tempered logprobs (the
+    critic's values, ``train/critic.py``), run in the same micro-batches and packed rows.
     """
-    forward = jax.jit(functools.partial(forward_logprobs, temperature=settings.temperature, packed=settings.packed,
-                                        chunk_size=settings.chunk_size),
-                      static_argnums=(0,), static_argnames=("max_segments",))
+    if forward is None:
+        forward = functools.partial(forward_logprobs, temperature=settings.temperature,
+                                    chunk_size=settings.chunk_size)
+    forward = jax.jit(functools.partial(forward, packed=settings.packed), static_argnums=(0,),
+                      static_argnames=("max_segments",))
 
     def logprobs(graphdef: nnx.GraphDef, params: Any, inputs: dict[str, Any], micro_rows: int) -> jax.Array:
         if settings.packed:

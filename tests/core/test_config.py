@@ -118,9 +118,15 @@ def test_unknown_loss_name_lists_registered(tmp_path):
         cfg.load_config("demo", ["algorithm.loss=ppo2"])
 
 
-def test_gae_is_refused_with_the_reason():
-    with pytest.raises(ConfigError, match=r"algorithm.advantage: 'gae' needs a critic"):
-        apply_overrides(Config(), ["algorithm.advantage=gae"])
+def test_gae_trains_a_critic_with_one_sample_per_prompt():
+    c = apply_overrides(Config(), ["algorithm.advantage=gae", "algorithm.group_size=1", "critic.lam=0.95",
+                                   "critic.turn_level=true", "critic.learning_rate=1e-5"])
+    assert (c.critic.lam, c.critic.turn_level, c.critic.learning_rate) == (0.95, True, 1e-5)
+    for overrides, message in [(["critic.gamma=1.5"], r"critic.gamma: must be in \[0, 1\], got 1.5"),
+                               (["critic.value_clip=-1"], r"critic.value_clip: must be >= 0"),
+                               (["critic.learning_rate=-1"], r"critic.learning_rate: must be >= 0")]:
+        with pytest.raises(ConfigError, match=message):
+            apply_overrides(Config(), ["algorithm.advantage=gae", *overrides])
 
 
 def test_loss_hparams_from_the_command_line():

@@ -24,7 +24,9 @@ INVALID = [
     (["algorithm.advantage=opd"], "algorithm.advantage"),
     (["algorithm.advantage=opd", "hybrid.mode=opd"], "algorithm.advantage"),
     (["algorithm.advantage=hybrid", "hybrid.mode=hybrid"], "algorithm.advantage"),
-    (["algorithm.advantage=gae"], "algorithm.advantage"),
+    (["algorithm.advantage=gae", "hybrid.mode=opd"], "algorithm.advantage"),
+    (["algorithm.advantage=gae", "algorithm.dynamic_sampling=true"], "algorithm.dynamic_sampling"),
+    (["critic.path=/ckpt/critic"], "critic.path"),  # silently unused without a critic estimator
     # shaping the environment ignores or cannot compute (was: an env error on every episode,
     # a ValueError after the model loaded, or silently no effect)
     (["environment.overlong_buffer=4000"], "environment.overlong_buffer"),

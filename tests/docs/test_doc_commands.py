@@ -48,7 +48,7 @@ NOT_IN_CI = {
     "long": "an experiment that runs for tens of minutes; the configs it names load in tests/core",
 }
 SECTIONS = ("model", "mesh", "rollout", "algorithm", "optimizer", "data", "environment", "checkpoint",
-            "logging", "eval", "sft", "hybrid")
+            "logging", "eval", "sft", "hybrid", "critic")
 FILE_SUFFIXES = {"py", "md", "json", "jsonl", "ipynb", "parquet"}
 FENCE = re.compile(r"^```(\S*)[ \t]*(.*?)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 

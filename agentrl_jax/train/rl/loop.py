@@ -33,6 +33,7 @@ import numpy as np
 from agentrl_jax.config import AlgorithmConfig
 from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.losses import global_normalizer
+from agentrl_jax.train.critic import Critic, critic_targets
 from agentrl_jax.train.guidance.old_policy import staleness_stats
 from agentrl_jax.train.multihost import is_multihost, to_host
 from agentrl_jax.train.packing import packing_stats, plan_minibatch
@@ -40,6 +41,7 @@ from agentrl_jax.train.rl import stages
 from agentrl_jax.train.rl.admission import StepAdmission
 from agentrl_jax.train.rl.collect import collect, evaluate, exchange, judge, rollout_fn
 from agentrl_jax.train.rl.roles import RL, StepFunctions
+from agentrl_jax.train.sft import batch_arrays
 from agentrl_jax.train.step import TrainState
 
 logger = logging.getLogger(__name__)
@@ -130,12 +132,26 @@ def train_step(rl: RL, state: TrainState, version: int, step: int, trajectories:
     batch = stages.build_step_batch(c, trajectories, pad_token_id=rl.tokenizer.pad_token_id)  # advantages
     if batch is None:
         return state, stages.empty_step(c.algorithm, rl.schedule, state, step, len(trajectories)), None
+    critic, critic_arrays, critic_metrics = rl.roles.critic, {}, {}
+    if critic is not None:  # GAE: advantages from the critic's values, before either model moves
+        host = batch_arrays(batch, device=False)
+        advantages, critic_arrays, critic_metrics = critic_targets(
+            c, critic, batch, {k: host[k] for k in stages.FORWARD_INPUTS}, *stages.episode_outcomes(trajectories),
+            stages.micro_rows(c.algorithm, batch.shape[0]))
+        batch = batch.replace(advantages=advantages)
     old_from_update = stages.old_from_update(c, rl.old_policy, batch, version)  # on-policy: no separate old pass
     arrays, logprob_metrics = stages.compute_logprobs(
         c, rl.roles, rl.old_policy, rl.steps, rl.tokenizer, batch, state.params, version, trajectories, verdicts,
         step, old_from_update=old_from_update)
-    state, metrics = update(c.algorithm, rl.steps, rl.schedule, state, arrays, batch.loss_mask, step,
-                            old_from_update=old_from_update)
+    if critic is not None and step < c.critic.warmup_steps:  # the policy waits for its baseline
+        metrics = {"critic/policy_frozen": 1.0, "learning_rate": float(rl.schedule(int(to_host(state.step))))}
+    else:
+        state, metrics = update(c.algorithm, rl.steps, rl.schedule, state, arrays, batch.loss_mask, step,
+                                old_from_update=old_from_update)
+    if critic is not None:
+        critic_arrays = {k: rl.steps.put(v) for k, v in critic_arrays.items()}
+        metrics.update(critic_metrics)
+        metrics.update(update_critic(c.algorithm, critic, rl.steps, arrays | critic_arrays, step))
     jax.block_until_ready(state.params)
     if rl.roles.teacher is not None:  # a lagged teacher follows the policy
         rl.roles.teacher.observe(state.params, step + 1)
@@ -201,6 +217,19 @@ def update(algorithm: AlgorithmConfig, steps: StepFunctions, schedule: Callable[
     return state, out
 
 
+def update_critic(algorithm: AlgorithmConfig, critic: Critic, steps: StepFunctions, arrays: dict[str, jax.Array],
+                  step: int) -> dict[str, float]:
+    """The critic's ``ppo_epochs`` x ``minibatches`` updates of the clipped value loss (``update``
+    with the critic's jitted update and state), averaged over its valued tokens; metrics
+    ``critic/...``."""
+    value_mask = to_host(arrays["value_mask"])
+    critic.state, metrics = update(dataclasses.replace(algorithm, aggregation="token-mean"),
+                                   steps._replace(update=critic.update), critic.schedule, critic.state, arrays,
+                                   value_mask, step)
+    names = {"loss": "value_loss", "train_tokens": "valued_tokens"}
+    return {f"critic/{names.get(k, k)}": v for k, v in metrics.items() if k != "logprob_gap_abs"}
+
+
 async def _finish_step(rl: RL, state: TrainState, version: int, step: int, trajectories: list[Trajectory],
                        metrics: dict[str, float], *, data_state: Any, token_staleness: np.ndarray | None,
                        checkpoint_extra: dict[str, Any]) -> bool:
@@ -218,7 +247,7 @@ async def _finish_step(rl: RL, state: TrainState, version: int, step: int, traje
         return False
     stop = rl.checkpointer.should_stop()
     if stop or (c.checkpoint.every_steps and (step + 1) % c.checkpoint.every_steps == 0):
-        stages.save(rl.checkpointer, c, rl.roles.teacher, state, version, step + 1, data_state=data_state,
+        stages.save(rl.checkpointer, c, rl.roles, state, version, step + 1, data_state=data_state,
                     extra=checkpoint_extra)
     if stop:
         logger.warning("preemption requested: saved step %d, stopping", step + 1)

@@ -19,6 +19,8 @@ import jax
 
 from agentrl_jax.config import Config, ConfigError
 from agentrl_jax.envs.agent_loop import AgentLoop
+from agentrl_jax.losses import needs_critic
+from agentrl_jax.train.critic import Critic
 from agentrl_jax.train.guidance.hindsight import Judge
 from agentrl_jax.train.guidance.old_policy import OldPolicy
 from agentrl_jax.train.guidance.teacher import Teacher
@@ -51,12 +53,21 @@ class Roles:
       teacher: the teacher of OPD / hybrid (``guidance.teacher.Teacher``: frozen, the
         current policy, or a lagged copy), or None.
       judge: the PRM judge (``guidance.hindsight.Judge``), or None.
+      critic: the value model of a critic estimator (``train.critic.Critic``: trained, with
+        its own train state), or None.
     """
 
     policy: Any
     reference: Any = None
     teacher: Teacher | None = None
     judge: Judge | None = None
+    critic: Critic | None = None
+
+    def checkpoint_trees(self) -> dict[str, Any]:
+        """What a checkpoint holds beside the policy's train state: a lagged teacher's params,
+        the critic's train state."""
+        trees = self.teacher.checkpoint_trees() if self.teacher is not None else {}
+        return trees | (self.critic.checkpoint_trees() if self.critic is not None else {})
 
     def check(self, config: Config) -> None:
         """Every model the config asks for is here: nothing is silently skipped, nothing fails mid-run."""
@@ -65,6 +76,7 @@ class Roles:
             ("algorithm.kl_coef", "reference", c.algorithm.kl_coef > 0, self.reference is not None),
             ("hybrid.mode", "teacher", c.hybrid.mode != "none", self.teacher is not None),
             ("hybrid.judge", "judge", c.hybrid.judge != "none", self.judge is not None),
+            ("algorithm.advantage", "critic", needs_critic(c.algorithm.advantage), self.critic is not None),
         ) if needed and not present]
         if missing:
             raise ConfigError("; ".join(f"{key} needs Roles.{role}, which is not set" for key, role in missing)

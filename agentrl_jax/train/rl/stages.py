@@ -5,7 +5,8 @@
                       logprobs and (OPD / hybrid) the teacher's advantages
     push_weights      params, version -> version + 1 (the engine decodes with them)
     log_step          metrics, histograms and sample texts of the step
-    save              checkpoint: train state, data position, params version, lagged teacher
+    save              checkpoint: train state, data position, params version, lagged teacher,
+                      critic
 
 ``loop.py`` calls them in this order, with the minibatch updates (``loop.update``) between
 ``compute_logprobs`` and ``push_weights``.
@@ -22,6 +23,7 @@ import numpy as np
 
 from agentrl_jax.config import AlgorithmConfig, Config, to_dict
 from agentrl_jax.envs.base import Trajectory
+from agentrl_jax.losses import needs_critic
 from agentrl_jax.train.batch import build_batch
 from agentrl_jax.train.episodes import compute_advantages, rollout_metrics, trajectory_record
 from agentrl_jax.train.guidance.hindsight import Verdict
@@ -37,7 +39,11 @@ FORWARD_INPUTS = ("input_ids", "positions", "segment_ids", "targets")
 
 
 def build_step_batch(config: Config, trajectories: list[Trajectory], *, pad_token_id: int):
-    """One padded row per trajectory, with advantages; None when no episode trains a token."""
+    """One padded row per trajectory, with advantages; None when no episode trains a token.
+
+    An estimator that needs a critic gets its advantages later, from the critic's values
+    (``train.critic.critic_targets``).
+    """
     algorithm = config.algorithm
     records = [trajectory_record(t) for t in trajectories]
     rows_needed = algorithm.minibatches * max(algorithm.micro_batch_size, 1)
@@ -47,10 +53,16 @@ def build_step_batch(config: Config, trajectories: list[Trajectory], *, pad_toke
     batch = build_batch(records, row_multiple=rows_needed, pad_token_id=pad_token_id)
     if not batch.loss_mask.any():
         return None
-    rewards = np.asarray([t.reward for t in trajectories], np.float32)
-    group_ids = np.asarray([t.group_id for t in trajectories], np.int32)
-    trained = np.asarray([not t.masked for t in trajectories], bool)
-    return batch.replace(advantages=compute_advantages(config, batch, rewards, group_ids, trained))
+    if needs_critic(algorithm.advantage):
+        return batch
+    return batch.replace(advantages=compute_advantages(config, batch, *episode_outcomes(trajectories)))
+
+
+def episode_outcomes(trajectories: list[Trajectory]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rewards, group ids, trained) per trajectory: what the advantage estimators read."""
+    return (np.asarray([t.reward for t in trajectories], np.float32),
+            np.asarray([t.group_id for t in trajectories], np.int32),
+            np.asarray([not t.masked for t in trajectories], bool))
 
 
 def micro_rows(algorithm: AlgorithmConfig, rows: int) -> int:
@@ -171,11 +183,12 @@ def log_step(config: Config, writer: Any, tokenizer: Any, engine_stats: dict[str
         })
 
 
-def save(checkpointer: Any, config: Config, teacher: Teacher | None, state: TrainState, version: int, step: int, *,
+def save(checkpointer: Any, config: Config, roles: Roles, state: TrainState, version: int, step: int, *,
          data_state: Any, extra: dict[str, Any] | None = None) -> None:
-    """Checkpoint the train state, the data position (``data_state``), the params version and a
-    lagged teacher's params at ``step``."""
-    trees = teacher.checkpoint_trees() if teacher is not None else {}
+    """Checkpoint the train state, the data position (``data_state``), the params version and
+    what the roles keep between steps (a lagged teacher's params, the critic's train state) at
+    ``step``."""
+    trees = roles.checkpoint_trees()
     checkpointer.save(step, state, data_state=data_state, config_dict=to_dict(config),
                       extra={"version": version, **(extra or {})}, trees=trees, force=True)
 

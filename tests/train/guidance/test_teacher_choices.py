@@ -140,8 +140,8 @@ def test_a_resumed_run_restores_the_lagged_teacher_from_the_checkpoint(tmp_path,
     overrides = ["hybrid.mode=hybrid", "hybrid.teacher=lagged",
                  "hybrid.teacher_lag_steps=2" if kind == "snapshot" else "hybrid.teacher_ema_decay=0.5"]
     with Checkpointer(tmp_path / "checkpoints") as checkpointer:
-        stages.save(checkpointer, apply_overrides(Config(), overrides), teacher, {"params": reference}, 3, 3,
-                    data_state={})
+        stages.save(checkpointer, apply_overrides(Config(), overrides), Roles(graphdef, teacher=teacher),
+                    {"params": reference}, 3, 3, data_state={})
     saved = jax.tree.map(np.asarray, teacher.params)
 
     resumed = Teacher(graphdef, "lagged", initial=reference, **lag)  # as build_roles(policy_params=resumed)
