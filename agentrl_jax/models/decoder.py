@@ -1,12 +1,12 @@
 """The decoder family (Llama 3, Qwen2/2.5, Qwen3 dense) as one Flax NNX module.
 
 The L layers' weights are stored stacked with a leading ``layers`` dimension (``wq`` is
-``[L, D, H, K]``) and run with ``jax.lax.scan``, so compile time does not grow with depth.
-Every ``nnx.Param`` carries ``logical_axes`` metadata (one name per dimension) that
-:func:`param_logical_axes` collects and :mod:`agentrl_jax.sharding` maps onto the mesh. The
-metadata key is our own (not flax's ``out_sharding``), so NNX never tries to shard eagerly:
-sharding is applied by whoever materializes the arrays (``hf_io.load_hf_checkpoint``,
-``jax.device_put`` with :func:`param_shardings`).
+``[L, D, H, K]``; `params` names them) and run with ``jax.lax.scan``, so compile time does
+not grow with depth. Every ``nnx.Param`` carries ``logical_axes`` metadata (one name per
+dimension) that `params.param_logical_axes` collects and :mod:`agentrl_jax.sharding` maps
+onto the mesh. The metadata key is our own (not flax's ``out_sharding``), so NNX never tries
+to shard eagerly: sharding is applied by whoever materializes the arrays
+(``hf_io.load_hf_checkpoint``, ``jax.device_put`` with `params.param_shardings`).
 
 The trainer uses the functional form: ``graphdef, params = split_params(model)``, then
 ``apply(graphdef, params, input_ids, positions, ...)`` inside ``jax.jit``. The rollout engine
@@ -38,86 +38,13 @@ from agentrl_jax.models.layers import (
     rope_frequencies,
     swiglu,
 )
+from agentrl_jax.models.params import init_values, layer_param_specs, param_specs
 from agentrl_jax.models.remat import REMAT_POLICIES, remat_layer
 from agentrl_jax.models.splash import splash_packed_attention
-from agentrl_jax.sharding import (
-    DEFAULT_RULES,
-    MESH_AXES,
-    Rules,
-    logical_sharding,
-    logical_to_spec,
-)
+from agentrl_jax.sharding import DEFAULT_RULES, MESH_AXES, Rules, logical_to_spec
 
 ATTENTION_IMPLS = ("xla", "cudnn", "splash", None)
 LM_HEAD_DTYPES = ("param", "compute")
-
-
-def layer_param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """Shape (without the leading L) and logical axes of every per-layer weight."""
-    D, F, H, KV, K = (
-        config.hidden_size,
-        config.intermediate_size,
-        config.num_heads,
-        config.num_kv_heads,
-        config.head_dim,
-    )
-    specs = {
-        "attn_norm": ((D,), ("norm",)),
-        "wq": ((D, H, K), ("embed", "heads", "head_dim")),
-        "wk": ((D, KV, K), ("embed", "kv_heads", "head_dim")),
-        "wv": ((D, KV, K), ("embed", "kv_heads", "head_dim")),
-        "wo": ((H, K, D), ("heads", "head_dim", "embed")),
-        "mlp_norm": ((D,), ("norm",)),
-        "w_gate": ((D, F), ("embed", "mlp")),
-        "w_up": ((D, F), ("embed", "mlp")),
-        "w_down": ((F, D), ("mlp", "embed")),
-    }
-    if config.attention_bias:
-        specs["bq"] = ((H, K), ("heads", "head_dim"))
-        specs["bk"] = ((KV, K), ("kv_heads", "head_dim"))
-        specs["bv"] = ((KV, K), ("kv_heads", "head_dim"))
-    if config.qk_norm:
-        specs["q_norm"] = ((K,), ("norm",))
-        specs["k_norm"] = ((K,), ("norm",))
-    return specs
-
-
-@functools.partial(jax.jit, static_argnames=("shapes", "dtype"))
-def _init_values(
-    key: jax.Array, shapes: tuple[tuple[str, tuple[int, ...], str], ...], dtype
-) -> dict:
-    """All initial weights in one compiled call: N(0, 0.02^2) matrices, ones, zeros (biases).
-
-    The normals come from an RBG key seeded with the raw bits of ``key``: XLA compiles
-    RngBitGenerator several times faster than threefry on CPU (13 s vs 3 s for a tiny model).
-    """
-    bits = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
-    key = jax.random.wrap_key_data(
-        jnp.resize(bits, (4,)) ^ jnp.arange(4, dtype=jnp.uint32), impl="rbg"
-    )
-    out = {}
-    for i, (name, shape, kind) in enumerate(shapes):
-        if kind == "ones":
-            out[name] = jnp.ones(shape, dtype)
-        elif kind == "zeros":
-            out[name] = jnp.zeros(shape, dtype)
-        else:
-            normal = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
-            out[name] = (0.02 * normal).astype(dtype)
-    return out
-
-
-def param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], str]]:
-    """Every param: name ("layers/wq" for stacked ones) -> (shape, logical axes, init kind)."""
-    V, D, L = config.vocab_size, config.hidden_size, config.num_layers
-    specs = {"embed": ((V, D), ("vocab", "embed"), "normal")}
-    for name, (shape, axes) in layer_param_specs(config).items():
-        kind = "ones" if name.endswith("norm") else "zeros" if name.startswith("b") else "normal"
-        specs[f"layers/{name}"] = ((L, *shape), ("layers", *axes), kind)
-    specs["final_norm"] = ((D,), ("norm",), "ones")
-    if not config.tie_word_embeddings:
-        specs["lm_head"] = ((D, V), ("embed", "vocab"), "normal")
-    return specs
 
 
 class DecoderLayers(nnx.Module):
@@ -193,7 +120,7 @@ class Decoder(nnx.Module):
         self.mesh = mesh
         specs = param_specs(config)
         init = tuple((name, shape, kind) for name, (shape, _, kind) in specs.items())
-        values = _init_values(rngs.params(), init, jnp.dtype(param_dtype))
+        values = init_values(rngs.params(), init, jnp.dtype(param_dtype))
         params = {
             name: nnx.Param(values[name], logical_axes=axes) for name, (_, axes, _) in specs.items()
         }
@@ -379,36 +306,3 @@ def split_params(model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:
 def apply(graphdef: nnx.GraphDef, params: nnx.State, *args: Any, **kwargs: Any):
     """Merge ``params`` into ``graphdef`` and call the decoder (a pure function for ``jit``)."""
     return nnx.merge(graphdef, params)(*args, **kwargs)
-
-
-def _params_of(model_or_state: Decoder | nnx.State) -> nnx.State:
-    if isinstance(model_or_state, nnx.Module):
-        return nnx.state(model_or_state, nnx.Param)
-    return model_or_state
-
-
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
-def param_logical_axes(model_or_state: Decoder | nnx.State) -> nnx.State:
-    """A ``State`` of logical-axes tuples keyed like ``nnx.state(model, nnx.Param)``."""
-    return jax.tree.map(
-        lambda v: v.get_metadata()["logical_axes"], _params_of(model_or_state), is_leaf=_is_variable
-    )
-
-
-def param_shardings(
-    model_or_state: Decoder | nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES
-) -> nnx.State:
-    """``NamedSharding`` per param, with the same tree structure as the params state.
-
-    Usable directly in ``jax.device_put(params, shardings)`` and as ``jit`` in/out shardings.
-    Dimensions not divisible by their mesh axes are replicated.
-    """
-
-    def one(v: nnx.Variable):
-        axes = v.get_metadata()["logical_axes"]
-        return v.replace(logical_sharding(axes, mesh, rules, shape=v.shape))
-
-    return jax.tree.map(one, _params_of(model_or_state), is_leaf=_is_variable)
