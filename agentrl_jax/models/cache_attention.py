@@ -263,7 +263,7 @@ def rotate_and_norm(qkv, w, positions, *, config, inv_freq):
 @dataclasses.dataclass(frozen=True)
 class DenseAttention:
     """A dense cache ``[B, KV, S, K]``: project, scatter the new keys/values at ``write_pos``,
-    attend over the first ``attend_len`` entries (`cache_attention.xla_attend_and_write`)."""
+    attend over the first ``attend_len`` entries (`xla_attend_and_write`)."""
 
     config: DecoderConfig
     dtype: Any
