@@ -135,7 +135,7 @@ def time_op(step, inputs, reps: int, trials: int) -> tuple[float, np.ndarray]:
 
 def _reference(qkv, positions, k_cache, v_cache) -> np.ndarray:
     """float32 XLA: scatter, then `grouped_attention` over the whole buffer with a length mask."""
-    from agentrl_jax.models.decode import xla_attend_and_write
+    from agentrl_jax.models.cache_attention import xla_attend_and_write
 
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     S = k_cache.shape[2]

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from agentrl_jax.models import prefill_attention as kernel
-from agentrl_jax.models.decode import grouped_attention
+from agentrl_jax.models.cache_attention import grouped_attention
 
 
 def xla_attention(q, k_pool, v_pool, table, starts, lengths):

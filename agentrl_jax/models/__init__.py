@@ -1,34 +1,25 @@
-"""Flax NNX decoder family (Llama 3, Qwen2/2.5, Qwen3), KV cache, HF checkpoint I/O, tokenizer,
-and the output logits both the sampler and the trainer compute (`logits`)."""
+"""Flax NNX decoder family (Llama 3, Qwen2/2.5, Qwen3), the rollout engine's forward over a KV cache
+(`decode`), HF checkpoint I/O, tokenizer, and the output logits both the sampler and the trainer
+compute (`logits`)."""
 
 from agentrl_jax.models.config import ARCHITECTURES, DecoderConfig, Llama3RopeScaling
-from agentrl_jax.models.decoder import (
-    Decoder,
-    apply,
-    layer_param_specs,
-    param_logical_axes,
-    param_shardings,
-    param_specs,
-    split_params,
-)
+from agentrl_jax.models.decoder import Decoder, apply, split_params
 from agentrl_jax.models.hf_io import (
-    CheckpointError,
     load_hf_checkpoint,
     load_hf_params,
     save_hf_checkpoint,
 )
-from agentrl_jax.models.kv_cache import KV_CACHE_AXES, KVCache
 from agentrl_jax.models.logits import output_logits, temperature_scaled
+from agentrl_jax.models.params import layer_param_specs, param_logical_axes, param_shardings, param_specs
+from agentrl_jax.models.safetensors_io import CheckpointError
 from agentrl_jax.models.tiny import save_tiny_hf_checkpoint, train_tiny_tokenizer
 from agentrl_jax.models.tokenizer import Tokenizer
 
 __all__ = [
     "ARCHITECTURES",
-    "KV_CACHE_AXES",
     "CheckpointError",
     "Decoder",
     "DecoderConfig",
-    "KVCache",
     "Llama3RopeScaling",
     "Tokenizer",
     "apply",

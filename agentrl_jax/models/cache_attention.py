@@ -1,32 +1,44 @@
-"""Attention over a KV cache that first writes the new tokens' keys and values: the functions
-`decode.forward`'s layers call, apart from the fused GPU decode kernel's wrapper.
+"""The attention step of the rollout engine's forward (`decode.forward`): the QKV projection,
+the write of the new tokens' keys and values into the KV cache, and attention over it; every
+strategy but the fused GPU decode kernel's (`decode.PallasDecodeAttention`).
 
-- `xla_attend_and_write`: a dense ``[B, KV, S, K]`` cache; scatter, then `grouped_attention`
-  over the first ``attend_len`` entries.
-- `paged_xla_attend_and_write`: a pool of pages ``[N, KV, P, K]`` and a page table; scatter
-  through the table (`paged_write`), gather each row's window of pages, attend. Used on CPU
-  and for the prefill off GPU.
-- `paged_pallas_attend_and_write`: the same scatter, then the Pallas GPU prefill kernel
-  (`prefill_attention`), which reads each row's pages up to its own reach.
-- `paged_tpu_attend_and_write`: one token per row; the same scatter, then the Pallas TPU
-  decode kernel (`tpu_decode_attention`), which reads each row's pages up to its length.
-- `compact_attend_and_write`: either paged prefill function above for compact tokens (the real
-  tokens of the packed rows only): scatter them into the rows, attend and write, gather back.
+- `DenseAttention`: a dense ``[B, KV, S, K]`` cache; `project_qkv`, then
+  `xla_attend_and_write`: scatter, then `grouped_attention` over the first ``attend_len`` entries.
+- `PagedAttention`: a pool of pages ``[N, KV, P, K]`` and a page table; `project_qkv`, then one of
+  - `paged_xla_attend_and_write`: scatter through the table (`paged_write`), gather each row's
+    window of pages, attend. Used on CPU and for the prefill off GPU.
+  - `paged_pallas_attend_and_write`: the same scatter, then the Pallas GPU prefill kernel
+    (`prefill_attention`), which reads each row's pages up to its own reach.
+  - `paged_tpu_attend_and_write`: one token per row; the same scatter, then the Pallas TPU
+    decode kernel (`tpu_decode_attention`), which reads each row's pages up to its length.
+  - `compact_attend_and_write` around either prefill function: compact tokens (the real
+    tokens of the packed rows only) scattered into the rows, attended and written, gathered back.
+- `ShardSpecs`: on a mesh, the paged functions run per shard (`jax.shard_map`).
+
+Dimension letters: B batch, T tokens, S cache length, W attention window, N pages, P page
+size, D width, KV kv heads, G query heads per kv head, K head dim.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
+from agentrl_jax.models.config import DecoderConfig
+from agentrl_jax.models.layers import apply_rope, rms_norm
 from agentrl_jax.models.prefill_attention import (
     prefill_attention as prefill_attention_kernel,
 )
-from agentrl_jax.models.tpu_decode_attention import paged_decode_attention
+from agentrl_jax.models.tpu_decode_attention import paged_decode_attention, pages_per_block_for
 
 TRASH_PAGE = 0  # see rollout.pages: the page every write that must go nowhere lands on
 
@@ -196,3 +208,119 @@ def compact_attend_and_write(window):
         return out, k_pool, v_pool
 
     return attend
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpecs:
+    """The ``PartitionSpec``s of the per-shard cache writes and attentions (`jax.shard_map`)."""
+
+    mesh: Mesh
+    cache: PartitionSpec  # the cache buffers': rows (pages), kv heads
+    per_row: PartitionSpec  # [B] arrays
+    table: PartitionSpec  # [B, Tp] page tables, [B, T] write positions
+    qkv: PartitionSpec  # the projection: [B, T, KV, G + 2, K], or compacted [N, KV, G + 2, K]
+
+    @classmethod
+    def of(cls, mesh: Mesh, cache_spec: PartitionSpec, compact: bool) -> ShardSpecs:
+        rows, heads = cache_spec[0], cache_spec[1]
+        qkv = PartitionSpec(rows, heads) if compact else PartitionSpec(rows, None, heads)
+        return cls(mesh, cache_spec, PartitionSpec(rows), PartitionSpec(rows, None), qkv)
+
+    def shard_map(self, fn: Callable, in_specs: tuple) -> Callable:
+        """``fn`` per shard, returning ``(out, k_cache, v_cache)`` sharded like the projection and the cache."""
+        return jax.shard_map(fn, mesh=self.mesh, check_vma=False, in_specs=in_specs,
+                             out_specs=(self.qkv, self.cache, self.cache))
+
+
+def project_qkv(x, w, positions, *, config, inv_freq):
+    """The QKV projection of ``x [B, T, D]`` (bias, QK-norm, RoPE): ``[B, T, KV, G + 2, K]``."""
+    rows, tokens, D = x.shape  # (B, T), or (1, N) compacted
+    KV, K = config.num_kv_heads, config.head_dim
+    R = config.num_heads // KV + 2
+    qkv = (x.reshape(rows * tokens, D) @ w["wqkv"].reshape(D, -1)).reshape(rows, tokens, KV, R, K)
+    if config.attention_bias:
+        qkv = qkv + w["bqkv"]
+    return rotate_and_norm(qkv, w, positions, config=config, inv_freq=inv_freq)
+
+
+def rotate_and_norm(qkv, w, positions, *, config, inv_freq):
+    """QK-norm and RoPE of the query and key rows of ``qkv [B, T, KV, G + 2, K]``, value row untouched.
+
+    All G + 2 rows go through one elementwise pass (a per-row norm weight, the value row
+    selected back), so XLA emits one fusion rather than one per slice of q, k and v.
+    """
+    B, T, KV, R, K = qkv.shape
+    G = R - 2
+    is_value = (jnp.arange(R) == G + 1)[:, None]  # [G + 2, 1]
+    if config.qk_norm:
+        ones = jnp.ones((1, K), qkv.dtype)
+        weight = jnp.concatenate([jnp.broadcast_to(w["q_norm"], (G, K)), w["k_norm"][None], ones])
+        qkv = jnp.where(is_value, qkv, rms_norm(qkv, weight, config.rms_norm_eps))
+    rotated = apply_rope(qkv.reshape(B, T, KV * R, K), positions, inv_freq).reshape(qkv.shape)
+    return jnp.where(is_value, qkv, rotated)
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseAttention:
+    """A dense cache ``[B, KV, S, K]``: project, scatter the new keys/values at ``write_pos``,
+    attend over the first ``attend_len`` entries (`xla_attend_and_write`)."""
+
+    config: DecoderConfig
+    dtype: Any
+    inv_freq: np.ndarray
+    attend_len: int
+    write_pos: jax.Array  # [B, T]
+    positions: jax.Array  # [B, T] RoPE positions
+
+    def __call__(self, x, w, k_cache, v_cache):
+        qkv = project_qkv(x, w, self.positions, config=self.config, inv_freq=self.inv_freq)
+        visible = jnp.arange(self.attend_len)[None, None, :] <= self.write_pos[:, :, None]  # [B, T, W]
+        return xla_attend_and_write(self.write_pos, visible, qkv, k_cache, v_cache, attend_len=self.attend_len,
+                                    dtype=self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    """A paged cache: project, then ``window`` writes through the page table and attends
+    (`cache_attention`'s paged functions, compacted and per shard where asked)."""
+
+    config: DecoderConfig
+    inv_freq: np.ndarray
+    window: Callable  # (write_pos, qkv, k_pool, v_pool, page_table, *row_args) -> (out, k_pool, v_pool)
+    write_pos: jax.Array  # [B, T], < 0: padding, not written
+    positions: jax.Array
+    page_table: jax.Array
+    row_args: tuple  # per-row arrays after the page table
+    compact: bool
+
+    @classmethod
+    def build(cls, config, dtype, inv_freq, attend_len, write_pos, positions, page_table, specs, *, attention,
+              prefill_attention, write_index, write_len, token_index) -> PagedAttention:
+        T = write_pos.shape[1]
+        if write_len is not None:  # padding tokens write nowhere: mark them past the write window
+            write_pos = jnp.where(jnp.arange(T)[None, :] < write_len[:, None], write_pos, -1)
+        row_args = ()
+        if attention == "pallas_tpu":  # the kernel reads each row's pages up to its own length
+            window = functools.partial(paged_tpu_attend_and_write,
+                                       pages_per_block=pages_per_block_for(page_table.shape[1]))
+        elif prefill_attention == "pallas":
+            window = functools.partial(paged_pallas_attend_and_write, dtype=dtype)
+            row_args = (write_index, write_len)
+        else:
+            window = functools.partial(paged_xla_attend_and_write, attend_len=attend_len, dtype=dtype,
+                                       unique_writes=write_len is not None)
+        compact = token_index is not None
+        if compact:  # the compact tokens' projections in and outputs out of the rows, per shard
+            window, row_args = compact_attend_and_write(window), (token_index, *row_args)
+        if specs is not None:  # the pool's pages are split like the rows: gathers and scatters stay local
+            window = specs.shard_map(window, (specs.table, specs.qkv, specs.cache, specs.cache, specs.table)
+                                     + (specs.per_row,) * len(row_args))
+        return cls(config, inv_freq, window, write_pos, positions, page_table, row_args, compact)
+
+    def __call__(self, x, w, k_cache, v_cache):
+        qkv = project_qkv(x, w, self.positions, config=self.config, inv_freq=self.inv_freq)
+        if self.compact:  # [N, ...] to the rows and back
+            out, k_cache, v_cache = self.window(self.write_pos, qkv[0], k_cache, v_cache, self.page_table,
+                                                *self.row_args)
+            return out[None], k_cache, v_cache
+        return self.window(self.write_pos, qkv, k_cache, v_cache, self.page_table, *self.row_args)

@@ -1,18 +1,20 @@
 """The decoder family (Llama 3, Qwen2/2.5, Qwen3 dense) as one Flax NNX module.
 
 The L layers' weights are stored stacked with a leading ``layers`` dimension (``wq`` is
-``[L, D, H, K]``) and run with ``jax.lax.scan``, so compile time does not grow with depth.
-Every ``nnx.Param`` carries ``logical_axes`` metadata (one name per dimension) that
-:func:`param_logical_axes` collects and :mod:`agentrl_jax.sharding` maps onto the mesh. The
-metadata key is our own (not flax's ``out_sharding``), so NNX never tries to shard eagerly:
-sharding is applied by whoever materializes the arrays (``hf_io.load_hf_checkpoint``,
-``jax.device_put`` with :func:`param_shardings`).
+``[L, D, H, K]``; `params` names them) and run with ``jax.lax.scan``, so compile time does
+not grow with depth. Every ``nnx.Param`` carries ``logical_axes`` metadata (one name per
+dimension) that `params.param_logical_axes` collects and :mod:`agentrl_jax.sharding` maps
+onto the mesh. The metadata key is our own (not flax's ``out_sharding``), so NNX never tries
+to shard eagerly: sharding is applied by whoever materializes the arrays
+(``hf_io.load_hf_checkpoint``, ``jax.device_put`` with `params.param_shardings`).
 
-Trainer and engine use the functional form: ``graphdef, params = split_params(model)``, then
-``apply(graphdef, params, input_ids, positions, ...)`` inside ``jax.jit``.
+The trainer uses the functional form: ``graphdef, params = split_params(model)``, then
+``apply(graphdef, params, input_ids, positions, ...)`` inside ``jax.jit``. The rollout engine
+runs the same weights through `models.decode` (an inference layout and a KV cache), whose
+`_decoder_block` reads step for step beside this one.
 
-Dimension letters: B batch, T tokens, S cache length, D width, H heads, KV kv heads, K head
-dim, F MLP width, V vocab, L layers.
+Dimension letters: B batch, T tokens, D width, H heads, KV kv heads, K head dim, F MLP
+width, V vocab, L layers.
 """
 
 from __future__ import annotations
@@ -27,97 +29,22 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from agentrl_jax.models.config import DecoderConfig
-from agentrl_jax.models.kv_cache import KVCache
 from agentrl_jax.models.layers import (
     apply_rope,
     attention,
-    cache_causal_mask,
     packed_attention,
     packed_causal_mask,
     rms_norm,
     rope_frequencies,
     swiglu,
 )
+from agentrl_jax.models.params import init_values, layer_param_specs, param_specs
 from agentrl_jax.models.remat import REMAT_POLICIES, remat_layer
 from agentrl_jax.models.splash import splash_packed_attention
-from agentrl_jax.sharding import (
-    DEFAULT_RULES,
-    MESH_AXES,
-    Rules,
-    logical_sharding,
-    logical_to_spec,
-)
+from agentrl_jax.sharding import DEFAULT_RULES, MESH_AXES, Rules, logical_to_spec
 
 ATTENTION_IMPLS = ("xla", "cudnn", "splash", None)
 LM_HEAD_DTYPES = ("param", "compute")
-
-
-def layer_param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    """Shape (without the leading L) and logical axes of every per-layer weight."""
-    D, F, H, KV, K = (
-        config.hidden_size,
-        config.intermediate_size,
-        config.num_heads,
-        config.num_kv_heads,
-        config.head_dim,
-    )
-    specs = {
-        "attn_norm": ((D,), ("norm",)),
-        "wq": ((D, H, K), ("embed", "heads", "head_dim")),
-        "wk": ((D, KV, K), ("embed", "kv_heads", "head_dim")),
-        "wv": ((D, KV, K), ("embed", "kv_heads", "head_dim")),
-        "wo": ((H, K, D), ("heads", "head_dim", "embed")),
-        "mlp_norm": ((D,), ("norm",)),
-        "w_gate": ((D, F), ("embed", "mlp")),
-        "w_up": ((D, F), ("embed", "mlp")),
-        "w_down": ((F, D), ("mlp", "embed")),
-    }
-    if config.attention_bias:
-        specs["bq"] = ((H, K), ("heads", "head_dim"))
-        specs["bk"] = ((KV, K), ("kv_heads", "head_dim"))
-        specs["bv"] = ((KV, K), ("kv_heads", "head_dim"))
-    if config.qk_norm:
-        specs["q_norm"] = ((K,), ("norm",))
-        specs["k_norm"] = ((K,), ("norm",))
-    return specs
-
-
-@functools.partial(jax.jit, static_argnames=("shapes", "dtype"))
-def _init_values(
-    key: jax.Array, shapes: tuple[tuple[str, tuple[int, ...], str], ...], dtype
-) -> dict:
-    """All initial weights in one compiled call: N(0, 0.02^2) matrices, ones, zeros (biases).
-
-    The normals come from an RBG key seeded with the raw bits of ``key``: XLA compiles
-    RngBitGenerator several times faster than threefry on CPU (13 s vs 3 s for a tiny model).
-    """
-    bits = jax.random.key_data(key).reshape(-1).astype(jnp.uint32)
-    key = jax.random.wrap_key_data(
-        jnp.resize(bits, (4,)) ^ jnp.arange(4, dtype=jnp.uint32), impl="rbg"
-    )
-    out = {}
-    for i, (name, shape, kind) in enumerate(shapes):
-        if kind == "ones":
-            out[name] = jnp.ones(shape, dtype)
-        elif kind == "zeros":
-            out[name] = jnp.zeros(shape, dtype)
-        else:
-            normal = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
-            out[name] = (0.02 * normal).astype(dtype)
-    return out
-
-
-def param_specs(config: DecoderConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...], str]]:
-    """Every param: name ("layers/wq" for stacked ones) -> (shape, logical axes, init kind)."""
-    V, D, L = config.vocab_size, config.hidden_size, config.num_layers
-    specs = {"embed": ((V, D), ("vocab", "embed"), "normal")}
-    for name, (shape, axes) in layer_param_specs(config).items():
-        kind = "ones" if name.endswith("norm") else "zeros" if name.startswith("b") else "normal"
-        specs[f"layers/{name}"] = ((L, *shape), ("layers", *axes), kind)
-    specs["final_norm"] = ((D,), ("norm",), "ones")
-    if not config.tie_word_embeddings:
-        specs["lm_head"] = ((D, V), ("embed", "vocab"), "normal")
-    return specs
 
 
 class DecoderLayers(nnx.Module):
@@ -140,7 +67,7 @@ class Decoder(nnx.Module):
       param_dtype: storage dtype of the weights.
       attention_impl: "xla", "cudnn" or None (JAX picks), passed to
         ``jax.nn.dot_product_attention``; or "splash": Pallas splash attention (TPU; Pallas's
-        interpreter elsewhere) for packed and right-padded rows without a cache
+        interpreter elsewhere) for packed and right-padded rows
         (``models.splash``), XLA for the rest.
       remat: "none", "full" (recompute each layer in the backward pass), "dots_saveable"
         (keep matmul outputs), "attention_saveable" (keep only the fused attention's output
@@ -193,7 +120,7 @@ class Decoder(nnx.Module):
         self.mesh = mesh
         specs = param_specs(config)
         init = tuple((name, shape, kind) for name, (shape, _, kind) in specs.items())
-        values = _init_values(rngs.params(), init, jnp.dtype(param_dtype))
+        values = init_values(rngs.params(), init, jnp.dtype(param_dtype))
         params = {
             name: nnx.Param(values[name], logical_axes=axes) for name, (_, axes, _) in specs.items()
         }
@@ -212,17 +139,9 @@ class Decoder(nnx.Module):
         attention_mask: jax.Array | None = None,
         lengths: jax.Array | None = None,
         max_segments: int | None = None,
-        cache: KVCache | None = None,
-        cache_index: jax.Array | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
-        """Final hidden states of ``[B, T]`` tokens.
-
-        Without a cache: causal attention within each row, restricted to equal
-        ``segment_ids`` (packed rows) and to real keys (``attention_mask`` 1). With a cache:
-        row b's T new keys/values are written at ``[cache_index[b], cache_index[b] + T)``
-        (writes past the cache end are dropped) and query t attends to cache entries
-        ``j <= cache_index[b] + t``; ``segment_ids`` and ``attention_mask`` are ignored
-        there (padding at the end of a prefill row is overwritten by later tokens).
+    ) -> tuple[jax.Array, None]:
+        """Final hidden states of ``[B, T]`` tokens: causal attention within each row,
+        restricted to equal ``segment_ids`` (packed rows) and to real keys (``attention_mask`` 1).
 
         Args:
           input_ids: ``[B, T]`` int32.
@@ -236,17 +155,16 @@ class Decoder(nnx.Module):
             ``attention_impl="cudnn"`` it selects cuDNN's packed flash-attention kernel
             (no ``[B, T, T]`` mask; ``layers.packed_attention``). 1 (every row one segment
             followed by padding) runs the mask-free ``lengths`` path on any backend.
-          cache: a ``KVCache`` with k, v ``[L, B, S, KV, K]``, or None.
-          cache_index: ``[B]`` int32 write offsets; required with ``cache``.
 
         Returns:
-          ``(hidden [B, T, D] in the compute dtype, new cache or None)``.
+          ``(hidden [B, T, D] in the compute dtype, None)``; the rollout engine keeps its
+          KV cache in its own forward (`models.decode`), so the second item is always None.
         """
         cfg = self.config
         chex.assert_rank(input_ids, 2)
         chex.assert_equal_shape([input_ids, positions])
         B, T = input_ids.shape
-        if cache is None and max_segments == 1 and segment_ids is not None and attention_mask is None:
+        if max_segments == 1 and segment_ids is not None and attention_mask is None:
             # A row of one segment is a right-padded row: no segment table, no cuDNN packed
             # kernel (whose backward scratch grows with the bound; train.packing.PackPlan).
             lengths, segment_ids = jnp.sum(segment_ids > 0, axis=1).astype(jnp.int32), None
@@ -263,59 +181,27 @@ class Decoder(nnx.Module):
             positions=positions,
             rules=self.activation_rules,
             mesh=self.mesh,
+            **self._attention_inputs(B, T, segment_ids, attention_mask, lengths, max_segments),
         )
-        if cache is None and lengths is not None:
+        body = remat_layer(lambda h, w: (block(h, w), None), self.remat)
+        hidden, _ = jax.lax.scan(body, hidden, layer_weights)
+        hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
+        return hidden, None
+
+    def _attention_inputs(self, B, T, segment_ids, attention_mask, lengths, max_segments) -> dict[str, Any]:
+        """Which attention every layer runs, as `_decoder_block`'s keyword arguments: mask-free
+        over right-padded ``lengths``, cuDNN's or splash's packed kernel, or a ``[B, 1, T, T]`` mask."""
+        if lengths is not None:
             if segment_ids is not None or attention_mask is not None:
                 raise ValueError("Decoder: pass either lengths or segment_ids/attention_mask, not both")
             chex.assert_shape(lengths, (B,))
-            body = remat_layer(
-                lambda h, w: (block(h, w, mask=None, kv_write=None, lengths=lengths)[0], None), self.remat
-            )
-            hidden, _ = jax.lax.scan(body, hidden, layer_weights)
-            new_cache = None
-        elif cache is None and segment_ids is not None and max_segments and self.attention_impl in ("cudnn", "splash"):
+            return {"mask": None, "lengths": lengths}
+        if segment_ids is not None and max_segments and self.attention_impl in ("cudnn", "splash"):
             if attention_mask is not None:
                 raise ValueError("Decoder: the packed cuDNN/splash path takes segment_ids (0 = padding), "
                                  "not attention_mask")
-            packed = (segment_ids, max_segments)
-            body = remat_layer(
-                lambda h, w: (block(h, w, mask=None, kv_write=None, packed=packed)[0], None), self.remat
-            )
-            hidden, _ = jax.lax.scan(body, hidden, layer_weights)
-            new_cache = None
-        elif cache is None:
-            mask = packed_causal_mask(segment_ids, attention_mask, B, T)
-            body = remat_layer(lambda h, w: (block(h, w, mask=mask, kv_write=None)[0], None), self.remat)
-            hidden, _ = jax.lax.scan(body, hidden, layer_weights)
-            new_cache = None
-        else:
-            if cache_index is None:
-                raise ValueError("Decoder: cache_index [B] is required when a cache is given")
-            chex.assert_shape(cache_index, (B,))
-            chex.assert_shape(cache.k, (cfg.num_layers, B, None, cfg.num_kv_heads, cfg.head_dim))
-            mask = cache_causal_mask(cache_index, T, cache.max_len)
-            write_pos = cache_index[:, None] + jnp.arange(T)[None, :]
-
-            def body(carry, xs):
-                h, k_all, v_all = carry
-                w, layer = xs
-
-                def kv_write(k, v):
-                    rows = jnp.arange(B)[:, None]
-                    k_new = k_all.at[layer, rows, write_pos].set(k.astype(k_all.dtype), mode="drop")
-                    v_new = v_all.at[layer, rows, write_pos].set(v.astype(v_all.dtype), mode="drop")
-                    return k_new[layer], v_new[layer], (k_new, v_new)
-
-                h, (k_new, v_new) = block(h, w, mask=mask, kv_write=kv_write)
-                return (h, k_new, v_new), None
-
-            layers = jnp.arange(cfg.num_layers)
-            (hidden, k_all, v_all), _ = jax.lax.scan(
-                remat_layer(body, self.remat), (hidden, cache.k, cache.v), (layer_weights, layers)
-            )
-            new_cache = KVCache(k=k_all, v=v_all)
-        hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
-        return hidden, new_cache
+            return {"mask": None, "packed": (segment_ids, max_segments)}
+        return {"mask": packed_causal_mask(segment_ids, attention_mask, B, T)}
 
     def output_embedding(self) -> tuple[jax.Array, str]:
         """``(table, "vd")``: tied embedding ``[V, D]``; ``(kernel, "dv")``: lm_head ``[D, V]``.
@@ -348,25 +234,23 @@ def _decoder_block(
     constrain,
     positions: jax.Array,
     mask: jax.Array | None,
-    kv_write,
     lengths: jax.Array | None = None,
     packed: tuple[jax.Array, int] | None = None,
     rules: Rules | None = None,
     mesh: Mesh | None = None,
-) -> tuple[jax.Array, Any]:
+) -> jax.Array:
     """One pre-norm block: ``h + Attn(RMSNorm(h))``, then ``h + SwiGLU(RMSNorm(h))``.
 
     Args:
       h: ``[B, T, D]`` residual stream; w: one layer's weights (``layer_param_specs``).
-      kv_write: None, or ``(k, v) -> (keys, values, cache_state)`` that stores the new
-        ``[B, T, KV, K]`` keys/values in the cache and returns the layer's whole
-        ``[B, S, KV, K]`` keys and values plus the updated cache.
+      mask: ``[B, 1, T, T]`` bool, or None (``lengths``, ``packed``, or causal splash).
+      lengths: ``[B]`` real tokens of right-padded rows, or None.
       packed: ``(segment_ids, max_segments)`` for cuDNN's or splash's packed kernel, or None.
       rules: the activation rules (where splash attention finds the mesh placement).
       mesh: the decoder's mesh, for splash attention when no mesh is set.
 
     Returns:
-      ``(h [B, T, D], cache_state or None)``.
+      ``h [B, T, D]``.
     """
     cast = {name: value.astype(dtype) for name, value in w.items()}
     eps = config.rms_norm_eps
@@ -383,11 +267,7 @@ def _decoder_block(
     q = constrain(apply_rope(q, positions, inv_freq), ("batch", "sequence", "heads", "head_dim"))
     k = constrain(apply_rope(k, positions, inv_freq), ("batch", "sequence", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "sequence", "kv_heads", "head_dim"))
-    cache_state = None
-    if kv_write is not None:
-        k, v, cache_state = kv_write(k, v)
-        k, v = k.astype(dtype), v.astype(dtype)
-    if implementation == "splash" and kv_write is None and (packed is not None or mask is None):
+    if implementation == "splash" and (packed is not None or mask is None):
         # packed rows, or right-padded rows as one segment each (id 0 after the row's length)
         ids = packed[0] if packed is not None else (
             jnp.arange(h.shape[1])[None, :] < (h.shape[1] if lengths is None else lengths[:, None])
@@ -400,7 +280,7 @@ def _decoder_block(
     h = h + jnp.einsum("bthk,hkd->btd", out, cast["wo"])
     x = rms_norm(h, cast["mlp_norm"], eps)
     h = h + swiglu(x, cast["w_gate"], cast["w_up"], cast["w_down"])
-    return constrain(h, ("batch", "sequence", "embed")), cache_state
+    return constrain(h, ("batch", "sequence", "embed"))
 
 
 def _constrain(x: jax.Array, axes: tuple[str, ...], *, rules: Rules | None) -> jax.Array:
@@ -426,36 +306,3 @@ def split_params(model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:
 def apply(graphdef: nnx.GraphDef, params: nnx.State, *args: Any, **kwargs: Any):
     """Merge ``params`` into ``graphdef`` and call the decoder (a pure function for ``jit``)."""
     return nnx.merge(graphdef, params)(*args, **kwargs)
-
-
-def _params_of(model_or_state: Decoder | nnx.State) -> nnx.State:
-    if isinstance(model_or_state, nnx.Module):
-        return nnx.state(model_or_state, nnx.Param)
-    return model_or_state
-
-
-def _is_variable(x: Any) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
-def param_logical_axes(model_or_state: Decoder | nnx.State) -> nnx.State:
-    """A ``State`` of logical-axes tuples keyed like ``nnx.state(model, nnx.Param)``."""
-    return jax.tree.map(
-        lambda v: v.get_metadata()["logical_axes"], _params_of(model_or_state), is_leaf=_is_variable
-    )
-
-
-def param_shardings(
-    model_or_state: Decoder | nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES
-) -> nnx.State:
-    """``NamedSharding`` per param, with the same tree structure as the params state.
-
-    Usable directly in ``jax.device_put(params, shardings)`` and as ``jit`` in/out shardings.
-    Dimensions not divisible by their mesh axes are replicated.
-    """
-
-    def one(v: nnx.Variable):
-        axes = v.get_metadata()["logical_axes"]
-        return v.replace(logical_sharding(axes, mesh, rules, shape=v.shape))
-
-    return jax.tree.map(one, _params_of(model_or_state), is_leaf=_is_variable)

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from agentrl_jax.models.config import DecoderConfig, Llama3RopeScaling
-from agentrl_jax.models.hf_io import tensor_views, write_safetensors
+from agentrl_jax.models.hf_io import tensor_views
+from agentrl_jax.models.safetensors_io import write_safetensors
 from agentrl_jax.models.layers import rope_inverse_frequencies
 
 logger = logging.getLogger(__name__)

@@ -3,10 +3,8 @@
 Loading reads tensor by tensor straight into (sharded) device arrays: every param is built
 with ``jax.make_array_from_callback`` whose callback reads, for one device's index, only that
 block of each layer's tensor from a memory-mapped safetensors file. The host never holds
-more than one device block at a time, never a second copy of the model. The safetensors
-files are parsed here (8-byte header length, JSON header, raw little-endian data) and mapped
-with ``numpy.memmap``, because safetensors' numpy backend cannot return bfloat16; bfloat16
-comes back as ``ml_dtypes.bfloat16``.
+more than one device block at a time, never a second copy of the model. The files are read
+and written by `safetensors_io`.
 
 Sharding and NNX: the params carry their logical axes as ``logical_axes`` metadata, not as
 flax's ``out_sharding``, so NNX never shards eagerly and needs no ``jax.set_mesh``. The
@@ -27,92 +25,25 @@ import json
 import logging
 import math
 import os
-import struct
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from agentrl_jax.models.config import DecoderConfig
-from agentrl_jax.models.decoder import Decoder, layer_param_specs, split_params
+from agentrl_jax.models.decoder import Decoder, split_params
+from agentrl_jax.models.params import layer_param_specs
+from agentrl_jax.models.safetensors_io import DTYPE_NAMES, CheckpointError, SafetensorsCheckpoint, write_safetensors
 from agentrl_jax.sharding import DEFAULT_RULES, Rules, logical_sharding
 
 logger = logging.getLogger(__name__)
 
-_ST_DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16),
-    "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
-}
-_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 # Tensors some checkpoints carry that the model does not use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match the model it is loaded into."""
-
-
-class SafetensorsCheckpoint:
-    """Read-only view of the safetensors files of an HF directory (single or index-sharded)."""
-
-    def __init__(self, directory: str | os.PathLike):
-        self.directory = os.fspath(directory)
-        index_path = os.path.join(self.directory, "model.safetensors.index.json")
-        single_path = os.path.join(self.directory, "model.safetensors")
-        if os.path.exists(index_path):
-            with open(index_path) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        elif os.path.exists(single_path):
-            files = ["model.safetensors"]
-        else:
-            raise FileNotFoundError(
-                f"no model.safetensors or model.safetensors.index.json in {self.directory}"
-            )
-        self._entries: dict[str, tuple[str, np.dtype, tuple[int, ...], int]] = {}
-        self._maps: dict[str, np.memmap] = {}
-        for name in files:
-            self._read_header(os.path.join(self.directory, name))
-
-    def _read_header(self, path: str) -> None:
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        header.pop("__metadata__", None)
-        for tensor, meta in header.items():
-            if meta["dtype"] not in _ST_DTYPES:
-                raise CheckpointError(
-                    f"{path}: tensor {tensor} has unsupported dtype {meta['dtype']}"
-                )
-            start = 8 + header_len + meta["data_offsets"][0]
-            self._entries[tensor] = (path, _ST_DTYPES[meta["dtype"]], tuple(meta["shape"]), start)
-
-    def names(self) -> set[str]:
-        return set(self._entries)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._entries[name][2]
-
-    def get(self, name: str) -> np.ndarray:
-        """A memory-mapped (lazy) array; slicing it reads only the needed bytes."""
-        path, dtype, shape, start = self._entries[name]
-        if path not in self._maps:
-            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
-        count = math.prod(shape)
-        raw = self._maps[path][start : start + count * dtype.itemsize]
-        return raw.view(dtype).reshape(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,7 +332,7 @@ def save_hf_checkpoint(
         else model_or_params
     )
     np_dtype = np.dtype(jnp.dtype(dtype))
-    if np_dtype not in _ST_NAMES:
+    if np_dtype not in DTYPE_NAMES:
         raise ValueError(f"save_hf_checkpoint: dtype {np_dtype} cannot be written to safetensors")
     out = os.fspath(path)
     os.makedirs(out, exist_ok=True)
@@ -412,57 +343,3 @@ def save_hf_checkpoint(
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config.to_hf_dict(dtype=dtype_name), f, indent=2)
     return out
-
-
-def write_safetensors(
-    directory: str, tensors: list, np_dtype: np.dtype, max_shard_bytes: int = 2 * 1024**3
-) -> None:
-    """Write ``(HF name, shape, thunk)`` tensors as ``model.safetensors``, or as several files
-    with an index above ``max_shard_bytes``; each thunk is called once, when its tensor is written."""
-    shards: list[list] = [[]]
-    shard_bytes = 0
-    for entry in tensors:
-        nbytes = math.prod(entry[1]) * np_dtype.itemsize
-        if shards[-1] and shard_bytes + nbytes > max_shard_bytes:
-            shards.append([])
-            shard_bytes = 0
-        shards[-1].append(entry)
-        shard_bytes += nbytes
-    if len(shards) == 1:
-        files = ["model.safetensors"]
-    else:
-        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for file, shard in zip(files, shards, strict=True):
-        _write_safetensors(os.path.join(directory, file), shard, np_dtype)
-        weight_map.update({name: file for name, _, _ in shard})
-    if len(shards) > 1:
-        total = sum(math.prod(shape) for _, shape, _ in tensors) * np_dtype.itemsize
-        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-
-
-def _write_safetensors(path: str, entries: list, np_dtype: np.dtype) -> None:
-    """Stream tensors into one safetensors file, materializing one at a time."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape, _ in entries:
-        nbytes = math.prod(shape) * np_dtype.itemsize
-        header[name] = {
-            "dtype": _ST_NAMES[np_dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
-        for name, shape, thunk in entries:
-            tensor = np.ascontiguousarray(thunk())
-            if tensor.shape != tuple(shape):
-                raise CheckpointError(
-                    f"save_hf_checkpoint: {name} has shape {tensor.shape}, expected {shape}"
-                )
-            f.write(tensor.tobytes())  # safetensors is little-endian, as are the hosts we run on

@@ -1,7 +1,7 @@
 """Pure functions of the decoder block: RMSNorm, RoPE, attention masks, attention, SwiGLU.
 
-Dimension letters: B batch, T query tokens, S key tokens (cache length in cache mode),
-D model width, H query heads, KV key/value heads, K head dim, F MLP width.
+Dimension letters: B batch, T query tokens, S key tokens, D model width, H query heads, KV
+key/value heads, K head dim, F MLP width.
 """
 
 from __future__ import annotations
@@ -112,19 +112,6 @@ def packed_causal_mask(
         real_key = attention_mask.astype(bool)[:, None, :]
         mask = mask & (real_key | jnp.eye(length, dtype=bool)[None])
     return mask[:, None]
-
-
-def cache_causal_mask(cache_index: jax.Array, length: int, cache_len: int) -> jax.Array:
-    """Mask for T new tokens written at ``[cache_index[b], cache_index[b] + T)`` of the cache.
-
-    Query t of row b sees cache entries ``j <= cache_index[b] + t``.
-
-    Returns:
-      ``[B, 1, T, S]`` bool.
-    """
-    query_pos = cache_index[:, None] + jnp.arange(length)[None, :]  # [B, T]
-    key_pos = jnp.arange(cache_len)
-    return (key_pos[None, None, :] <= query_pos[:, :, None])[:, None]
 
 
 def attention(

@@ -6,8 +6,7 @@ normalizer, so the accumulated gradient equals the full-minibatch gradient exact
 (``agentrl_jax.losses.aggregation``). A non-finite loss or gradient skips the update
 (params and optimizer state unchanged) and reports ``skipped = 1``.
 
-``make_logprob_fn`` and ``make_update_fn`` build the RL step's functions once, before the
-first step (``train/build.py``); the loop (``train/rl/loop.py``) calls them.
+``make_logprob_fn`` and ``make_update_fn`` build the step's functions once (``train/build.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +33,8 @@ from agentrl_jax.losses import (
     token_logprobs,
 )
 from agentrl_jax.train.packing import gather_rows, packed_logprobs
+
+LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 
 @struct.dataclass
@@ -244,7 +245,7 @@ def update_step(
     settings: LossSettings,
     num_micro_batches: int,
     num_sequences: int | None,
-    loss_fn: Callable[..., tuple[jax.Array, dict[str, jax.Array]]] = policy_loss,
+    loss_fn: LossFn = policy_loss,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer update over a minibatch, accumulated over micro-batches.
 
@@ -255,8 +256,7 @@ def update_step(
       normalizer: the aggregation denominator of the whole minibatch.
       num_micro_batches: R is split into this many equal micro-batches (static).
       loss_fn: ``(params, graphdef, micro, normalizer, settings, num_sequences) -> (loss,
-        metrics)``, the micro-batch's loss already divided by ``normalizer``: the policy's
-        (default) or the critic's (``train/critic.py``).
+        metrics)``, the micro-batch's loss over ``normalizer``: ``policy_loss`` or the critic's.
     Returns:
       (new state, metrics incl. grad_norm, param_norm, update_norm, skipped).
     """
@@ -303,7 +303,7 @@ def update_step(
 
 def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformation, settings: LossSettings, *,
                    state_sharding: Any = None, mesh: Mesh | None = None, pad_token_id: int = 0,
-                   loss_fn: Callable[..., tuple[jax.Array, dict[str, jax.Array]]] = policy_loss):
+                   loss_fn: LossFn = policy_loss):
     """The jitted ``update_step`` of one minibatch, gathered on device from the step's [N, T] arrays.
 
     Padded rows: ``update(state, arrays, rows, normalizer, num_micro_batches, old_from_current)``,
@@ -354,13 +354,11 @@ def make_logprob_fn(settings: LossSettings, *, put: Callable[[Any], jax.Array], 
     rows run in micro-batches of ``micro_rows``; with ``settings.packed`` the rows are packed
     (``train.packing.packed_logprobs``: ``row_tokens`` per row, micro-batches of
     ``micro_batch_tokens``) and the result is unpacked to the padded rows. ``put``: a host
-    array onto the training mesh. ``forward``: ``(graphdef, params, batch, *, packed,
-    max_segments) -> [B, T]`` per-token values in place of the tempered logprobs (the
-    critic's values, ``train/critic.py``), run in the same micro-batches and packed rows.
+    array onto the training mesh. ``forward``: ``(graphdef, params, batch, *, packed, max_segments)
+    -> [B, T]`` values in place of the logprobs (the critic's, ``train/critic.py``), same batching.
     """
     if forward is None:
-        forward = functools.partial(forward_logprobs, temperature=settings.temperature,
-                                    chunk_size=settings.chunk_size)
+        forward = functools.partial(forward_logprobs, temperature=settings.temperature, chunk_size=settings.chunk_size)
     forward = jax.jit(functools.partial(forward, packed=settings.packed), static_argnums=(0,),
                       static_argnames=("max_segments",))
 

@@ -9,7 +9,8 @@ from flax import nnx
 from models_helpers import SMALL_QWEN3
 
 from agentrl_jax.models import Decoder, split_params
-from agentrl_jax.models.decode import LayerCache, forward, to_decode_params
+from agentrl_jax.models.decode import forward
+from agentrl_jax.models.decode_params import LayerCache, to_decode_params
 
 pytestmark = pytest.mark.gpu  # also run on a CUDA GPU: see the `gpu` marker in pyproject.toml
 

@@ -11,12 +11,9 @@ from flax import nnx
 from models_helpers import SMALL_QWEN3
 
 from agentrl_jax.models import Decoder, apply, decode_attention, split_params
-from agentrl_jax.models.decode import (
-    LayerCache,
-    forward,
-    grouped_attention,
-    to_decode_params,
-)
+from agentrl_jax.models.cache_attention import grouped_attention
+from agentrl_jax.models.decode import forward
+from agentrl_jax.models.decode_params import LayerCache, to_decode_params
 
 pytestmark = pytest.mark.gpu  # also run on a CUDA GPU: see the `gpu` marker in pyproject.toml
 
@@ -190,8 +187,8 @@ def test_decode_attention_kernel_bad_shapes():
                                          (jnp.bfloat16, True)])
 def test_decode_attention_kernel_applies_projection_norm_and_rope_like_the_xla_path(method, dtype, split):
     """Raw QKV (or its split-K partials + a bias) with in-kernel QK-norm and RoPE == the same
-    steps in XLA (`_rotate_and_norm`), then the kernel on the finished rows."""
-    from agentrl_jax.models.decode import _rotate_and_norm
+    steps in XLA (`rotate_and_norm`), then the kernel on the finished rows."""
+    from agentrl_jax.models.cache_attention import rotate_and_norm
     from agentrl_jax.models.layers import rope_frequencies
 
     config = dataclasses.replace(CONFIG, qk_norm=True)
@@ -210,7 +207,7 @@ def test_decode_attention_kernel_applies_projection_norm_and_rope_like_the_xla_p
     else:
         partials = qkv = jnp.asarray(rng.normal(size=(B, KV, G + 2, K)), dtype)
         extra = {}
-    ready = _rotate_and_norm(qkv[:, None], norms, rope_positions[:, None], config=config, inv_freq=inv_freq)[:, 0]
+    ready = rotate_and_norm(qkv[:, None], norms, rope_positions[:, None], config=config, inv_freq=inv_freq)[:, 0]
     want = decode_attention.decode_attention(ready, positions, cache.copy(), cache.copy(), method=method)
     got = decode_attention.decode_attention(
         partials, positions, cache.copy(), cache.copy(), rope_positions=rope_positions, inv_freq=jnp.asarray(inv_freq),

@@ -16,7 +16,8 @@ from agentrl_jax.config import ConfigError, load_config
 from agentrl_jax.models import Llama3RopeScaling, Tokenizer
 from agentrl_jax.models.gguf import GGUFError, convert_gguf, gguf_decoder_config, hf_tensor_name, open_gguf
 from agentrl_jax.models.gguf_cache import converted_gguf
-from agentrl_jax.models.hf_io import SafetensorsCheckpoint, load_hf_checkpoint
+from agentrl_jax.models.hf_io import load_hf_checkpoint
+from agentrl_jax.models.safetensors_io import SafetensorsCheckpoint
 from agentrl_jax.train.setup import prepare_model_assets
 from gguf_helpers import CHAT_TEMPLATE, write_tiny_gguf
 

@@ -12,12 +12,9 @@ from flax import nnx
 from models_helpers import SMALL_QWEN3
 
 from agentrl_jax.models import Decoder, split_params
-from agentrl_jax.models.decode import (
-    LayerCache,
-    forward,
-    grouped_attention,
-    to_decode_params,
-)
+from agentrl_jax.models.cache_attention import grouped_attention
+from agentrl_jax.models.decode import forward
+from agentrl_jax.models.decode_params import LayerCache, to_decode_params
 from agentrl_jax.models.prefill_attention import prefill_attention
 
 ON_GPU = jax.default_backend() == "gpu"

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from agentrl_jax.models import KVCache, apply, param_shardings, split_params
+from agentrl_jax.models import apply, param_shardings, split_params
 from agentrl_jax.models.hf_io import load_hf_checkpoint
 from agentrl_jax.models.tiny import save_tiny_hf_checkpoint
 from agentrl_jax.sharding import (
@@ -73,47 +73,6 @@ def test_sharded_forward_equals_single_device(checkpoint, reference, shape):
     inputs = [jax.device_put(x, batch_sharding) for x in _batch()]
     hidden = _forward(graphdef, params, *inputs)
     np.testing.assert_allclose(np.asarray(hidden), reference, atol=1e-5, rtol=0)
-
-
-def test_sharded_cache_decode_equals_single_device(checkpoint):
-    ids, positions, _, _ = _batch()
-
-    @functools.partial(jax.jit, static_argnums=0)
-    def prefill_and_step(graphdef, params, cache):
-        _, cache = apply(
-            graphdef,
-            params,
-            ids[:, :8],
-            positions[:, :8],
-            cache=cache,
-            cache_index=jnp.zeros(B, jnp.int32),
-        )
-        hidden, cache = apply(
-            graphdef,
-            params,
-            ids[:, 8:9],
-            positions[:, 8:9],
-            cache=cache,
-            cache_index=jnp.full(B, 8, jnp.int32),
-        )
-        return hidden, cache
-
-    model = load_hf_checkpoint(checkpoint)
-    config = model.config
-    graphdef, params = split_params(model)
-    want, _ = prefill_and_step(graphdef, params, KVCache.init(config, B, 12, jnp.float32))
-
-    mesh = make_mesh({"data": 2, "tensor": 4})
-    rules = inference_rules(DEFAULT_RULES)
-    graphdef, params = split_params(load_hf_checkpoint(checkpoint, mesh=mesh, rules=rules))
-    cache = jax.device_put(
-        KVCache.init(config, B, 12, jnp.float32), KVCache.shardings(config, B, 12, mesh, rules)
-    )
-    assert cache.k.sharding.spec == PartitionSpec(None, "data", None, "tensor", None)
-    with jax.set_mesh(mesh):  # activation constraints on, as the engine runs it
-        got, new_cache = prefill_and_step(graphdef, params, cache)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
-    assert isinstance(new_cache.k.sharding, NamedSharding)
 
 
 def test_param_shardings_reshard_train_to_inference_layout(checkpoint, reference):

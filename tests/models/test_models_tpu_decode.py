@@ -12,7 +12,8 @@ from flax import nnx
 from models_helpers import SMALL_QWEN3
 
 from agentrl_jax.models import Decoder
-from agentrl_jax.models.decode import LayerCache, forward, to_decode_params
+from agentrl_jax.models.decode import forward
+from agentrl_jax.models.decode_params import LayerCache, to_decode_params
 from agentrl_jax.models.tpu_decode_attention import (
     paged_decode_attention,
     pages_per_block_for,
