@@ -68,7 +68,7 @@ PALLAS_QKV_SPLITS = 4  # the QKV projection as 4 partial products over slices of
 PALLAS_MIN_PROGRAMS = 512  # fewer (row, kv head) programs than this: split rows into chunks
 
 
-# Long for its signature and argument docs only: the body checks them, picks the attention, runs the layers.
+# long: its signature and argument docs; the body checks them, picks the attention, runs the layers.
 def forward(
     params: DecodeParams,
     tokens: jax.Array,

@@ -90,12 +90,11 @@ def _check_inputs(qkv, positions, k_cache, v_cache, page_table, bias, q_norm, k_
     return page_size, S
 
 
-# Long for its argument docs and the pallas_call's block specs, which read best side by side.
 @functools.partial(
     jax.jit, static_argnames=("eps", "dtype", "block_k", "chunks", "method", "num_warps", "num_stages", "interpret"),
     donate_argnums=(2, 3),
 )
-def decode_attention(
+def decode_attention(  # long: argument docs and the pallas_call's block specs, which read best side by side
     qkv: jax.Array,
     positions: jax.Array,
     k_cache: jax.Array,

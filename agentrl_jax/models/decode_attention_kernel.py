@@ -15,7 +15,7 @@ from jax.experimental.pallas import triton as plgpu
 DOT_ROWS = 16  # the smallest M of a tensor-core tile
 
 
-# Long because one Triton program's helpers (projection, prepare, locate, load) close over its refs and indices.
+# long: one Triton program's helpers (projection, prepare, locate, load) close over its refs and indices.
 def program(*refs, G, block_k, chunks, method, normalize, partials, bias, rope, norm, eps, dtype, page_size, length):
     """One (row, kv head, chunk) program.
 
