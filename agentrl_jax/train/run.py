@@ -125,8 +125,10 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
     policy = _load_policy(config, model_path, mesh)
     check_reference_architecture(config, policy.config)
     # Resuming at step s: the rows a killed run logged after its checkpoint (steps > s) go.
-    writer = MetricsWriter(out / "metrics", total_steps=config.total_steps,
-                           purge_step=None if resume_step is None else resume_step + 1)
+    host = jax.process_index()  # hosts > 0 clear their own metrics when starting over (0 did in _start_over)
+    writer = MetricsWriter(out / ("metrics" if host == 0 else f"metrics_host{host}"), total_steps=config.total_steps,
+                           enabled=host == 0 or config.logging.every_host,
+                           purge_step=(resume_step + 1 if resume_step is not None else None if host == 0 else 0))
     if resume_step is None:  # a resumed run keeps the first run's step-0 rows
         writer.write(0, setup.data_metrics(data_stats), timed=False)  # rows kept / skipped per split and reason
     checkpointer = Checkpointer(out / "checkpoints", max_to_keep=config.checkpoint.max_to_keep,
