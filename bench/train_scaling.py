@@ -128,8 +128,10 @@ def _run_worker(size: str, layout: str, gpus: list[str], args) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
-    return {"size": size, "layout": layout, "gpus": len(gpus), "error": f"rc={proc.returncode}: {tail}"}
+    # the exception's own lines, not JAX's closing note on filtered frames
+    lines = [ln for ln in proc.stderr.strip().splitlines() if "JAX_TRACEBACK_FILTERING" not in ln] or ["no output"]
+    return {"size": size, "layout": layout, "gpus": len(gpus), "error": f"rc={proc.returncode}: {lines[-1][:300]}",
+            "stderr_tail": "\n".join(lines[-25:])[-3000:]}
 
 
 def table(rows: list[dict]) -> str:
