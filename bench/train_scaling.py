@@ -23,6 +23,7 @@ import argparse
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -128,10 +129,11 @@ def _run_worker(size: str, layout: str, gpus: list[str], args) -> dict:
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
-    # the exception's own lines, not JAX's closing note on filtered frames
-    lines = [ln for ln in proc.stderr.strip().splitlines() if "JAX_TRACEBACK_FILTERING" not in ln] or ["no output"]
-    return {"size": size, "layout": layout, "gpus": len(gpus), "error": f"rc={proc.returncode}: {lines[-1][:300]}",
-            "stderr_tail": "\n".join(lines[-25:])[-3000:]}
+    # the exception's own line (XLA's errors end in a source-location trace, JAX's in a note)
+    lines = proc.stderr.strip().splitlines() or ["no output"]
+    raised = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
+    return {"size": size, "layout": layout, "gpus": len(gpus), "error": f"rc={proc.returncode}: "
+            f"{(raised or lines)[-1][:400]}", "stderr_tail": "\n".join(lines[-25:])[-3000:]}
 
 
 def table(rows: list[dict]) -> str:
