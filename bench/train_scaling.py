@@ -11,6 +11,10 @@ the baseline is measured in the same run on the same machine.
     python bench/train_scaling.py --sizes 1.7b,4b --gpus 1,2,4
     python bench/train_scaling.py --sizes 4b --gpus 4 --layouts fsdp,tp2
     python bench/train_scaling.py --tiny        # CPU, fake devices: checks the script runs
+    python bench/train_scaling.py --tiny --gpus 2 --hlo   # how the update splits the tokens (compile only)
+
+The update is traced under ``jax.set_mesh`` so the decoder's activation constraints apply
+(``--no-set-mesh``: as the trainer's jits are traced, sharding propagation alone).
 
 Scaling efficiency = (tokens/s per GPU on n GPUs) / (tokens/s on 1 GPU; on the fewest GPUs
 measured where one GPU does not hold the model and its optimizer state). MFU counts model
@@ -20,6 +24,7 @@ FLOPs as bench/train_step.py does (no recompute) over the card's dense bf16 peak
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -45,8 +50,12 @@ def _mesh_shape(layout: str, n: int) -> dict[str, int]:
 
 
 def measure(size: str, layout: str, seq: int, tokens_per_gpu: int, steps: int, remat: str, attention: str,
-            chunk_size: int, lm_head_dtype: str) -> dict:
-    """One (size, layout) measurement on every device this process sees."""
+            chunk_size: int, lm_head_dtype: str, set_mesh: bool = True, hlo: bool = False) -> dict:
+    """One (size, layout) measurement on every device this process sees.
+
+    One body for the timing and for ``hlo`` (compile only): both need the same model, mesh,
+    batch and jitted update, which is most of its length.
+    """
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -89,16 +98,32 @@ def measure(size: str, layout: str, seq: int, tokens_per_gpu: int, steps: int, r
                    in_shardings=(state_sharding, rows_sharding, replicated),
                    out_shardings=(state_sharding, replicated), donate_argnums=(0,))
     z = jax.device_put(global_normalizer(batch["loss_mask"], "token-mean"), replicated)
-    t0 = time.perf_counter()
-    state, metrics = step(state, batch, z)
-    jax.block_until_ready(metrics["loss"])
-    compile_s = time.perf_counter() - t0
-    times = []
-    for _ in range(steps):
+    # Traced under the mesh, the decoder pins its activations (batch over data x fsdp); without
+    # it, sharding propagation alone decides, and on 2 fake CPU devices it computed every row
+    # on every device.
+    context = jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext()
+    if hlo:  # this bench's update, and the trainer's (rows sliced from a replicated batch)
+        from agentrl_jax.train.step import make_update_fn
+
+        trainer = make_update_fn(graphdef, optimizer, settings, state_sharding=state_sharding, mesh=mesh)
+        whole = {k: jax.device_put(np.ascontiguousarray(v), replicated) for k, v in host.items()}
+        rows_index = jax.device_put(np.arange(rows, dtype=np.int32), replicated)
+        with context:
+            bench_text = step.lower(state, batch, z).compile().as_text()
+            trainer_text = trainer.lower(state, whole, rows_index, z, 1, False).compile().as_text()
+        return {"size": size, "gpus": n, "set_mesh": set_mesh, "bench": token_split(bench_text, rows * seq, n),
+                "trainer": token_split(trainer_text, rows * seq, n)}
+    with context:
         t0 = time.perf_counter()
         state, metrics = step(state, batch, z)
         jax.block_until_ready(metrics["loss"])
-        times.append(time.perf_counter() - t0)
+        compile_s = time.perf_counter() - t0
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            state, metrics = step(state, batch, z)
+            jax.block_until_ready(metrics["loss"])
+            times.append(time.perf_counter() - t0)
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices()]
     step_s = float(np.median(times))
     name, peak = device_peak()
@@ -108,7 +133,17 @@ def measure(size: str, layout: str, seq: int, tokens_per_gpu: int, steps: int, r
             "tokens_per_s": rows * seq / step_s, "tokens_per_s_per_gpu": rows * seq / step_s / n,
             "mfu": flops / step_s / n / peak if peak else None, "loss": float(metrics["loss"]),
             "peak_gib_max": max(peaks) / 2**30, "remat": remat, "attention": attention,
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "set_mesh": set_mesh}
+
+
+def token_split(hlo_text: str, tokens: int, n: int) -> dict:
+    """How the compiled update splits the tokens: its 2-D matmuls whose rows are all ``tokens``
+    (every device computes every row) or ``tokens / n`` (each device its share)."""
+    shapes = re.findall(r"= \w+\[(\d+),\d+\]\S* dot\(", hlo_text)
+    return {"dots_all_tokens": sum(int(m) == tokens for m in shapes),
+            "dots_share_of_tokens": sum(int(m) == tokens // n for m in shapes) if n > 1 else 0,
+            "collectives": {c: hlo_text.count(c + "(") for c in ("all-gather", "reduce-scatter", "all-reduce",
+                                                                 "all-to-all")}}
 
 
 def _run_worker(size: str, layout: str, gpus: list[str], args) -> dict:
@@ -116,7 +151,8 @@ def _run_worker(size: str, layout: str, gpus: list[str], args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--sizes", size, "--layouts", layout,
            "--seq", str(args.seq), "--tokens-per-gpu", str(args.tokens_per_gpu), "--steps", str(args.steps),
            "--remat", args.remat, "--attention", args.attention, "--chunk-size", str(args.chunk_size),
-           "--lm-head-dtype", args.lm_head_dtype]
+           "--lm-head-dtype", args.lm_head_dtype] + (["--no-set-mesh"] if args.no_set_mesh else []) + (
+               ["--hlo"] if args.hlo else [])
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=args.mem_fraction)
     if args.cpu_devices:  # CPU smoke run: n fake devices stand for n GPUs
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={len(gpus)}"
@@ -126,9 +162,13 @@ def _run_worker(size: str, layout: str, gpus: list[str], args) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.worker_timeout)
     except subprocess.TimeoutExpired:
         return {"size": size, "layout": layout, "gpus": len(gpus), "error": f"timeout {args.worker_timeout} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if args.hlo and results:
+        for r in results:
+            print(json.dumps(r))
+        return {"size": size, "layout": layout, "gpus": len(gpus), "error": "--hlo: compiled only, no timing"}
+    if results:
+        return results[0]
     # the exception's own line (XLA's errors end in a source-location trace, JAX's in a note)
     lines = proc.stderr.strip().splitlines() or ["no output"]
     raised = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
@@ -174,6 +214,12 @@ def main(argv=None) -> None:
     p.add_argument("--mem-fraction", default="0.95", help="XLA_PYTHON_CLIENT_MEM_FRACTION of each worker")
     p.add_argument("--out", default="", help="append every result row (JSON) to this file")
     p.add_argument("--tiny", action="store_true", help="tiny shape on fake CPU devices: checks the script runs")
+    p.add_argument("--no-set-mesh", action="store_true",
+                   help="trace the update without jax.set_mesh (as the trainer's jits are): no activation "
+                        "constraints, sharding propagation alone splits the work")
+    p.add_argument("--hlo", action="store_true",
+                   help="compile only and print how the update splits the tokens over the devices, traced with "
+                        "and without jax.set_mesh (CPU: --tiny)")
     p.add_argument("--table", default="", help="print the table of the rows in this --out file and exit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -184,9 +230,15 @@ def main(argv=None) -> None:
     args.cpu_devices = args.tiny
     if args.tiny:
         args.sizes, args.seq, args.tokens_per_gpu, args.steps, args.attention = "tiny", 64, 64, 2, "xla"
+    if args.worker and args.hlo:
+        for set_mesh in (False, True):
+            print("RESULT " + json.dumps(measure(args.sizes, args.layouts, args.seq, args.tokens_per_gpu, args.steps,
+                                                 args.remat, args.attention, args.chunk_size, args.lm_head_dtype,
+                                                 set_mesh=set_mesh, hlo=True)), flush=True)
+        return
     if args.worker:
         result = measure(args.sizes, args.layouts, args.seq, args.tokens_per_gpu, args.steps, args.remat,
-                         args.attention, args.chunk_size, args.lm_head_dtype)
+                         args.attention, args.chunk_size, args.lm_head_dtype, set_mesh=not args.no_set_mesh)
         print("RESULT " + json.dumps(result), flush=True)
         return
     counts = sorted({int(g) for g in args.gpus.split(",")})
