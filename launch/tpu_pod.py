@@ -2,8 +2,9 @@
 
 Runs on one host (CPU, GPU or TPU VM) or on every host of a TPU pod slice / GPU cluster.
 On a Cloud TPU pod every worker runs the same command (`gcloud ... ssh --worker=all`);
-`jax.distributed.initialize()` discovers the coordinator from the TPU metadata. Elsewhere
-pass `--coordinator HOST:PORT --num-processes N --process-id I` on each host.
+`jax.distributed.initialize()` discovers the coordinator from the TPU metadata (and under
+SLURM from its variables). Elsewhere pass `--coordinator HOST:PORT --num-processes N
+--process-id I` on each host. docs/multihost.md has the cluster commands.
 
 `--config` takes a path or a bare name from configs/ (`--config retool`).
 """
@@ -28,6 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--process-id", type=int, default=None)
     p.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() with auto-detection (Cloud TPU pods, SLURM)")
+    p.add_argument("--local-device-ids", default=None, metavar="0,1,...",
+                   help="the GPUs this process drives (multi-host; default: all it sees, but under SLURM "
+                        "JAX's default is the one GPU of SLURM_LOCALID: one process per node needs the list)")
     p.add_argument("--describe", action="store_true", help="print every config field with its doc and exit")
     return p.parse_args(argv)
 
@@ -47,10 +51,18 @@ def main(argv=None) -> int:
         return 2
     import jax
 
+    local = None
+    if args.local_device_ids:
+        try:
+            local = [int(i) for i in args.local_device_ids.split(",")]
+        except ValueError:
+            print(f"error: --local-device-ids {args.local_device_ids!r}: expected integers separated by commas",
+                  file=sys.stderr)
+            return 2
     if args.coordinator:
-        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id, local_device_ids=local)
     elif args.distributed:
-        jax.distributed.initialize()
+        jax.distributed.initialize(local_device_ids=local)
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:

@@ -224,6 +224,8 @@ class LoggingConfig(_Section):
     log_every: int = _f(1, "Write metrics every N steps.")
     sample_trajectories: int = _f(2, "Trajectories written as text per logged step.")
     progress: bool = _f(True, "Console progress line with ETA.")
+    every_host: bool = _f(False, "Several hosts: every host writes its metrics (process i > 0 to "
+                                 "metrics_host<i>/ beside metrics/), to check that the hosts agree.")
 
 
 @dataclass(frozen=True)

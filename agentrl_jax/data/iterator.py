@@ -32,6 +32,10 @@ def _records_digest(records: Sequence[Any]) -> str:
     return digest.hexdigest()[:16]
 
 
+#: Fingerprint fields of one host's share, not of the global stream of batches.
+_HOST_FIELDS = ("batch_size", "shard_index", "shard_count")
+
+
 def _host_slice(shard_index: int, shard_count: int):
     def take(global_batch: list) -> list:
         return global_batch[shard_index::shard_count]
@@ -115,8 +119,14 @@ class BatchIterator(Generic[Record], Iterator[list[Record]]):
         Raises:
           ValueError: the state came from other records, seed, batch size or sharding.
         """
-        saved = state.get("fingerprint", {})
-        mismatched = {k: (saved.get(k), v) for k, v in self.fingerprint.items() if saved.get(k) != v}
+        saved = dict(state.get("fingerprint", {}))
+        if "shard_count" in saved and "batch_size" in saved:
+            # The position is counted in global batches: a state resumes on any number of hosts
+            # that deals the same global batches (a checkpoint of 2 hosts on 1, and back).
+            saved["global_batch_size"] = saved["batch_size"] * saved["shard_count"]
+        now = {k: v for k, v in self.fingerprint.items() if k not in _HOST_FIELDS}
+        now["global_batch_size"] = self.global_batch_size
+        mismatched = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
         if mismatched:
             detail = ", ".join(f"{k}: saved {s!r} vs now {n!r}" for k, (s, n) in mismatched.items())
             raise ValueError(f"data iterator state does not match this dataset/iterator ({detail}); "

@@ -128,8 +128,13 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
     policy = _load_policy(config, model_path, mesh)
     check_reference_architecture(config, policy.config)
     # Resuming at step s: the rows a killed run logged after its checkpoint (steps > s) go.
-    writer = MetricsWriter(out / "metrics", total_steps=config.total_steps,
-                           purge_step=None if resume_step is None else resume_step + 1)
+    host = jax.process_index()
+    if resume_step is not None:
+        purge = resume_step + 1
+    else:  # starting over: host 0's folder went in _start_over, the others clear their own
+        purge = None if host == 0 else 0
+    writer = MetricsWriter(out / ("metrics" if host == 0 else f"metrics_host{host}"), total_steps=config.total_steps,
+                           enabled=host == 0 or config.logging.every_host, purge_step=purge)
     if resume_step is None:  # a resumed run keeps the first run's step-0 rows
         writer.write(0, setup.data_metrics(data_stats), timed=False)  # rows kept / skipped per split and reason
     checkpointer = Checkpointer(out / "checkpoints", max_to_keep=config.checkpoint.max_to_keep,

@@ -81,3 +81,25 @@ def test_bad_arguments():
         BatchIterator(make_records(5), batch_size=3, shard_count=2)
     with pytest.raises(ValueError, match="shard_index"):
         BatchIterator(make_records(5), batch_size=1, shard_index=2, shard_count=2)
+
+
+def test_a_state_resumes_on_another_number_of_hosts():
+    """Two hosts' checkpoint resumes on one host and on four, at the same next global batch."""
+    records = make_records(24)
+    single = BatchIterator(records, batch_size=4, seed=3)
+    expected = [ids(next(single)) for _ in range(9)]
+    two = [BatchIterator(records, batch_size=2, seed=3, shard_index=h, shard_count=2) for h in range(2)]
+    for _ in range(5):
+        for it in two:
+            next(it)
+    state = json.loads(json.dumps(two[0].get_state()))  # the checkpoint keeps process 0's
+    one = BatchIterator(records, batch_size=4, seed=3)
+    one.set_state(state)
+    assert [ids(next(one)) for _ in range(4)] == expected[5:]
+    four = [BatchIterator(records, batch_size=1, seed=3, shard_index=h, shard_count=4) for h in range(4)]
+    for it in four:
+        it.set_state(state)
+    dealt = [[ids(next(it))[0] for it in four] for _ in range(4)]
+    assert [sorted(b, key=int) for b in dealt] == [sorted(b, key=int) for b in expected[5:]]
+    with pytest.raises(ValueError, match="global_batch_size: saved 4 vs now 6"):
+        BatchIterator(records, batch_size=3, seed=3, shard_index=0, shard_count=2).set_state(state)

@@ -10,6 +10,7 @@ by what it is:
 - ``python -m agentrl_jax.assets ...``: the arguments parse (running it downloads a model).
 - ``pip install -e '.[extra]'``: the extra exists in pyproject.toml.
 - ``gcloud ... --command "..."``: the inner commands are checked the same way.
+- ``srun [options] python ...``: the python command is checked the same way.
 - ``VAR=value`` prefixes are allowed; anything else is an unknown command and fails.
 
 A block whose info string carries a tag from NOT_IN_CI (```` ```bash tpu ````) needs
@@ -117,6 +118,10 @@ def check_command(command: str, tags: set[str]) -> list[str]:
         return [check_pip(argv)]
     if head == "cd":
         return ["cd"]
+    if head == "srun":  # a SLURM job step: the launcher command after srun's own options
+        assert tags & set(NOT_IN_CI), "an srun command must sit in a block tagged as not run in CI"
+        assert "python" in argv, f"srun without a python command: {command!r}"
+        return check_command(shlex.join(argv[argv.index("python"):]), tags)
     if head == "gcloud":
         assert tags & set(NOT_IN_CI), "a gcloud command must sit in a block tagged as not run in CI"
         inner = argv[argv.index("--command") + 1]

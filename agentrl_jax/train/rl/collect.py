@@ -37,14 +37,20 @@ Rollout = Callable[[list[dict], int], Awaitable[list[Trajectory]]]
 
 
 def rollout_fn(config: Config, agent_loop: AgentLoop, env_factory: Callable[[], Environment], step: int) -> Rollout:
-    """Step ``step``'s rollouts: G trajectories per task; sampling seeds from (seed, step, group)."""
+    """Step ``step``'s rollouts: G trajectories per task; sampling seeds from (seed, step, group).
+
+    The group in the seed is the task's place in the global batch (this host's i-th task is
+    global task ``i * hosts + host``, as ``BatchIterator`` deals them), so every host count
+    samples the same trajectories for a step.
+    """
     r, G = config.rollout, config.algorithm.group_size
+    hosts, host = jax.process_count(), jax.process_index()
 
     async def rollout(tasks: list[dict], first_group: int = 0) -> list[Trajectory]:
         groups = await asyncio.gather(*[
             agent_loop.run_group(env_factory, task, G, SamplingParams(
                 temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                seed=hash((config.seed, step, i)) & 0x7FFFFFFF), group_id=i)
+                seed=hash((config.seed, step, i * hosts + host)) & 0x7FFFFFFF), group_id=i)
             for i, task in enumerate(tasks, start=first_group)
         ])
         return [t for g in groups for t in g]
@@ -89,12 +95,18 @@ async def collect(config: Config, rollout: Rollout, tasks: list[dict],
     return out, stats
 
 
-def exchange(config: Config, trajectories: list[Trajectory]) -> list[Trajectory]:
-    """Multi-host: every host gets every host's trajectories (group ids made global)."""
-    offset = jax.process_index() * (config.data.prompts_per_step // jax.process_count())
+def exchange(trajectories: list[Trajectory]) -> list[Trajectory]:
+    """Multi-host: every host gets every host's trajectories, in global-batch order.
+
+    Group ids become the tasks' places in the global batch (``rollout_fn``), and the
+    trajectories are ordered by them: the batch every host builds is the one a single process
+    builds from the same tasks, row for row.
+    """
+    hosts, host = jax.process_count(), jax.process_index()
     for t in trajectories:
-        t.group_id += offset
-    return [t for host in gather_objects(trajectories) for t in host]
+        t.group_id = t.group_id * hosts + host
+    gathered = [t for part in gather_objects(trajectories) for t in part]
+    return sorted(gathered, key=lambda t: t.group_id)  # stable: a group's samples keep their order
 
 
 async def judge(config: Config, prm_judge: Judge, writer: Any, tokenizer: Any, trajectories: list[Trajectory],

@@ -84,7 +84,7 @@ async def run_rl(rl: RL, state: TrainState, version: int, start_step: int = 0, *
             trajectories, metrics, t_rollout = await admission.batch(step)  # collect
             t_wait = time.perf_counter() - t0
             if is_multihost():
-                trajectories = exchange(c, trajectories)
+                trajectories = exchange(trajectories)
             violations += _staleness_violation(trajectories, version, max_staleness, step)
             t1 = time.perf_counter()
             verdicts = None
