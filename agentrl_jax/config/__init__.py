@@ -46,6 +46,7 @@ from agentrl_jax.config.sections import (
     EvalConfig,
     HybridConfig,
     LoggingConfig,
+    LoraConfig,
     MeshConfig,
     ModelConfig,
     OptimizerConfig,
@@ -57,7 +58,7 @@ from agentrl_jax.config.sections import (
 __all__ = [
     "JUDGE_FIELDS", "TOOL_REWARD_CAP",
     "AlgorithmConfig", "AsyncConfig", "CheckpointConfig", "Config", "ConfigError", "DType", "DataConfig",
-    "EnvironmentConfig", "EvalConfig", "HybridConfig", "LoggingConfig", "MeshConfig", "ModelConfig",
+    "EnvironmentConfig", "EvalConfig", "HybridConfig", "LoggingConfig", "LoraConfig", "MeshConfig", "ModelConfig",
     "OptimizerConfig", "RolloutConfig", "SFTConfig", "SandboxConfig", "ScratchModelConfig", "VerifierConfig",
     "apply_overrides", "check_required_paths", "config_field", "describe", "environment_names", "from_dict",
     "load_config", "overlong_max_tokens", "register_config_check", "register_environment", "require",

@@ -40,6 +40,25 @@ class ScratchModelConfig(_Section):
 
 
 @dataclass(frozen=True)
+class LoraConfig(_Section):
+    """Low-rank adapters on the policy (LoRA: Low-Rank Adaptation of Large Language Models,
+    arXiv:2106.09685): W + (alpha / rank) A B on the targeted projections, the base frozen."""
+
+    rank: int = _f(0, "Adapter rank r; 0: off (full fine-tuning).")
+    alpha: float = _f(32.0, "Scale numerator: the update is (alpha / rank) A B.")
+    targets: tuple[Literal["q", "k", "v", "o", "gate", "up", "down"], ...] = _f(
+        ("q", "k", "v", "o", "gate", "up", "down"),
+        "Projections that get adapters: attention q/k/v/o, MLP gate/up/down (HF q_proj ... down_proj).")
+
+    def validate(self) -> None:
+        _require(self.rank >= 0, self._path("rank"), f"must be >= 0 (0: off), got {self.rank}")
+        _require(self.alpha > 0, self._path("alpha"), f"must be > 0, got {self.alpha}")
+        _require(not self.rank or bool(self.targets), self._path("targets"), "must name at least one projection")
+        _require(len(set(self.targets)) == len(self.targets), self._path("targets"),
+                 f"names a projection twice: {list(self.targets)}")
+
+
+@dataclass(frozen=True)
 class ModelConfig(_Section):
     path: str = _f("", "The policy: a local HF checkpoint directory or a .gguf file; empty: train model.scratch from scratch.")
     tokenizer_path: str = _f("", "Local HF tokenizer directory; empty: the model path.")
@@ -60,6 +79,7 @@ class ModelConfig(_Section):
         "embedding as stored (param) or cast to compute_dtype like every other weight (compute: faster "
         "on GPUs with float32 params and bfloat16 compute; docs/benchmarks.md, 'Train step').")
     scratch: ScratchModelConfig = _section(ScratchModelConfig, "Tiny from-scratch model (when path is empty).")
+    lora: LoraConfig = _section(LoraConfig, "LoRA adapters instead of full fine-tuning (docs/lora.md).")
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"doc": (
         "Variables every chat-template render gets (prompts, appended tool messages, SFT records), e.g. "
         "{\"enable_thinking\": false} for Qwen3; JSON on the command line.")})
@@ -369,6 +389,7 @@ class Config(_Section):
 SECTION_PATHS.update({
     "ModelConfig": "model",
     "ScratchModelConfig": "model.scratch",
+    "LoraConfig": "model.lora",
     "MeshConfig": "mesh",
     "RolloutConfig": "rollout",
     "AlgorithmConfig": "algorithm",
