@@ -1,0 +1,67 @@
+"""LoRA in the trainer: the policy's params, its checkpoint restore and its export (docs/lora.md).
+
+With ``model.lora.rank > 0`` the train state's params are ``models.lora.LoraParams``: the loaded
+(or post-SFT) model as the frozen base plus fresh adapters. The update trains and the optimizer
+holds only the adapters (``train/step.py``); the base is the KL reference (``train/build.py``); the
+engine merges the adapters into its own copy at each push (``rollout/weights.py``). A checkpoint
+holds the adapters, their optimizer state and a fingerprint of the base (``train/rl/stages.py
+save``), so a resume takes the base from the run's model and checks it is the same one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from agentrl_jax.config import Config, ConfigError
+from agentrl_jax.models.config import DecoderConfig
+from agentrl_jax.models.hf_io import save_hf_checkpoint
+from agentrl_jax.models.lora import LoraParams, attach, base_fingerprint, merged_params, with_base, without_base
+from agentrl_jax.models.lora_export import save_peft_adapter
+from agentrl_jax.train.checkpoint import Checkpointer, RestoredCheckpoint
+
+#: The PEFT adapter directory beside the merged HF export (``checkpoint.export_hf``).
+ADAPTER_EXPORT_DIR = "export_adapter"
+
+
+def policy_params(config: Config, base: Any, model_config: DecoderConfig, mesh: Mesh | None) -> Any:
+    """The params RL trains: ``base`` itself, or with ``model.lora`` the base plus fresh adapters
+    (seeded from ``config.seed``, placed on ``mesh`` by their logical axes)."""
+    lora = config.model.lora
+    if lora.rank == 0:
+        return base
+    key = jax.random.fold_in(jax.random.key(config.seed), 0x10A)
+    return attach(base, model_config, lora, key, mesh=mesh)
+
+
+def restore_latest(checkpointer: Checkpointer, state: Any) -> RestoredCheckpoint | None:
+    """``checkpointer.restore_latest`` for a train state that may hold a LoRA base.
+
+    The checkpoint holds the state without the base; the restored state gets ``state``'s base
+    back after checking that it is the base the adapters were trained on.
+
+    Raises:
+      ConfigError: the checkpoint's base fingerprint differs from ``state``'s base.
+    """
+    base, target = without_base(state)
+    restored = checkpointer.restore_latest(target)
+    if restored is None or base is None:
+        return restored
+    saved, loaded = restored.extra.get("lora_base"), base_fingerprint(base)
+    if saved != loaded:
+        raise ConfigError(f"checkpoint.resume: the checkpoint's LoRA adapters were trained on another base model "
+                          f"(fingerprint {saved}, this run's base {loaded}); point model.path at that base, or set "
+                          "checkpoint.resume=false to start over")
+    return restored._replace(state=with_base(restored.state, base))
+
+
+def export(params: Any, model_config: DecoderConfig, out: str | os.PathLike, *, base_model: str = "") -> None:
+    """The HF export of the trained policy into ``out`` (merged weights), and with LoRA also the
+    PEFT adapter directory ``ADAPTER_EXPORT_DIR`` beside it."""
+    save_hf_checkpoint(merged_params(params), model_config, out)
+    if isinstance(params, LoraParams):
+        save_peft_adapter(params, model_config, os.path.join(os.path.dirname(os.fspath(out)), ADAPTER_EXPORT_DIR),
+                          base_model=base_model)
