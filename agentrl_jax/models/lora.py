@@ -59,11 +59,15 @@ class LoraParams:
         taken it out (``without_base``).
       adapters: ``{weight name: {"a": [L, *in, r], "b": [L, r, *out]}}``.
       scale: ``alpha / rank`` (static).
+      dtype: the merged weights' dtype (static): the decoder's compute dtype, to which it casts
+        every weight at use anyway, so a bfloat16 run holds the merged copy (and its gradient) in
+        bfloat16; None: float32 where either side is (a bfloat16 sum would round the update away).
     """
 
     base: Any
     adapters: dict[str, dict[str, jax.Array]]
     scale: float = struct.field(pytree_node=False, default=1.0)
+    dtype: Any = struct.field(pytree_node=False, default=None)
 
 
 def adapter_shapes(config: DecoderConfig, lora: LoraConfig) -> dict[str, dict[str, tuple[tuple[int, ...], tuple]]]:
@@ -100,10 +104,12 @@ def init_adapters(config: DecoderConfig, lora: LoraConfig, key: jax.Array, *, dt
 
 
 def attach(base: nnx.State, config: DecoderConfig, lora: LoraConfig, key: jax.Array, *,
-           mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES) -> LoraParams:
-    """``base`` with fresh float32 adapters (the optimizer's master copy) for ``lora.targets``."""
+           mesh: Mesh | None = None, rules: Rules = DEFAULT_RULES, compute_dtype: Any = None) -> LoraParams:
+    """``base`` with fresh float32 adapters (the optimizer's master copy) for ``lora.targets``;
+    ``compute_dtype``: the decoder's (``LoraParams.dtype``)."""
     adapters = init_adapters(config, lora, key, mesh=mesh, rules=rules)
-    return LoraParams(base=base, adapters=adapters, scale=lora.alpha / lora.rank)
+    dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
+    return LoraParams(base=base, adapters=adapters, scale=lora.alpha / lora.rank, dtype=dtype)
 
 
 def delta(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -116,8 +122,7 @@ def delta(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def merged_params(params: Any) -> Any:
     """The decoder params a forward uses: ``params`` itself, or for ``LoraParams`` the base with
-    ``W + scale * A B`` on the targeted weights, in float32 where either side is (a bfloat16
-    base would round a small update away; the decoder casts to its compute dtype at use)."""
+    ``W + scale * A B`` on the targeted weights, summed in float32, stored in ``params.dtype``."""
     if not isinstance(params, LoraParams):
         return params
     if params.base is None:
@@ -126,8 +131,8 @@ def merged_params(params: Any) -> Any:
     for name, ab in params.adapters.items():
         variable = layers[name]
         w = variable[...]
-        dtype = jnp.promote_types(w.dtype, ab["a"].dtype)
-        layers[name] = variable.replace(w.astype(dtype) + params.scale * delta(ab["a"], ab["b"]).astype(dtype))
+        dtype = params.dtype or jnp.promote_types(w.dtype, ab["a"].dtype)
+        layers[name] = variable.replace((w.astype(jnp.float32) + params.scale * delta(ab["a"], ab["b"])).astype(dtype))
     merged = nnx.State(dict(params.base))
     merged["layers"] = nnx.State(layers)
     return merged

@@ -23,8 +23,10 @@ from agentrl_jax.models.lora import LoraParams, attach, base_fingerprint, merged
 from agentrl_jax.models.lora_export import save_peft_adapter
 from agentrl_jax.train.checkpoint import Checkpointer, RestoredCheckpoint
 
-#: The PEFT adapter directory beside the merged HF export (``checkpoint.export_hf``).
+#: The PEFT adapter directory beside the merged HF export (``checkpoint.export_hf``), and the
+#: base it belongs to when that is not ``model.path`` (a scratch model, or the post-SFT policy).
 ADAPTER_EXPORT_DIR = "export_adapter"
+BASE_EXPORT_DIR = "export_base"
 
 
 def policy_params(config: Config, base: Any, model_config: DecoderConfig, mesh: Mesh | None) -> Any:
@@ -34,7 +36,7 @@ def policy_params(config: Config, base: Any, model_config: DecoderConfig, mesh: 
     if lora.rank == 0:
         return base
     key = jax.random.fold_in(jax.random.key(config.seed), 0x10A)
-    return attach(base, model_config, lora, key, mesh=mesh)
+    return attach(base, model_config, lora, key, mesh=mesh, compute_dtype=config.model.compute_dtype)
 
 
 def restore_latest(checkpointer: Checkpointer, state: Any) -> RestoredCheckpoint | None:
@@ -58,10 +60,17 @@ def restore_latest(checkpointer: Checkpointer, state: Any) -> RestoredCheckpoint
     return restored._replace(state=with_base(restored.state, base))
 
 
-def export(params: Any, model_config: DecoderConfig, out: str | os.PathLike, *, base_model: str = "") -> None:
-    """The HF export of the trained policy into ``out`` (merged weights), and with LoRA also the
-    PEFT adapter directory ``ADAPTER_EXPORT_DIR`` beside it."""
-    save_hf_checkpoint(merged_params(params), model_config, out)
+def export(params: Any, model_config: DecoderConfig, out: str | os.PathLike, *, base_model: str = "") -> list[str]:
+    """The HF export of the trained policy into ``out`` (merged weights); with LoRA also the PEFT
+    adapter directory ``ADAPTER_EXPORT_DIR`` beside it, and, when ``base_model`` is empty (the base
+    is no checkpoint on disk), the base as an HF directory ``BASE_EXPORT_DIR`` that the adapter
+    names. Returns the directories written."""
+    written = [save_hf_checkpoint(merged_params(params), model_config, out)]
     if isinstance(params, LoraParams):
-        save_peft_adapter(params, model_config, os.path.join(os.path.dirname(os.fspath(out)), ADAPTER_EXPORT_DIR),
-                          base_model=base_model)
+        parent = os.path.dirname(os.path.abspath(os.fspath(out)))
+        if not base_model:
+            base_model = save_hf_checkpoint(params.base, model_config, os.path.join(parent, BASE_EXPORT_DIR))
+            written.append(base_model)
+        written.append(save_peft_adapter(params, model_config, os.path.join(parent, ADAPTER_EXPORT_DIR),
+                                         base_model=base_model))
+    return written

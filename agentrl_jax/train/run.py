@@ -287,8 +287,10 @@ def _write_outputs(config: Config, out: Path, results: dict[str, Any], params, m
     if config.checkpoint.export_hf and multihost.is_multihost():
         logger.warning("checkpoint.export_hf: not supported on several hosts yet; convert a checkpoint instead")
     elif config.checkpoint.export_hf:
-        lora.export(params, model_config, out / "export", base_model=config.model.path)
-        tokenizer.hf.save_pretrained(str(out / "export"))
+        # a LoRA adapter's base is model.path unless SFT changed it first (then it is exported too)
+        for directory in lora.export(params, model_config, out / "export",
+                                     base_model="" if config.sft.steps else config.model.path):
+            tokenizer.hf.save_pretrained(directory)
     rows = {k: results[k] for k in ("start", "end") if k in results}
     first = next(iter(rows.values()), {})
     table = results_table(rows, TABLE_KEYS + [k for k in first if k.startswith("pass_at_") and k != "pass_at_1"]

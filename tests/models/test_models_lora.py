@@ -53,6 +53,11 @@ def test_merged_weights_equal_a_numpy_merge_and_fresh_adapters_change_nothing(qw
         flat = a.reshape(a.shape[0], -1, a.shape[-1]) @ b.reshape(b.shape[0], b.shape[1], -1)
         expected = w + 2.0 * flat.reshape(w.shape)
         np.testing.assert_allclose(np.asarray(merged["layers"][name][...]), expected, rtol=1e-5, atol=1e-6)
+    in_bf16 = merged_params(params.replace(dtype=jnp.dtype(jnp.bfloat16)))  # a bfloat16 run's merged copy
+    for target in lora.targets:
+        name = TARGETS[target][0]
+        np.testing.assert_array_equal(np.asarray(in_bf16["layers"][name][...]),
+                                      np.asarray(merged["layers"][name][...].astype(jnp.bfloat16)))
     assert not np.allclose(_logits(graphdef, merged), _logits(graphdef, params.base), atol=1e-3)
     fresh = attach(params.base, model.config, lora, jax.random.key(0))
     np.testing.assert_array_equal(_logits(graphdef, merged_params(fresh)), _logits(graphdef, params.base))
