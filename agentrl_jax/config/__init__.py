@@ -35,6 +35,7 @@ from agentrl_jax.config.environments import (
 )
 from agentrl_jax.config.hybrid import JUDGE_FIELDS
 from agentrl_jax.config.loading import check_required_paths, from_dict, load_config, resolve_config_path, to_dict
+from agentrl_jax.config.lora import LoraConfig
 from agentrl_jax.config.overrides import apply_overrides
 from agentrl_jax.config.registries import register_config_check
 from agentrl_jax.config.sections import (
@@ -46,7 +47,6 @@ from agentrl_jax.config.sections import (
     EvalConfig,
     HybridConfig,
     LoggingConfig,
-    LoraConfig,
     MeshConfig,
     ModelConfig,
     OptimizerConfig,

@@ -16,6 +16,7 @@ from agentrl_jax.config.core import SECTION_PATHS, DType, _f, _require, _section
 from agentrl_jax.config.registries import run_config_checks
 from agentrl_jax.config.environments import EnvironmentConfig
 from agentrl_jax.config.hybrid import HybridConfig
+from agentrl_jax.config.lora import LoraConfig
 from agentrl_jax.config.rollout import RolloutConfig
 
 
@@ -37,25 +38,6 @@ class ScratchModelConfig(_Section):
                  f"({self.num_kv_heads}) must divide model.scratch.num_heads ({self.num_heads})")
         _require(self.vocab_size >= 300, self._path("vocab_size"),
                  "must be >= 300 (256 byte symbols + special tokens + merges)")
-
-
-@dataclass(frozen=True)
-class LoraConfig(_Section):
-    """Low-rank adapters on the policy (LoRA: Low-Rank Adaptation of Large Language Models,
-    arXiv:2106.09685): W + (alpha / rank) A B on the targeted projections, the base frozen."""
-
-    rank: int = _f(0, "Adapter rank r; 0: off (full fine-tuning).")
-    alpha: float = _f(32.0, "Scale numerator: the update is (alpha / rank) A B.")
-    targets: tuple[Literal["q", "k", "v", "o", "gate", "up", "down"], ...] = _f(
-        ("q", "k", "v", "o", "gate", "up", "down"),
-        "Projections that get adapters: attention q/k/v/o, MLP gate/up/down (HF q_proj ... down_proj).")
-
-    def validate(self) -> None:
-        _require(self.rank >= 0, self._path("rank"), f"must be >= 0 (0: off), got {self.rank}")
-        _require(self.alpha > 0, self._path("alpha"), f"must be > 0, got {self.alpha}")
-        _require(not self.rank or bool(self.targets), self._path("targets"), "must name at least one projection")
-        _require(len(set(self.targets)) == len(self.targets), self._path("targets"),
-                 f"names a projection twice: {list(self.targets)}")
 
 
 @dataclass(frozen=True)
@@ -389,7 +371,6 @@ class Config(_Section):
 SECTION_PATHS.update({
     "ModelConfig": "model",
     "ScratchModelConfig": "model.scratch",
-    "LoraConfig": "model.lora",
     "MeshConfig": "mesh",
     "RolloutConfig": "rollout",
     "AlgorithmConfig": "algorithm",

@@ -11,10 +11,11 @@ save``), so a resume takes the base from the run's model and checks it is the sa
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentrl_jax.config import Config, ConfigError
 from agentrl_jax.models.config import DecoderConfig
@@ -37,6 +38,37 @@ def policy_params(config: Config, base: Any, model_config: DecoderConfig, mesh: 
         return base
     key = jax.random.fold_in(jax.random.key(config.seed), 0x10A)
     return attach(base, model_config, lora, key, mesh=mesh, compute_dtype=config.model.compute_dtype)
+
+
+def jit_donating_state(body: Callable, *, static_argnums: tuple[int, ...], num_inputs: int, state_sharding: Any,
+                       mesh: Mesh | None) -> Callable:
+    """``jax.jit(body)`` for ``body(state, *inputs, *static) -> (state, metrics)`` that donates the
+    train state except a LoRA base, which is passed as its own, undonated argument: the reference
+    and the engine read the very same arrays. Without LoRA the whole state is donated.
+
+    With a ``mesh`` the shardings are explicit: the state keeps ``state_sharding``, the
+    ``num_inputs`` array arguments and the metrics are replicated.
+    """
+
+    def on_split_state(base, state, *args):
+        new_state, metrics = body(with_base(state, base), *args)
+        return without_base(new_state)[1], metrics
+
+    shardings = {}
+    if mesh is not None:
+        replicated = NamedSharding(mesh, PartitionSpec())
+        base_sharding, rest_sharding = without_base(state_sharding)
+        shardings = {"in_shardings": (base_sharding, rest_sharding) + (replicated,) * num_inputs,
+                     "out_shardings": (rest_sharding, replicated)}
+    jitted = jax.jit(on_split_state, static_argnums=tuple(i + 1 for i in static_argnums), donate_argnums=(1,),
+                     **shardings)
+
+    def update(state, *args):
+        base, rest = without_base(state)
+        new_state, metrics = jitted(base, rest, *args)
+        return with_base(new_state, base), metrics
+
+    return update
 
 
 def restore_latest(checkpointer: Checkpointer, state: Any) -> RestoredCheckpoint | None:

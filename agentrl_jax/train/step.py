@@ -33,7 +33,8 @@ from agentrl_jax.losses import (
     kl_loss,
     token_logprobs,
 )
-from agentrl_jax.models.lora import merged_params, trainable, with_base, with_trainable, without_base
+from agentrl_jax.models.lora import merged_params, trainable, with_trainable
+from agentrl_jax.train.lora import jit_donating_state
 from agentrl_jax.train.packing import gather_rows, packed_logprobs
 
 
@@ -314,7 +315,7 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
 
     With a ``mesh`` the shardings are explicit: the state keeps ``state_sharding`` (params and
     optimizer state as laid out on the mesh), the batch and the metrics are replicated. The
-    state is donated.
+    state is donated, a LoRA base excepted (``train/lora.py jit_donating_state``).
     """
 
     def update_on_rows(state, arrays, rows, normalizer, num_micro_batches, old_from_current):
@@ -335,27 +336,8 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
         body, inputs, static = update_on_packed_rows, 4, (5, 6, 7, 8)
     else:
         body, inputs, static = update_on_rows, 3, (4, 5)
-
-    def on_split_state(base, state, *args):
-        new_state, metrics = body(with_base(state, base), *args)
-        return without_base(new_state)[1], metrics
-
-    # A LoRA base (models/lora.py) is its own argument, not donated: the reference and the engine
-    # read the same arrays. Without LoRA it is None and the state is donated whole, as before.
-    shardings = {}
-    if mesh is not None:
-        replicated = NamedSharding(mesh, PartitionSpec())
-        base_sharding, rest_sharding = without_base(state_sharding)
-        shardings = {"in_shardings": (base_sharding, rest_sharding) + (replicated,) * inputs,
-                     "out_shardings": (rest_sharding, replicated)}
-    jitted = jax.jit(on_split_state, static_argnums=tuple(i + 1 for i in static), donate_argnums=(1,), **shardings)
-
-    def update(state, *args):
-        base, rest = without_base(state)
-        new_state, metrics = jitted(base, rest, *args)
-        return with_base(new_state, base), metrics
-
-    return update
+    return jit_donating_state(body, static_argnums=static, num_inputs=inputs, state_sharding=state_sharding,
+                              mesh=mesh)
 
 
 def make_logprob_fn(settings: LossSettings, *, put: Callable[[Any], jax.Array], pad_token_id: int = 0,
