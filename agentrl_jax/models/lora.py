@@ -21,7 +21,6 @@ adapter leaves the model unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import string
 from typing import Any
@@ -189,7 +188,3 @@ def base_fingerprint(base: nnx.State) -> str:
     text += ";" + ",".join(f"{float(s):.6e}" for s in sums)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
-
-def lora_spec(lora: LoraConfig) -> dict[str, Any]:
-    """The adapter's hyper-parameters as plain JSON (checkpoints, export)."""
-    return dataclasses.asdict(lora) | {"targets": list(lora.targets)}

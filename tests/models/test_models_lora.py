@@ -109,3 +109,18 @@ def test_peft_export_loads_in_peft_with_our_logits_and_the_merged_export_in_tran
     hf = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         np.testing.assert_allclose(hf(torch.tensor(IDS)).logits.numpy(), ours, atol=2e-4)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.lora.rank=-1", "model.lora.rank: must be >= 0 (0: off), got -1"),
+    ("model.lora.alpha=0", "model.lora.alpha: must be > 0, got 0.0"),
+    ('model.lora.targets=["q","qkv"]', "model.lora.targets[1]: got 'qkv'; allowed values are"),
+    ('model.lora.targets=["q","q"]', "model.lora.targets: names a projection twice: ['q', 'q']"),
+    ("model.lora.targets=[]", "model.lora.targets: must name at least one projection"),
+])
+def test_lora_config_errors_name_the_field(override, message):
+    from agentrl_jax.config import Config, ConfigError, apply_overrides
+
+    with pytest.raises(ConfigError) as error:
+        apply_overrides(Config(), ["model.lora.rank=4", override])
+    assert message in str(error.value) and "\n" not in str(error.value)
