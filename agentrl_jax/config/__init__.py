@@ -36,6 +36,7 @@ from agentrl_jax.config.environments import (
 )
 from agentrl_jax.config.hybrid import JUDGE_FIELDS
 from agentrl_jax.config.loading import check_required_paths, from_dict, load_config, resolve_config_path, to_dict
+from agentrl_jax.config.lora import LoraConfig
 from agentrl_jax.config.overrides import apply_overrides
 from agentrl_jax.config.registries import register_config_check
 from agentrl_jax.config.sections import (
@@ -58,7 +59,7 @@ from agentrl_jax.config.sections import (
 __all__ = [
     "JUDGE_FIELDS", "TOOL_REWARD_CAP",
     "AlgorithmConfig", "AsyncConfig", "CheckpointConfig", "Config", "ConfigError", "CriticConfig", "DType", "DataConfig",
-    "EnvironmentConfig", "EvalConfig", "HybridConfig", "LoggingConfig", "MeshConfig", "ModelConfig",
+    "EnvironmentConfig", "EvalConfig", "HybridConfig", "LoggingConfig", "LoraConfig", "MeshConfig", "ModelConfig",
     "OptimizerConfig", "RolloutConfig", "SFTConfig", "SandboxConfig", "ScratchModelConfig", "VerifierConfig",
     "apply_overrides", "check_required_paths", "config_field", "describe", "environment_names", "from_dict",
     "load_config", "overlong_max_tokens", "register_config_check", "register_environment", "require",

@@ -17,6 +17,7 @@ from agentrl_jax.config.critic import CriticConfig
 from agentrl_jax.config.registries import run_config_checks
 from agentrl_jax.config.environments import EnvironmentConfig
 from agentrl_jax.config.hybrid import HybridConfig
+from agentrl_jax.config.lora import LoraConfig
 from agentrl_jax.config.rollout import RolloutConfig
 
 
@@ -61,6 +62,7 @@ class ModelConfig(_Section):
         "embedding as stored (param) or cast to compute_dtype like every other weight (compute: faster "
         "on GPUs with float32 params and bfloat16 compute; docs/benchmarks.md, 'Train step').")
     scratch: ScratchModelConfig = _section(ScratchModelConfig, "Tiny from-scratch model (when path is empty).")
+    lora: LoraConfig = _section(LoraConfig, "LoRA adapters instead of full fine-tuning (docs/lora.md).")
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict, metadata={"doc": (
         "Variables every chat-template render gets (prompts, appended tool messages, SFT records), e.g. "
         "{\"enable_thinking\": false} for Qwen3; JSON on the command line.")})

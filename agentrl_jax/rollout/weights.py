@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from agentrl_jax.models import Decoder, DecoderConfig, param_shardings
 from agentrl_jax.models.decode import DecodeParams, decode_params_axes, to_decode_params
+from agentrl_jax.models.lora import LoraParams, merged_params
 from agentrl_jax.sharding import Rules, tree_shardings
 
 
@@ -55,8 +56,10 @@ class EngineWeights:
         )
         self._reshard: dict[Any, Any] = {}
 
-    def load(self, params: nnx.State | Decoder | DecodeParams, dtype: Any = None) -> DecodeParams:
-        """See `Engine.load_params`."""
+    def load(self, params: nnx.State | Decoder | DecodeParams | LoraParams, dtype: Any = None) -> DecodeParams:
+        """See `Engine.load_params`. ``LoraParams`` are merged (``W + scale * A B``) into the
+        engine's copy: on the engine's devices, inside the reshard, when the base is already
+        there (only the adapters are new each push); else merged where they are, then copied."""
         if isinstance(params, nnx.Module):
             params = nnx.state(params, nnx.Param)
         dtype = dtype if dtype is not None else self._param_dtype
@@ -82,10 +85,10 @@ class EngineWeights:
         mesh_devices = set(self._mesh.devices.flat)
         leaves = jax.tree.leaves(params)
         if leaves and all(isinstance(x, jax.Array) and set(x.sharding.device_set) == mesh_devices for x in leaves):
-            key = tuple(jnp.dtype(d) for d in dtype)
+            key = (tuple(jnp.dtype(d) for d in dtype), isinstance(params, LoraParams))
             if key not in self._reshard:
                 self._reshard[key] = jax.jit(
-                    lambda tree: jax.tree.map_with_path(cast, tree), out_shardings=self.param_shardings
+                    lambda tree: jax.tree.map_with_path(cast, merged_params(tree)), out_shardings=self.param_shardings
                 )
             return self._reshard[key](params)
-        return jax.device_put(jax.tree.map_with_path(cast, params), self.param_shardings)
+        return jax.device_put(jax.tree.map_with_path(cast, merged_params(params)), self.param_shardings)

@@ -19,6 +19,7 @@ from agentrl_jax.envs.agent_loop import AgentLoop
 from agentrl_jax.losses.registry import loss_hparams, needs_critic
 from agentrl_jax.models import split_params
 from agentrl_jax.models.hf_io import load_hf_checkpoint
+from agentrl_jax.models.lora import LoraParams
 from agentrl_jax.sharding import DEFAULT_RULES
 from agentrl_jax.train.critic import build_critic
 from agentrl_jax.train.episodes import truncation_rule
@@ -143,7 +144,8 @@ def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, dr
                 policy_params=None) -> Roles:
     """The policy (``graphdef``) and the frozen models ``config`` asks for, from ``initial_params``.
 
-    Reference: ``model.reference_path`` if set, else a copy of the starting policy. Teacher:
+    Reference: ``model.reference_path`` if set, else a copy of the starting policy (with LoRA the
+    policy's own frozen base, ``policy_params.base``, not a copy). Teacher:
     the frozen reference, an HF checkpoint, the current policy or a lagged copy of it
     (``hybrid.teacher``, ``guidance.teacher.Teacher``; a lagged teacher starts at
     ``policy_params``, the params RL continues from, default ``initial_params``). Judge: the oracle, or a
@@ -152,7 +154,13 @@ def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, dr
     (a resumed run then restores its train state from the checkpoint).
     """
     h, m = config.hybrid, config.model
-    reference = reference_params(config, initial_params, mesh) if config.algorithm.kl_coef > 0 else None
+    # LoRA: the base with the adapters off is the starting policy; it is frozen already, so it serves
+    # as reference, teacher and judge as it is, in its own dtype (no copy).
+    lora_base = policy_params.base if isinstance(policy_params, LoraParams) and not m.reference_path else None
+    if lora_base is not None:
+        reference = lora_base if config.algorithm.kl_coef > 0 else None
+    else:
+        reference = reference_params(config, initial_params, mesh) if config.algorithm.kl_coef > 0 else None
     copies = {} if reference is None else {m.reference_dtype: reference}
     # "reference" is the run's frozen reference: model.reference_path when set (config validation
     # guarantees it is loaded then), else the starting policy, in the dtype each role asks for.
@@ -160,6 +168,8 @@ def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, dr
 
     def frozen(dtype: str):
         """The frozen reference in ``dtype``: one copy per dtype, shared by reference, teacher, judge."""
+        if lora_base is not None:
+            return lora_base
         if dtype not in copies:
             copies[dtype] = frozen_copy(source, dtype)
         return copies[dtype]
@@ -249,4 +259,5 @@ def uses_initial_policy(config: Config) -> bool:
     """Whether a frozen copy of the starting policy serves as reference, teacher or judge."""
     h = config.hybrid
     return ((config.algorithm.kl_coef > 0 and not config.model.reference_path)
-            or (h.mode != "none" and h.teacher == "reference") or h.judge == "reference")
+            or (h.mode != "none" and h.teacher == "reference") or h.judge == "reference"
+            or config.model.lora.rank > 0)  # the LoRA base: a resumed run needs the post-SFT one

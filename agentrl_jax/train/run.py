@@ -41,14 +41,14 @@ from jax.sharding import Mesh
 from agentrl_jax.config import Config, ConfigError
 from agentrl_jax.envs.base import Environment
 from agentrl_jax.models import split_params
-from agentrl_jax.models.hf_io import load_hf_checkpoint, save_hf_checkpoint
+from agentrl_jax.models.hf_io import load_hf_checkpoint
 from agentrl_jax.models.tokenizer import Tokenizer
 from agentrl_jax.rewards.verifier import MathVerifier
 from agentrl_jax.rollout.driver import Driver
 from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.sampling import SamplingParams
 from agentrl_jax.sharding import DEFAULT_RULES, make_mesh
-from agentrl_jax.train import multihost, setup
+from agentrl_jax.train import lora, multihost, setup
 from agentrl_jax.train.build import (
     DTYPES,
     attention_implementation,
@@ -177,6 +177,7 @@ class _Job:
         self.writer, self.checkpointer, self.sft_conversations = writer, checkpointer, sft_conversations
         self.tools = None  # the environment's tool schemas, for SFT prompts (set by run)
         self.graphdef, self.params = split_params(policy)
+        self.model_config = policy.config
         self.engine = Engine(policy, mesh=engine_mesh, max_concurrent_decodes=config.rollout.max_concurrent,
                              max_target_length=config.rollout.max_sequence_length,
                              max_prefill_length=config.rollout.max_prompt_length,
@@ -243,15 +244,18 @@ class _Job:
         model after the optional SFT cold start (pushed to the engine as version 0)."""
         c = self.config
         optimizer, _ = make_optimizer(c.optimizer, c.total_steps)
-        state = init_train_state(self.params, optimizer, c.seed)
-        restored = self.checkpointer.restore_latest(state) if c.checkpoint.resume else None
+        resumes = c.checkpoint.resume and self.checkpointer.latest_step() is not None
+        if resumes and self.sft_conversations and c.model.lora.rank:
+            self.params = _restore_initial_policy(self.out, self.params)  # the LoRA base is the post-SFT policy
+        state = init_train_state(lora.policy_params(c, self.params, self.model_config, self.mesh), optimizer, c.seed)
+        restored = lora.restore_latest(self.checkpointer, state) if c.checkpoint.resume else None
         if restored is not None:
             version = int((restored.extra or {}).get("version", restored.step))
             await driver.update_params(self.engine_params(restored.state.params), version)
             logger.info("resumed from step %d (params version %d)", restored.step, version)
             results.update(json.loads(restored.extra.get("results", "{}")))
             initial = self.params
-            if self.sft_conversations and uses_initial_policy(c) and not (
+            if self.sft_conversations and uses_initial_policy(c) and not c.model.lora.rank and not (
                     "end" in results and restored.step == c.total_steps):
                 initial = _restore_initial_policy(self.out, self.params)
             return _Start(restored, restored.state, version, restored.step, initial, restored.data_state)
@@ -263,8 +267,9 @@ class _Job:
             results["sft_seconds"] = time.perf_counter() - t0
             if uses_initial_policy(c):
                 save_pytree(self.out / INITIAL_POLICY_DIR, self.params)
-            state = init_train_state(self.params, optimizer, c.seed)
-            await driver.update_params(self.engine_params(self.params), 0)
+            state = init_train_state(lora.policy_params(c, self.params, self.model_config, self.mesh), optimizer,
+                                     c.seed)
+            await driver.update_params(self.engine_params(state.params), 0)
         return _Start(None, state, 0, 0, self.params, None)
 
 
@@ -289,8 +294,10 @@ def _write_outputs(config: Config, out: Path, results: dict[str, Any], params, m
     if config.checkpoint.export_hf and multihost.is_multihost():
         logger.warning("checkpoint.export_hf: not supported on several hosts yet; convert a checkpoint instead")
     elif config.checkpoint.export_hf:
-        save_hf_checkpoint(params, model_config, out / "export")
-        tokenizer.hf.save_pretrained(str(out / "export"))
+        # a LoRA adapter's base is model.path unless SFT changed it first (then it is exported too)
+        for directory in lora.export(params, model_config, out / "export",
+                                     base_model="" if config.sft.steps else config.model.path):
+            tokenizer.hf.save_pretrained(directory)
     rows = {k: results[k] for k in ("start", "end") if k in results}
     first = next(iter(rows.values()), {})
     table = results_table(rows, TABLE_KEYS + [k for k in first if k.startswith("pass_at_") and k != "pass_at_1"]

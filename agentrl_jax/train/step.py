@@ -31,6 +31,8 @@ from agentrl_jax.losses import (
     kl_loss,
     token_logprobs,
 )
+from agentrl_jax.models.lora import merged_params, trainable, with_trainable
+from agentrl_jax.train.lora import jit_donating_state
 from agentrl_jax.train.packing import gather_rows, packed_logprobs
 
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
@@ -136,7 +138,7 @@ def forward_logprobs(
     Returns:
       logp [B, T] float32 (and entropy [B, T] when ``with_entropy``).
     """
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, merged_params(params))  # LoRA: W + scale * A B (models/lora.py)
     if packed:
         hidden, _ = model(
             batch["input_ids"], batch["positions"], segment_ids=batch["segment_ids"],
@@ -262,38 +264,40 @@ def update_step(
     rows = minibatch["input_ids"].shape[0]
     if rows % num_micro_batches:
         raise ValueError(f"{rows} rows do not split into {num_micro_batches} micro-batches")
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    # The gradient is taken for the trainable part only: the LoRA adapters, or all params.
+    grad_fn = jax.value_and_grad(lambda p, *args: loss_fn(with_trainable(state.params, p), *args), has_aux=True)
+    params = trainable(state.params)
     if num_micro_batches == 1:
         # No accumulator: zeros + one gradient would be two more passes over the float32 grads.
-        (_, metrics), grads = grad_fn(state.params, graphdef, minibatch, normalizer, settings, num_sequences)
+        (_, metrics), grads = grad_fn(params, graphdef, minibatch, normalizer, settings, num_sequences)
     else:
         micro = jax.tree.map(
             lambda x: x.reshape(num_micro_batches, rows // num_micro_batches, *x.shape[1:]), minibatch
         )
 
         def accumulate(grads, mb):
-            (_, metrics), g = grad_fn(state.params, graphdef, mb, normalizer, settings, num_sequences)
+            (_, metrics), g = grad_fn(params, graphdef, mb, normalizer, settings, num_sequences)
             return jax.tree.map(jnp.add, grads, g), metrics
 
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        zeros = jax.tree.map(jnp.zeros_like, params)
         grads, metrics = jax.lax.scan(accumulate, zeros, micro)
         # The loss sums over micro-batches (shared normalizer); other metrics are averaged.
         metrics = {k: (jnp.sum(v) if k in ("loss", "policy_loss") else jnp.mean(v)) for k, v in metrics.items()}
 
     grad_norm = _global_norm(grads)
-    updates, new_opt_state = optimizer.update(grads, state.opt_state, state.params)
-    new_params = optax.apply_updates(state.params, updates)
+    updates, new_opt_state = optimizer.update(grads, state.opt_state, params)
+    new_params = optax.apply_updates(params, updates)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(metrics["loss"])
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
     new_state = TrainState(
-        params=keep(new_params, state.params),
+        params=with_trainable(state.params, keep(new_params, params)),
         opt_state=keep(new_opt_state, state.opt_state),
         step=state.step + finite.astype(state.step.dtype),
         rng=state.rng,
     )
     metrics.update(
         grad_norm=grad_norm,
-        param_norm=_global_norm(new_state.params),
+        param_norm=_global_norm(trainable(new_state.params)),
         update_norm=jnp.where(finite, _global_norm(updates), 0.0),
         skipped=1.0 - finite.astype(jnp.float32),
     )
@@ -315,7 +319,8 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
 
     With a ``mesh`` the shardings are explicit: the state keeps ``state_sharding`` (params and
     optimizer state as laid out on the mesh), the batch and the metrics are replicated. The
-    state is donated. ``loss_fn``: as in ``update_step`` (the critic's update is built here too).
+    state is donated, a LoRA base excepted (``train/lora.py jit_donating_state``); ``loss_fn``: as in
+    ``update_step``.
     """
 
     def update_on_rows(state, arrays, rows, normalizer, num_micro_batches, old_from_current):
@@ -336,12 +341,8 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
         body, inputs, static = update_on_packed_rows, 4, (5, 6, 7, 8)
     else:
         body, inputs, static = update_on_rows, 3, (4, 5)
-    shardings = {}
-    if mesh is not None:
-        replicated = NamedSharding(mesh, PartitionSpec())
-        shardings = {"in_shardings": (state_sharding,) + (replicated,) * inputs,
-                     "out_shardings": (state_sharding, replicated)}
-    return jax.jit(body, static_argnums=static, donate_argnums=(0,), **shardings)
+    return jit_donating_state(body, static_argnums=static, num_inputs=inputs, state_sharding=state_sharding,
+                              mesh=mesh)
 
 
 def make_logprob_fn(settings: LossSettings, *, put: Callable[[Any], jax.Array], pad_token_id: int = 0,
@@ -388,7 +389,7 @@ def init_train_state(params: Any, optimizer: optax.GradientTransformation, seed:
         raise ValueError("init_train_state: the params hold NaN or inf")
     state = TrainState(
         params=params,
-        opt_state=optimizer.init(params),
+        opt_state=optimizer.init(trainable(params)),
         step=jnp.zeros((), jnp.int32),
         rng=jax.random.key_data(jax.random.key(seed)),
     )

@@ -24,6 +24,7 @@ import numpy as np
 from agentrl_jax.config import AlgorithmConfig, Config, to_dict
 from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.losses import needs_critic
+from agentrl_jax.models.lora import base_fingerprint, without_base
 from agentrl_jax.train.batch import build_batch
 from agentrl_jax.train.episodes import compute_advantages, rollout_metrics, trajectory_record
 from agentrl_jax.train.guidance.hindsight import Verdict
@@ -189,8 +190,10 @@ def save(checkpointer: Any, config: Config, roles: Roles, state: TrainState, ver
     what the roles keep between steps (a lagged teacher's params, the critic's train state) at
     ``step``."""
     trees = roles.checkpoint_trees()
-    checkpointer.save(step, state, data_state=data_state, config_dict=to_dict(config),
-                      extra={"version": version, **(extra or {})}, trees=trees, force=True)
+    base, trained = without_base(state)  # LoRA: the adapters and their optimizer state; the base is named
+    named = {} if base is None else {"lora_base": base_fingerprint(base)}
+    checkpointer.save(step, trained, data_state=data_state, config_dict=to_dict(config),
+                      extra={"version": version, **named, **(extra or {})}, trees=trees, force=True)
 
 
 def place_optimizer_state(state: TrainState, memory_kind: str | None) -> TrainState:
