@@ -13,9 +13,10 @@ two is a ``jax.device_put`` (:func:`reshard`), never a trip through host memory 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -261,3 +262,21 @@ def reshard(tree: Any, shardings: Any, *, donate: bool = False) -> Any:
 def replicated(mesh: Mesh) -> NamedSharding:
     """The fully replicated sharding on ``mesh``."""
     return NamedSharding(mesh, PartitionSpec())
+
+
+def under_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
+    """``fn`` (a jitted step) called with ``mesh`` set by ``jax.set_mesh``, so the decoder's
+    activation constraints (batch over the data axes, heads over tensor) apply while it traces.
+
+    Without them XLA's propagation alone keeps FSDP's weights and optimizer state sharded
+    but computes every row on every device (docs/benchmarks.md, "Several GPUs of one host").
+    """
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    return call

@@ -104,7 +104,7 @@ def build_step_functions(config: Config, graphdef, optimizer, state: TrainState,
     algorithm = config.algorithm
     return StepFunctions(
         logprobs=make_logprob_fn(settings, put=put, pad_token_id=pad_token_id, row_tokens=algorithm.pack_row_tokens,
-                                 micro_batch_tokens=algorithm.micro_batch_tokens),
+                                 micro_batch_tokens=algorithm.micro_batch_tokens, mesh=mesh),
         update=make_update_fn(graphdef, optimizer, settings, mesh=mesh, pad_token_id=pad_token_id,
                               state_sharding=None if mesh is None else jax.tree.map(lambda x: x.sharding, state)),
         put=put,

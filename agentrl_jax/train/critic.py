@@ -87,7 +87,8 @@ class Critic:
         algorithm = config.algorithm
         self.values = make_logprob_fn(settings, put=put, pad_token_id=pad_token_id,
                                       row_tokens=algorithm.pack_row_tokens,
-                                      micro_batch_tokens=algorithm.micro_batch_tokens, forward=forward_values)
+                                      micro_batch_tokens=algorithm.micro_batch_tokens, forward=forward_values,
+                                      mesh=mesh)
         self.update = make_update_fn(
             graphdef, optimizer, settings, mesh=mesh, pad_token_id=pad_token_id,
             state_sharding=None if mesh is None else jax.tree.map(lambda x: x.sharding, self.state),

@@ -22,6 +22,7 @@ from agentrl_jax.models.config import DecoderConfig
 from agentrl_jax.models.hf_io import save_hf_checkpoint
 from agentrl_jax.models.lora import LoraParams, attach, base_fingerprint, merged_params, with_base, without_base
 from agentrl_jax.models.lora_export import save_peft_adapter
+from agentrl_jax.sharding import under_mesh
 from agentrl_jax.train.checkpoint import Checkpointer, RestoredCheckpoint
 
 #: The PEFT adapter directory beside the merged HF export (``checkpoint.export_hf``), and the
@@ -60,8 +61,8 @@ def jit_donating_state(body: Callable, *, static_argnums: tuple[int, ...], num_i
         base_sharding, rest_sharding = without_base(state_sharding)
         shardings = {"in_shardings": (base_sharding, rest_sharding) + (replicated,) * num_inputs,
                      "out_shardings": (rest_sharding, replicated)}
-    jitted = jax.jit(on_split_state, static_argnums=tuple(i + 1 for i in static_argnums), donate_argnums=(1,),
-                     **shardings)
+    jitted = under_mesh(jax.jit(on_split_state, static_argnums=tuple(i + 1 for i in static_argnums),
+                                donate_argnums=(1,), **shardings), mesh)
 
     def update(state, *args):
         base, rest = without_base(state)

@@ -102,8 +102,7 @@ def train(config: Config, *, make_env: MakeEnv | None = None) -> dict[str, Any]:
 async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dict[str, Any]:
     """The coroutine behind :func:`train`: wiring, the starting policy, RL, the outputs."""
     t_start = time.perf_counter()
-    # First what only the devices can tell (what several hosts do not support; a mesh these
-    # devices cannot take): config errors to report now, not after the data and model assets.
+    # What only the devices tell (several hosts' limits, the mesh) first: before data and model assets.
     multihost.check_supported(config)
     mesh, engine_mesh = make_meshes(config)
     out = Path(config.output_dir).absolute()
@@ -129,10 +128,8 @@ async def train_async(config: Config, *, make_env: MakeEnv | None = None) -> dic
     check_reference_architecture(config, policy.config)
     # Resuming at step s: the rows a killed run logged after its checkpoint (steps > s) go.
     host = jax.process_index()
-    if resume_step is not None:
-        purge = resume_step + 1
-    else:  # starting over: host 0's folder went in _start_over, the others clear their own
-        purge = None if host == 0 else 0
+    # starting over: host 0's folder went in _start_over, the others clear their own
+    purge = resume_step + 1 if resume_step is not None else (None if host == 0 else 0)
     writer = MetricsWriter(out / ("metrics" if host == 0 else f"metrics_host{host}"), total_steps=config.total_steps,
                            enabled=host == 0 or config.logging.every_host, purge_step=purge)
     if resume_step is None:  # a resumed run keeps the first run's step-0 rows

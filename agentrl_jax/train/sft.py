@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from agentrl_jax.losses import global_normalizer
+from agentrl_jax.sharding import under_mesh
 from agentrl_jax.train.batch import TokenRecord, build_batch
 from agentrl_jax.train.multihost import put_global, to_host
 from agentrl_jax.train.packing import segment_bound
@@ -161,7 +162,7 @@ def run_sft(
         arrays = batch_arrays(batch, mesh=mesh)
         key = (rows, segment_bound(int(batch.segment_ids.max())))
         if key not in compiled:
-            compiled[key] = jax.jit(
+            compiled[key] = under_mesh(jax.jit(
                 functools.partial(
                     update_step,
                     graphdef=graphdef,
@@ -171,7 +172,7 @@ def run_sft(
                     num_sequences=len(chosen),
                 ),
                 donate_argnums=(0,),
-            )
+            ), mesh)
         normalizer = np.asarray(global_normalizer(batch.loss_mask, "token-mean"))
         normalizer = jnp.asarray(normalizer) if mesh is None else put_global(normalizer, mesh)
         state, metrics = compiled[key](state, arrays, normalizer)

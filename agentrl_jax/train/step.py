@@ -1,4 +1,4 @@
-"""Train state and the jitted steps: logprob forward and the policy-gradient update.
+"""The jitted steps: logprob forward and the policy-gradient update.
 
 The update is a pure function ``(state, minibatch, normalizer) -> (state, metrics)``:
 micro-batches are a ``lax.scan`` that sums gradients of losses which share one global
@@ -19,10 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from flax import nnx
+from jax.sharding import Mesh
 
-from agentrl_jax.config import OptimizerConfig
 from agentrl_jax.losses import (
     aggregate,
     decoupled_loss,
@@ -32,20 +31,12 @@ from agentrl_jax.losses import (
     token_logprobs,
 )
 from agentrl_jax.models.lora import merged_params, trainable, with_trainable
+from agentrl_jax.sharding import under_mesh
 from agentrl_jax.train.lora import jit_donating_state
 from agentrl_jax.train.packing import gather_rows, packed_logprobs
+from agentrl_jax.train.state import TrainState, init_train_state, make_optimizer  # noqa: F401 (importable here too)
 
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
-
-
-@struct.dataclass
-class TrainState:
-    """Everything the update changes: params, optimizer state, step counter, rng."""
-
-    params: Any
-    opt_state: Any
-    step: jax.Array
-    rng: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,33 +76,6 @@ class LossSettings:
     packed: bool = False
     max_segments: int = 0
     old_from_current: bool = False
-
-
-def make_optimizer(cfg: OptimizerConfig, total_steps: int, learning_rate: float | None = None):
-    """AdamW with optional global-norm clipping and warmup + constant/cosine schedule."""
-    peak = cfg.learning_rate if learning_rate is None else learning_rate
-    warmup = max(cfg.warmup_steps, 0)
-    if cfg.schedule == "cosine":
-        schedule = optax.warmup_cosine_decay_schedule(
-            init_value=0.0 if warmup else peak,
-            peak_value=peak,
-            warmup_steps=warmup,
-            decay_steps=max(total_steps, warmup + 1),
-            end_value=peak * cfg.min_lr_ratio,
-        )
-    elif warmup:
-        schedule = optax.join_schedules(
-            [optax.linear_schedule(0.0, peak, warmup), optax.constant_schedule(peak)], [warmup]
-        )
-    else:
-        schedule = optax.constant_schedule(peak)
-    parts = []
-    if cfg.grad_clip > 0:
-        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-    parts.append(
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    )
-    return optax.chain(*parts), schedule
 
 
 def forward_logprobs(
@@ -346,7 +310,8 @@ def make_update_fn(graphdef: nnx.GraphDef, optimizer: optax.GradientTransformati
 
 
 def make_logprob_fn(settings: LossSettings, *, put: Callable[[Any], jax.Array], pad_token_id: int = 0,
-                    row_tokens: int = 0, micro_batch_tokens: int = 0, forward: Callable[..., jax.Array] | None = None):
+                    row_tokens: int = 0, micro_batch_tokens: int = 0, forward: Callable[..., jax.Array] | None = None,
+                    mesh: Mesh | None = None):
     """``logprobs(graphdef, params, inputs, micro_rows)``: tempered logprobs [N, T] of
     ``inputs['targets']`` under the model ``(graphdef, params)``, on device.
 
@@ -354,13 +319,13 @@ def make_logprob_fn(settings: LossSettings, *, put: Callable[[Any], jax.Array], 
     rows run in micro-batches of ``micro_rows``; with ``settings.packed`` the rows are packed
     (``train.packing.packed_logprobs``: ``row_tokens`` per row, micro-batches of
     ``micro_batch_tokens``) and the result is unpacked to the padded rows. ``put``: a host
-    array onto the training mesh. ``forward``: ``(graphdef, params, batch, *, packed, max_segments)
+    array onto the training ``mesh`` (traced under it). ``forward``: ``(graphdef, params, batch, *, packed, max_segments)
     -> [B, T]`` values in place of the logprobs (the critic's, ``train/critic.py``), same batching.
     """
     if forward is None:
         forward = functools.partial(forward_logprobs, temperature=settings.temperature, chunk_size=settings.chunk_size)
-    forward = jax.jit(functools.partial(forward, packed=settings.packed), static_argnums=(0,),
-                      static_argnames=("max_segments",))
+    forward = under_mesh(jax.jit(functools.partial(forward, packed=settings.packed), static_argnums=(0,),
+                                 static_argnames=("max_segments",)), mesh)
 
     def logprobs(graphdef: nnx.GraphDef, params: Any, inputs: dict[str, Any], micro_rows: int) -> jax.Array:
         if settings.packed:
@@ -373,31 +338,3 @@ def make_logprob_fn(settings: LossSettings, *, put: Callable[[Any], jax.Array], 
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
 
     return logprobs
-
-
-def init_train_state(params: Any, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
-    """A fresh state; the optimizer state follows the params' shardings.
-
-    Leaves without a mesh sharding (the step counter, the rng, optimizer counters) are
-    replicated on the params' mesh rather than left on device 0, so a state restored from
-    a checkpoint (whose leaves are committed to their target shardings) has the same
-    placement as a fresh one.
-    """
-    # On device: chex's check fetches every array to the host, which a multi-host array refuses.
-    finite = jax.jit(lambda t: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(t)])))(params)
-    if not bool(finite):
-        raise ValueError("init_train_state: the params hold NaN or inf")
-    state = TrainState(
-        params=params,
-        opt_state=optimizer.init(trainable(params)),
-        step=jnp.zeros((), jnp.int32),
-        rng=jax.random.key_data(jax.random.key(seed)),
-    )
-    sharding = getattr(jax.tree.leaves(params)[0], "sharding", None)
-    if not isinstance(sharding, NamedSharding):
-        return state
-    replicated = NamedSharding(sharding.mesh, PartitionSpec())
-    return jax.tree.map(
-        lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding) else jax.device_put(x, replicated),
-        state,
-    )

@@ -121,9 +121,10 @@ def test_the_built_update_equals_update_step_on_the_minibatch_rows():
     state = jax.device_put(init_train_state(params, opt, 0), replicated)
     update = make_update_fn(graphdef, opt, settings, mesh=mesh,
                             state_sharding=jax.tree.map(lambda x: x.sharding, state))
-    expected, expected_metrics = jax.jit(functools.partial(
-        update_step, graphdef=graphdef, optimizer=opt, settings=settings, num_micro_batches=2, num_sequences=None))(
-        state, {k: v[rows] for k, v in batch.items()}, normalizer)
+    with jax.set_mesh(mesh):  # traced as the built update is (sharding.under_mesh): the same activation layout
+        expected, expected_metrics = jax.jit(functools.partial(
+            update_step, graphdef=graphdef, optimizer=opt, settings=settings, num_micro_batches=2,
+            num_sequences=None))(state, {k: v[rows] for k, v in batch.items()}, normalizer)
     new_state, metrics = update(state, batch, jax.device_put(rows, replicated), normalizer, 2, False)
     assert all(x.is_deleted() for x in jax.tree.leaves(state.params))  # donated
     np.testing.assert_allclose(float(metrics["loss"]), float(expected_metrics["loss"]), rtol=1e-6)

@@ -184,12 +184,12 @@ def log_step(config: Config, writer: Any, tokenizer: Any, engine_stats: dict[str
         })
 
 
-def save(checkpointer: Any, config: Config, roles: Roles, state: TrainState, version: int, step: int, *,
+def save(checkpointer: Any, config: Config, roles: Roles | None, state: TrainState, version: int, step: int, *,
          data_state: Any, extra: dict[str, Any] | None = None) -> None:
     """Checkpoint the train state, the data position (``data_state``), the params version and
     what the roles keep between steps (a lagged teacher's params, the critic's train state) at
     ``step``."""
-    trees = roles.checkpoint_trees()
+    trees = roles.checkpoint_trees() if roles is not None else {}
     base, trained = without_base(state)  # LoRA: the adapters and their optimizer state; the base is named
     named = {} if base is None else {"lora_base": base_fingerprint(base)}
     checkpointer.save(step, trained, data_state=data_state, config_dict=to_dict(config),
