@@ -20,14 +20,7 @@ import numpy as np
 from agentrl_jax.models.decode import DecodeParams, LayerCache, forward
 from agentrl_jax.rollout.pages import TRASH_PAGE, OutOfPages, pages_for
 from agentrl_jax.rollout.result_tokens import ResultTokens
-from agentrl_jax.rollout.sampling import (
-    SamplingParams,
-    SlotSampling,
-    next_token_logits,
-    request_key,
-    sample,
-    step_keys,
-)
+from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, request_key, sample_next_token
 from agentrl_jax.rollout.state import (
     DecodeState,
     Prefix,
@@ -62,10 +55,8 @@ def prefill_step(params, old_cache, start, tokens, true_length, keys, generated,
         config=config, attend_len=capacity, dtype=dtype,
     )
     last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, keepdims=True)
-    logits = next_token_logits(last, *params.output_embedding())
+    first, log_prob, truncated = sample_next_token(params, last, keys, generated, sampling, truncation=truncation)
     num_samples = keys.shape[0]
-    logits = jnp.broadcast_to(logits, (num_samples, logits.shape[-1]))
-    first, log_prob, truncated = sample(logits, step_keys(keys, generated), sampling, truncation=truncation)
     prefix = Prefix(
         cache=cache,
         length=start + true_length,

@@ -41,7 +41,7 @@ import numpy as np
 from agentrl_jax.models.decode import forward
 from agentrl_jax.rollout.pages import TRASH_PAGE, pages_for
 from agentrl_jax.rollout.result_tokens import ResultTokens
-from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, next_token_logits, sample, step_keys
+from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, sample_next_token
 from agentrl_jax.rollout.state import STOP_IDS, STOP_SEQUENCES, DecodeState
 
 
@@ -339,8 +339,8 @@ def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, leng
         positions, token_index = compact
         hidden, cache = forward(params, tokens, positions, state.cache, starts, token_index=token_index,
                                 row_tokens=row_tokens, **kw)
-    logits = next_token_logits(hidden.reshape(-1, hidden.shape[-1])[adm_token], *params.output_embedding())
-    sampled, log_prob, truncated = sample(logits, step_keys(adm_key, adm_generated), sampling, truncation=truncation)
+    sampled, log_prob, truncated = sample_next_token(params, hidden.reshape(-1, hidden.shape[-1])[adm_token], adm_key,
+                                                     adm_generated, sampling, truncation=truncation)
     forced = adm_forced >= 0
     first = jnp.where(forced, adm_forced, sampled)
     stop_ids, stop_seqs, before = adm_stops
