@@ -5,7 +5,8 @@ versioned weight updates."""
 from agentrl_jax.rollout.driver import Completion, Driver, Session
 from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.paged_prefill import Admission, PrefillRow
-from agentrl_jax.rollout.pages import MemoryPlan, OutOfPages, PageAllocator
+from agentrl_jax.rollout.memory_plan import MemoryPlan
+from agentrl_jax.rollout.pages import KVPages, OutOfPages, PageAllocator
 from agentrl_jax.rollout.result_tokens import ResultTokens, SlotData
 from agentrl_jax.rollout.sampling import GREEDY, SamplingParams, SlotSampling, request_key, sample
 from agentrl_jax.rollout.state import DecodeState, Prefix, prefill_bucket
@@ -17,6 +18,7 @@ __all__ = [
     "DecodeState",
     "Driver",
     "Engine",
+    "KVPages",
     "MemoryPlan",
     "OutOfPages",
     "PageAllocator",

@@ -239,7 +239,7 @@ class DensePrefixAPI:
         P = self.page_size
         full, n = length // P, pages_for(length, P)
         for slot in slots:
-            self.release_slot(slot)
+            self.pages.release_slot(slot)
         tables = []
         for shard in sorted({self.shard_of(s) for s in slots}):
             mine = [s for s in slots if self.shard_of(s) == shard]
@@ -252,8 +252,8 @@ class DensePrefixAPI:
             self.pages.incref(shard, shared * (len(mine) - 1))
             for slot in mine:
                 pages = shared + self.pages.alloc(shard, n - full)
-                self.assign_slot(slot, pages, length, truncating=truncating)
-        tables = [self._global(self.shard_of(s), self.slots.slot_pages(s)) for s in slots]
+                self.pages.assign(slot, pages, length, truncating=truncating)
+        tables = [self._global(self.shard_of(s), self.pages.slot_pages(s)) for s in slots]
         state = self._sync(state)
         if n not in self._insert_fns:
             self._insert_fns[n] = jax.jit(
@@ -279,7 +279,7 @@ class DensePrefixAPI:
             raise ValueError(f"extract_prefix: length={length} must be in (0, {self.max_target_length})")
         capacity = min(prefill_bucket(length, self._min_bucket, 1 << 62), self.max_target_length)
         n = pages_for(capacity, self.page_size)
-        pages = self._global(self.shard_of(slot), self.slots.slot_pages(slot))[:n]
+        pages = self._global(self.shard_of(slot), self.pages.slot_pages(slot))[:n]
         pages += [TRASH_PAGE] * (n - len(pages))
         decode_state = self._sync(decode_state)
         if capacity not in self._extract_fns:
@@ -289,6 +289,6 @@ class DensePrefixAPI:
             )
         return self._extract_fns[capacity](
             decode_state, jnp.asarray(pages, jnp.int32), jnp.int32(slot), jnp.int32(length), jnp.int32(generated),
-            jnp.asarray(self.slots.truncating(slot)),
+            jnp.asarray(self.pages.truncating(slot)),
         )
 

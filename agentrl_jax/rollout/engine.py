@@ -24,10 +24,11 @@ a memory plan when the first decode state is built. How pages map onto the JetSt
 
 The `Driver` uses the paged path directly: `prefill_insert` prefills many sequences' new
 tokens straight into their pages in one call and fills their slots (sessions keep their
-pages across turns, a group's prompt is prefilled once with its pages shared), and
-`assign_slot` / `release_slot` / `reserve` move pages between slots, sessions and the
-free list. Pages and slots are split over the mesh's data axes alike: a slot only uses
-pages of its own shard, so attention and cache writes stay on the device (`shard_map`).
+pages across turns, a group's prompt is prefilled once with its pages shared), and the
+engine's `KVPages` (``engine.pages``, one per decode state) moves pages between slots,
+sessions, the prefix cache and the free list. Pages and slots are split over the mesh's
+data axes alike: a slot only uses pages of its own shard, so attention and cache writes
+stay on the device (`shard_map`).
 
 The model runs through `agentrl_jax.models.decode.forward`, not the trainer's layer scan:
 `load_params` re-lays the weights out once per update (`rollout.weights`; `DecodeParams`:
@@ -74,10 +75,10 @@ from agentrl_jax.rollout.decode_step import (
     generate_steps,
 )
 from agentrl_jax.rollout.dense_prefix import DensePrefixAPI
-from agentrl_jax.rollout.pages import MemoryPlan, PageAllocator, pages_for, plan_memory
+from agentrl_jax.rollout.memory_plan import MemoryPlan, plan_memory
+from agentrl_jax.rollout.pages import KVPages, pages_for
 from agentrl_jax.rollout.prefill_api import PagedPrefillAPI
 from agentrl_jax.rollout.result_tokens import ResultTokens
-from agentrl_jax.rollout.slot_table import SlotTable
 from agentrl_jax.rollout.state import (
     STOP_IDS,
     STOP_SEQUENCES,
@@ -270,7 +271,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         self.param_shardings = self._weights.param_shardings
         self.decode_param_shardings = self._weights.decode_param_shardings
         self.memory_plan: MemoryPlan | None = None
-        self.pages: PageAllocator | None = None
+        self.pages: KVPages | None = None  # the page pool's one owner, made with each decode state
         self.state_shardings: DecodeState | None = None
         self._generate_fns: dict[tuple[int | None, int, bool], Any] = {}  # (steps, window, truncation)
         self._prefill_fns: dict[tuple, Any] = {}
@@ -278,7 +279,6 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         self._copy_fns: dict[int, Any] = {}
         self._insert_fns: dict[int, Any] = {}
         self._extract_fns: dict[int, Any] = {}
-        self.slots: SlotTable | None = None
 
     # ---- JetStream properties -------------------------------------------------------
 
@@ -363,11 +363,12 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
     def init_decode_state(self) -> DecodeState:
         """All slots free and every page free, materialized directly in the decode-state sharding.
 
-        The engine keeps one decode state: a new one resets the page allocator.
+        The engine keeps one decode state: a new one starts a new `KVPages` (every page free).
         """
         plan = self._plan()
-        self.pages = PageAllocator(plan.num_shards, plan.pages_per_shard)
-        self.slots = SlotTable(self.pages, self._slots, self.table_width, self.page_size, self.max_target_length)
+        self.pages = KVPages(plan.num_shards, plan.pages_per_shard, num_slots=self._slots,
+                             table_width=self.table_width, page_size=self.page_size,
+                             max_length=self.max_target_length)
         return self._init_state()
 
     def shard_of(self, slot: int) -> int:
@@ -380,41 +381,19 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
     def _global(self, shard: int, pages: Sequence[int]) -> list[int]:
         return [shard * self.memory_plan.pages_per_shard + p for p in pages]
 
-    # the host side of inserts and frees (see `SlotTable`); the device sees them at the next call
-
-    def slot_pages(self, slot: int) -> list[int]:
-        return self.slots.slot_pages(slot)
-
-    def assign_slot(self, slot: int, pages: Sequence[int], length: int, *, truncating: bool = True) -> None:
-        """`slot` reads `pages` (taking over one reference to each) and holds `length` entries.
-
-        ``truncating``: whether the sampling parameters the slot's state holds (or will hold)
-        use top-k / top-p (`SamplingParams.truncates`); decode dispatches compile the sorted
-        sampling path only while a live slot does. True is always correct, only slower."""
-        self.slots.assign(slot, pages, length, truncating=truncating)
-
-    def release_slot(self, slot: int, *, keep_pages: bool = False) -> list[int]:
-        """Free `slot`; its page references are dropped, or with ``keep_pages`` handed to the caller
-        (a session keeping its pages across a tool call) and returned."""
-        return self.slots.release(slot, keep_pages=keep_pages)
-
-    def reserve(self, slot: int, steps: int) -> None:
-        """Give `slot` the pages its next ``steps`` tokens need (OutOfPages if its shard has too few)."""
-        self.slots.reserve(slot, steps)
-
     def _sync(self, state: DecodeState) -> DecodeState:
         """Apply the host's pending slot frees (one call) and page-table changes (one upload)."""
         with TraceAnnotation("engine/sync"):
-            slots = self.slots.take_deactivations()
+            slots = self.pages.take_deactivations()
             if slots:
                 state = self._deactivate(state, np.asarray(slots, np.int32))
-            if self.slots.dirty:
+            if self.pages.dirty:
                 # a copy: the host edits its table while calls queued with the uploaded one may not have run
                 # (the transfer can read the host buffer later, or alias it on CPU), e.g. a slot retired while
                 # the dispatch that writes its last tokens is in flight
-                table = self.slots.table.copy()
+                table = self.pages.table.copy()
                 state = state.replace(page_table=jax.device_put(table, self.state_shardings.page_table))
-                self.slots.dirty = False
+                self.pages.dirty = False
             return state
 
     def free_resource(self, slot: int, decode_state: DecodeState | None = None) -> DecodeState | None:
@@ -423,7 +402,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         Without the decode state the slot is deactivated on the device by the next engine
         call that takes the state (frees are batched into one call per tick).
         """
-        self.release_slot(slot)
+        self.pages.release_slot(slot)
         return None if decode_state is None else self._sync(decode_state)
 
     # ---- generate ---------------------------------------------------------------------
@@ -456,8 +435,8 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
             raise ValueError(f"generate: num_steps must be >= 1, got {num_steps}")
         steps = 1 if num_steps is None else num_steps
         with TraceAnnotation("engine/reserve"):
-            for slot in self.slots.live_slots():
-                self.slots.reserve(slot, steps)
+            for slot in self.pages.live_slots():
+                self.pages.reserve(slot, steps)
         if self.decode_attention in KERNEL_ATTENTION:
             attend_len = self.table_width * self.page_size  # the kernel bounds each slot's reads by its length
         elif attend_len is None:
@@ -466,8 +445,8 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
             raise ValueError(f"generate: attend_len={attend_len} must be in [1, {self.max_target_length}]")
         decode_state = self._sync(decode_state)
         with TraceAnnotation("engine/launch"):
-            out = self._dispatch(params, decode_state, num_steps, attend_len, self.slots.any_truncating())
-        self.slots.advance(steps)
+            out = self._dispatch(params, decode_state, num_steps, attend_len, self.pages.any_truncating())
+        self.pages.advance(steps)
         return out
 
     def _dispatch(self, params: DecodeParams, decode_state: DecodeState, num_steps: int | None, attend_len: int,
@@ -492,7 +471,7 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
     def attend_window(self, decode_state: DecodeState | None = None, num_steps: int = 1) -> int:
         """The "xla" attention window W for `num_steps` steps (see `generate`): whole pages
         covering the longest live slot's length bound + the steps."""
-        longest = self.slots.longest() if self.slots is not None else 0
+        longest = self.pages.longest() if self.pages is not None else 0
         window = attend_bucket(longest + num_steps, self.max_target_length, self._attend_granule)
         return min(pages_for(window, self.page_size), self.table_width) * self.page_size
 

@@ -77,7 +77,7 @@ class PagedPrefillAPI:
         with TraceAnnotation("engine/pack"):
             packed = self._pack(rows, row_cap)
         for m, a in enumerate(packed.admitted):
-            self.slots.assign(a.slot, a.pages, int(packed.adm_length[m]), truncating=a.sampling.truncates)
+            self.pages.assign(a.slot, a.pages, int(packed.adm_length[m]), truncating=a.sampling.truncates)
         return self._run_prefill(params, self._sync(decode_state), packed)
 
     def _pack(self, rows: Sequence[PrefillRow], row_cap: int | None) -> PackedRows:
@@ -190,7 +190,7 @@ class PagedPrefillAPI:
           the decode state and ``{"prefill_shapes", "decode_shapes", "seconds"}`` (shapes, not
           counting the sampling variants).
         """
-        if self.slots.live_slots():
+        if self.pages.live_slots():
             raise RuntimeError("Engine.warmup: slots are live; warm up before the first request")
         started = time.perf_counter()
         variants = (False, True) if truncation else (False,)
@@ -206,7 +206,7 @@ class PagedPrefillAPI:
         for attend_len, truncates in itertools.product(lengths, variants):  # no live slot: all write the trash page
             decode_state, _ = self._dispatch(params, self._sync(decode_state), num_steps, attend_len, truncates)
         frees = 1
-        while True:  # the batched slot frees, padded to powers of two (`SlotTable`; slot S: dropped)
+        while True:  # the batched slot frees, padded to powers of two (`KVPages.take_deactivations`; slot S: dropped)
             decode_state = self._deactivate(decode_state, np.full((frees,), self._slots, np.int32))
             if frees >= self._slots:
                 break
