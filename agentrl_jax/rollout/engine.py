@@ -1,52 +1,43 @@
-"""The rollout engine: JetStream's Engine API (prefill -> insert -> generate over slots) over a paged KV cache.
-
-JetStream (AI-Hypercomputer/JetStream) defined the interface that MaxText's MaxEngine
-implements; this class has the same method names and argument shapes (newest version:
-keyword-only `prefill` with `existing_prefix`, `bulk_insert` for one prefill into G slots)
-without importing `jetstream`.
+"""The rollout engine: slot-based decoding over a paged KV cache, on a mesh.
 
 KV memory is paged (`rollout.state`, `rollout.pages`): per layer a pool of fixed-size
-pages ``[N, KV, P, K]``, per slot a page table, a host allocator with reference counts, and
-a budget in bytes or as a fraction of free device memory, turned into pages and logged as
-a memory plan when the first decode state is built. How pages map onto the JetStream calls:
+pages ``[N, KV, P, K]``, per slot a page table. `KVPages` (``engine.pages``, one per
+decode state) is the host side's one owner of them: free lists and reference counts, each
+slot's pages, the prefix cache. The budget, in bytes or as a fraction of free device
+memory, is turned into pages and logged as a memory plan (`rollout.memory_plan`) when the
+first decode state is built.
 
-- `prefill` runs a prompt (or a continuation of an `existing_prefix`) into a dense,
-  batch-1 KV row outside the pool (JetStream's prefill takes no decode state) and samples
-  the first token(s).
-- `insert` / `bulk_insert` allocate the slot's pages and copy the row in; the G slots of a
-  `bulk_insert` share the prompt's full pages and each own a copy of the last partial page.
+- `prefill_insert` (`prefill_api`, the `Driver`'s path) prefills many sequences' new
+  tokens straight into their pages in one call and fills their slots (sessions keep
+  their pages across turns, a group's prompt is prefilled once with its pages shared).
 - `generate` first gives every live slot the pages its next tokens need, then decodes:
   each slot writes its new k/v through its page table and attends over its own pages.
   With `num_steps=N` it runs N steps inside one jitted `lax.fori_loop` and returns [N, S]
-  results (stop checks happen on the host).
+  results (stop checks happen on the host; with decode lanes the device stops too).
 - `free_resource` returns a slot's pages; without the decode state the device-side
   deactivation is deferred to the next call (frees are batched).
 
-The `Driver` uses the paged path directly: `prefill_insert` prefills many sequences' new
-tokens straight into their pages in one call and fills their slots (sessions keep their
-pages across turns, a group's prompt is prefilled once with its pages shared), and the
-engine's `KVPages` (``engine.pages``, one per decode state) moves pages between slots,
-sessions, the prefix cache and the free list. Pages and slots are split over the mesh's
-data axes alike: a slot only uses pages of its own shard, so attention and cache writes
-stay on the device (`shard_map`).
+Pages and slots are split over the mesh's data axes alike: a slot only uses pages of its
+own shard, so attention and cache writes stay on the device (`shard_map`). JetStream's
+dense-prefix calls (`prefill` -> `insert`, the API MaxText's MaxEngine implements) are in
+the optional `rollout.jetstream` package (`DensePrefixEngine`), which this module does not
+import.
 
 The model runs through `agentrl_jax.models.decode.forward`, not the trainer's layer scan:
 `load_params` re-lays the weights out once per update (`rollout.weights`; `DecodeParams`:
 one dict per layer, fused QKV and gate/up). The traced bodies live next to their inputs:
-`decode_step` (generate), `paged_prefill` (prefill_insert), `dense_prefix` (the JetStream
-prefill / insert / extract methods, mixed into this class), `prefill_api` (`prefill_insert`,
-its closed set of compiled shapes and `warmup`, mixed in too). A decode step's attention
-reads only filled entries: the pages of a window of the first W entries (W bucketed by
-`attend_bucket`, a few compiles) with the "xla" attention, or each slot's own entries with
-our Pallas GPU kernel ("pallas", the default on GPU), which also finishes the QKV
-projection, applies QK-norm and RoPE and writes the cache.
+`decode_step` (generate), `paged_prefill` (prefill_insert); every token is sampled by
+`sampling.sample_next_token`. A decode step's attention reads only filled entries: the
+pages of a window of the first W entries (W bucketed by `attend_bucket`, a few compiles)
+with the "xla" attention, or each slot's own entries with our Pallas GPU kernel
+("pallas", the default on GPU), which also finishes the QKV projection, applies QK-norm
+and RoPE and writes the cache.
 
 All state is sharded on the mesh with the inference rule table (kv heads over `tensor`,
 slots and pages over the data axes, weights with tensor parallelism only) and is donated
 through every jitted call. The Driver's prefill calls take one of a closed set of shapes
-(`paged_prefill`), compiled at `warmup`; JetStream's prompt chunks are padded to
-power-of-two buckets; slot indices, lengths, page tables and sampling parameters are arrays, so none of them
-recompiles anything.
+(`paged_prefill`), compiled at `warmup`; slot indices, lengths, page tables and sampling
+parameters are arrays, so none of them recompiles anything.
 """
 
 from __future__ import annotations
@@ -54,7 +45,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -74,7 +64,6 @@ from agentrl_jax.rollout.decode_step import (
     choose_prefill_attention,
     generate_steps,
 )
-from agentrl_jax.rollout.dense_prefix import DensePrefixAPI
 from agentrl_jax.rollout.memory_plan import MemoryPlan, plan_memory
 from agentrl_jax.rollout.pages import KVPages, pages_for
 from agentrl_jax.rollout.prefill_api import PagedPrefillAPI
@@ -101,7 +90,7 @@ DEFAULT_MEMORY_FRACTION = 0.8  # of the free device memory, for the KV pool, whe
 GPU_DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
-class Engine(DensePrefixAPI, PagedPrefillAPI):
+class Engine(PagedPrefillAPI):
     """Slot-based decoding of a `Decoder` over a paged KV cache on a mesh.
 
     Args:
@@ -138,7 +127,8 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         matmuls), none elsewhere; ``{}`` compiles with XLA's defaults.
       max_target_length: M, the longest sequence (prompt + every turn + generated).
       max_prefill_length: the largest prompt chunk one prefill takes.
-      min_prefill_bucket: the smallest padded prefill length (JetStream `prefill`).
+      min_prefill_bucket: the smallest padded prompt length of JetStream's dense `prefill`
+        (`rollout.jetstream.DensePrefixEngine`).
       prefill_row_tokens: C, the width of a packed row of `prefill_insert` (the Driver's
         path): a sequence's new tokens are cut into pieces of C (at most
         ``max_prefill_length``), so it pads less than C tokens and the compiled shapes stay
@@ -274,21 +264,14 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
         self.pages: KVPages | None = None  # the page pool's one owner, made with each decode state
         self.state_shardings: DecodeState | None = None
         self._generate_fns: dict[tuple[int | None, int, bool], Any] = {}  # (steps, window, truncation)
-        self._prefill_fns: dict[tuple, Any] = {}
         self._paged_prefill_fns: dict[tuple, Any] = {}
         self._copy_fns: dict[int, Any] = {}
-        self._insert_fns: dict[int, Any] = {}
-        self._extract_fns: dict[int, Any] = {}
 
     # ---- JetStream properties -------------------------------------------------------
 
     @property
     def max_concurrent_decodes(self) -> int:
         return self._slots
-
-    @property
-    def samples_per_slot(self) -> int:
-        return 1
 
     @property
     def max_prefill_length(self) -> int:
@@ -377,9 +360,6 @@ class Engine(DensePrefixAPI, PagedPrefillAPI):
 
     def shard_slots(self, shard: int) -> range:
         return range(shard * self._slots_per_shard, (shard + 1) * self._slots_per_shard)
-
-    def _global(self, shard: int, pages: Sequence[int]) -> list[int]:
-        return [shard * self.memory_plan.pages_per_shard + p for p in pages]
 
     def _sync(self, state: DecodeState) -> DecodeState:
         """Apply the host's pending slot frees (one call) and page-table changes (one upload)."""

@@ -1,5 +1,5 @@
-"""JetStream's dense prefixes next to the paged cache: `Engine.prefill`, `insert`,
-`bulk_insert` and `extract_prefix` (the `DensePrefixAPI` mixin) and their traced bodies.
+"""JetStream's dense prefixes next to the paged cache: `DensePrefixEngine`, the `Engine` with
+JetStream's `prefill`, `insert`, `bulk_insert` and `extract_prefix`, and their traced bodies.
 
 JetStream's `prefill` takes no decode state, so its result is a dense, batch-1 KV row
 (`Prefix`) outside the page pool; `insert` copies it into pages (the G slots of a
@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from agentrl_jax.models.decode import DecodeParams, LayerCache, forward
+from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.pages import TRASH_PAGE, OutOfPages, pages_for
 from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, request_key, sample_next_token
@@ -126,8 +128,25 @@ def extract_step(state: DecodeState, pages, slot, length, generated, truncating,
     )
 
 
-class DensePrefixAPI:
-    """JetStream's dense-prefix calls of `Engine` (a mixin: it uses the engine's slots, pages and jit caches)."""
+class DensePrefixEngine(Engine):
+    """The `Engine` with JetStream's dense-prefix calls (same arguments as `Engine`).
+
+    ``min_prefill_bucket`` (an `Engine` argument) is the smallest padded length of `prefill`.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._prefill_fns: dict[tuple, Any] = {}
+        self._insert_fns: dict[int, Any] = {}
+        self._extract_fns: dict[int, Any] = {}
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    def _global(self, shard: int, pages: Sequence[int]) -> list[int]:
+        """Shard-local page ids as ids of the whole pool."""
+        return [shard * self.memory_plan.pages_per_shard + p for p in pages]
 
     def get_prefix_destination_sharding(self, capacity: int | None = None, num_samples: int = 1) -> Prefix:
         """The sharding of a `Prefix` of `capacity` cache entries (JetStream API)."""
