@@ -42,6 +42,7 @@ parameters are arrays, so none of them recompiles anything.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -64,13 +65,12 @@ from agentrl_jax.rollout.decode_step import (
     choose_prefill_attention,
     generate_steps,
 )
+from agentrl_jax.rollout.engine_config import DEFAULT_MEMORY_FRACTION, EngineConfig, decode_compiler_options
 from agentrl_jax.rollout.memory_plan import MemoryPlan, plan_memory
 from agentrl_jax.rollout.pages import KVPages, pages_for
 from agentrl_jax.rollout.prefill_api import PagedPrefillAPI
 from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.state import (
-    STOP_IDS,
-    STOP_SEQUENCES,
     DecodeState,
     attend_bucket,
     decode_state_shardings,
@@ -81,13 +81,6 @@ from agentrl_jax.sharding import Rules, inference_rules, logical_to_spec, make_m
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MEMORY_FRACTION = 0.8  # of the free device memory, for the KV pool, when nothing else is set
-# XLA options the decode dispatch compiles with on GPU meshes, when `Engine(decode_compiler_options=)` is None.
-# A decode step's weight matmuls have M = the batch (64): XLA's autotuner picks split-K Triton GEMMs for
-# them, whose float32 partials the next fusion reads again; cuBLAS measured faster per step at batch 64
-# on the 1.7B shape (docs/benchmarks.md, "cuBLAS for the decode step's weight matmuls"). Per program
-# (`jax.jit(compiler_options=)`), so the trainer's and the prefill's programs keep XLA's own choice.
-GPU_DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
 class Engine(PagedPrefillAPI):
@@ -95,163 +88,62 @@ class Engine(PagedPrefillAPI):
 
     Args:
       model: the decoder (its graph and config are used; params are passed per call).
+      engine_config: the engine's settings (`EngineConfig`; a run's: `EngineConfig.from_rollout`).
       mesh: the device mesh (default: all devices on `data`).
-      max_concurrent_decodes: S, the number of decode slots (sequences held at once).
-      decode_batch: B, the sequences a decode step computes (its lanes; default S). With B < S,
-        a slot admitted while the B lanes are busy waits ready (prefilled, first token sampled)
-        and takes the lane of a slot that stops, at the next step, on the device: a slot stops
-        there at a stop id or its length limit (`Admission.limit`, `stop_ids`), so a turn that
-        ends mid-dispatch leaves no lane idle for the rest of the dispatch or the next one, as
-        long as a ready slot waits (`decode_step.lane_decode_step`). B must divide over the
-        mesh's data shards like S.
-      device_stop_ids: stop token ids per slot that the device checks with decode lanes (a
-        request's lowest ones; the host checks them all, so one past this many still ends the
-        turn, a dispatch later, as without lanes).
-      device_stop_sequences: ``(Q, L)``: with decode lanes, the device also stops a slot whose
-        newest tokens are one of its first Q stop strings' token sequences of at most L tokens
-        (`StopMatcher.sequences`, from `Driver(tokenize=)`: ReTool's ``</code>`` is several
-        tokens). The host checks the same sequences, so both stop at the same token; a stop
-        string written with other tokens is found by the host's text check, a dispatch later.
-      decode_kernel_programs: the GPU decode kernel ("pallas" attention) splits each row's
-        entries into chunks until it runs at least this many (row, kv head, chunk) programs
-        per device (a float32 combine joins the chunks). More programs spread rows of ragged
-        lengths, and the few rows left at the end of a batch, over the SMs; with rows of one
-        length they only add the combine. Default `models.decode.PALLAS_MIN_PROGRAMS` (512),
-        twice that with decode lanes (B < S), whose rows are a mix of lengths and drain to a
-        few at the end of a batch (docs/benchmarks.md, "Decode kernel chunks": faster on the
-        multi-turn workload with lanes, in the batch's tail; slower on a batch of equal
-        lengths).
-      decode_compiler_options: XLA options (``jax.jit(compiler_options=)``) for the decode
-        dispatch programs only, e.g. ``{"xla_gpu_enable_triton_gemm": False}``. Default:
-        `GPU_DECODE_COMPILER_OPTIONS` on GPU meshes (cuBLAS for the decode step's skinny weight
-        matmuls), none elsewhere; ``{}`` compiles with XLA's defaults.
-      max_target_length: M, the longest sequence (prompt + every turn + generated).
-      max_prefill_length: the largest prompt chunk one prefill takes.
-      min_prefill_bucket: the smallest padded prompt length of JetStream's dense `prefill`
-        (`rollout.jetstream.DensePrefixEngine`).
-      prefill_row_tokens: C, the width of a packed row of `prefill_insert` (the Driver's
-        path): a sequence's new tokens are cut into pieces of C (at most
-        ``max_prefill_length``), so it pads less than C tokens and the compiled shapes stay
-        few (`paged_prefill`).
-      prefill_compaction: run the dense layers of a `prefill_insert` call on its real tokens
-        only (padded to a bucket), not on every row's C tokens (`paged_prefill`): the same
-        results for less compute, at up to five compiled programs per row bucket instead of one.
-        Default: on for GPU and TPU meshes, where a prefill call's cost is its layers' compute;
-        off on CPU, where compiling the extra programs costs more than the compute they save.
-      cache_dtype: dtype of the KV cache (default: the model's compute dtype).
       rules: logical-axis rule table (default: `inference_rules()`).
-      attend_granule: the "xla" decode attention reads a window of the first W entries of
-        every slot, W rounded up from the longest live slot (+ the dispatch's steps) in
-        steps of at least this many entries (`attend_bucket`); each W compiles once.
-      decode_attention: "xla" (gather the window's pages, einsums), "pallas" (the backend's
-        Pallas kernel, run per shard, which reads each slot's own entries through its page
-        table: on GPU `models.decode_attention`, interpreted off GPU and TPU, for tests; on a
-        TPU mesh "pallas_tpu") or "pallas_tpu" (the XLA page write, then the TPU kernel of
-        `models.tpu_decode_attention`; off TPU in the TPU interpreter, for tests). Default:
-        "pallas" on GPU meshes with a 16-bit compute dtype, a power-of-two head dim and page
-        size >= 16 (the kernel's float32 dots would run in TF32, loosening the
-        engine/trainer logprob match), and on TPU meshes with a head dim a multiple of 128
-        and a page a whole number of the cache dtype's sublane tiles (`tpu_kernel_fits`),
-        else "xla".
-      prefill_attention: the `prefill_insert` attention: "xla" (each row gathers the call's
-        window of pages; einsums) or "pallas" (the Pallas GPU kernel of
-        `models.prefill_attention`, run per shard, which reads each row's own entries through
-        its page table; interpreted off GPU). Default: "pallas" where the GPU decode default is.
-      page_size: P, tokens per KV page.
-      num_pages: usable pages over all shards (overrides the byte budget; tests).
-      kv_cache_bytes: pool bytes per device.
-      kv_cache_memory_fraction: pool bytes as this fraction of the free memory of the
-        fullest device, measured when the first decode state is built (after the weights
-        are placed). Default `DEFAULT_MEMORY_FRACTION` on devices that report memory.
-        With none of the three, and on devices that report no memory (CPU), the pool holds
-        every slot at full length. Never more pages than that are made.
-      compilation_cache_dir: turn on JAX's persistent compilation cache there, for the whole
-        process (`compile_cache.use_compilation_cache`); a restarted run loads its prefill
-        and decode programs instead of compiling them again.
+      **settings: `EngineConfig` fields, replacing ``engine_config``'s (tests and benchmarks build
+        engines with ``Engine(model, mesh=..., max_concurrent_decodes=4, ...)``).
     """
 
-    def __init__(
-        self,
-        model: Decoder,
-        *,
-        mesh: Mesh | None = None,
-        max_concurrent_decodes: int = 8,
-        decode_batch: int | None = None,
-        device_stop_ids: int = STOP_IDS,
-        device_stop_sequences: tuple[int, int] = STOP_SEQUENCES,
-        decode_kernel_programs: int | None = None,
-        decode_compiler_options: dict[str, Any] | None = None,
-        max_target_length: int = 1024,
-        max_prefill_length: int = 512,
-        min_prefill_bucket: int = 16,
-        prefill_row_tokens: int = 64,
-        prefill_compaction: bool | None = None,
-        cache_dtype: Any = None,
-        rules: Rules | None = None,
-        attend_granule: int = 256,
-        decode_attention: str | None = None,
-        prefill_attention: str | None = None,
-        page_size: int = 32,
-        num_pages: int | None = None,
-        kv_cache_bytes: int | None = None,
-        kv_cache_memory_fraction: float | None = None,
-        compilation_cache_dir: str | None = None,
-    ):
-        _check_sizes(max_concurrent_decodes=max_concurrent_decodes, max_target_length=max_target_length,
-                     max_prefill_length=max_prefill_length, min_prefill_bucket=min_prefill_bucket,
-                     prefill_row_tokens=prefill_row_tokens,
-                     attend_granule=attend_granule, page_size=page_size, num_pages=num_pages,
-                     kv_cache_bytes=kv_cache_bytes, kv_cache_memory_fraction=kv_cache_memory_fraction)
-        if compilation_cache_dir:
-            use_compilation_cache(compilation_cache_dir)
+    def __init__(self, model: Decoder, engine_config: EngineConfig | None = None, *, mesh: Mesh | None = None,
+                 rules: Rules | None = None, **settings):
+        cfg = dataclasses.replace(engine_config or EngineConfig(), **settings)
+        self.engine_config = cfg
+        if cfg.compilation_cache_dir:
+            use_compilation_cache(cfg.compilation_cache_dir)
         self._mesh = mesh if mesh is not None else make_mesh({"data": -1})
-        if prefill_compaction is None:
-            prefill_compaction = all(d.platform in ("gpu", "tpu") for d in self._mesh.devices.flat)
-        self.prefill_compaction = prefill_compaction
-        decode_attention = choose_decode_attention(decode_attention, model, self._mesh, page_size, cache_dtype)
-        self.prefill_attention = choose_prefill_attention(prefill_attention, model, self._mesh, page_size)
+        self.prefill_compaction = cfg.prefill_compaction
+        if self.prefill_compaction is None:
+            self.prefill_compaction = all(d.platform in ("gpu", "tpu") for d in self._mesh.devices.flat)
+        decode_attention = choose_decode_attention(cfg.decode_attention, model, self._mesh, cfg.page_size,
+                                                   cfg.cache_dtype)
+        self.prefill_attention = choose_prefill_attention(cfg.prefill_attention, model, self._mesh, cfg.page_size)
         self.config = model.config
         _, abstract = split_params(model)
         self._dtype = model.dtype
-        self._attend_granule = attend_granule
+        self._attend_granule = cfg.attend_granule
         self.decode_attention = decode_attention
         self._rules = rules if rules is not None else inference_rules()
-        self._slots = max_concurrent_decodes
-        self.max_target_length = max_target_length
-        self.page_size = page_size
-        self.table_width = pages_for(max_target_length, page_size)
-        self._max_prefill = max_prefill_length
-        self._min_bucket = min(min_prefill_bucket, max_prefill_length)
-        self.prefill_row_tokens = min(prefill_row_tokens, max_prefill_length)
-        self.cache_dtype = cache_dtype if cache_dtype is not None else model.dtype
+        self._slots = cfg.max_concurrent_decodes
+        self.max_target_length = cfg.max_target_length
+        self.page_size = cfg.page_size
+        self.table_width = pages_for(cfg.max_target_length, cfg.page_size)
+        self._max_prefill = cfg.max_prefill_length
+        self._min_bucket = min(cfg.min_prefill_bucket, cfg.max_prefill_length)
+        self.prefill_row_tokens = min(cfg.prefill_row_tokens, cfg.max_prefill_length)
+        self.cache_dtype = cfg.cache_dtype if cfg.cache_dtype is not None else model.dtype
         # the pool's pages are split over the data axes exactly like the slots
         self._rows_spec = logical_to_spec(("slots",), self._rules, shape=(self._slots,), mesh=self._mesh)[0]
         rows_axes = () if self._rows_spec is None else (
             (self._rows_spec,) if isinstance(self._rows_spec, str) else tuple(self._rows_spec))
         self.num_shards = math.prod(self._mesh.shape[a] for a in rows_axes)
         self._slots_per_shard = self._slots // self.num_shards
-        self.decode_batch = self._slots if decode_batch is None else decode_batch
+        self.decode_batch = self._slots if cfg.decode_batch is None else cfg.decode_batch
         if not 1 <= self.decode_batch <= self._slots or self.decode_batch % self.num_shards:
             raise ValueError(
-                f"Engine: decode_batch={decode_batch} must be in [1, max_concurrent_decodes={self._slots}] and a "
+                f"Engine: decode_batch={cfg.decode_batch} must be in [1, max_concurrent_decodes={self._slots}] and a "
                 f"multiple of the mesh's {self.num_shards} data shard(s) (each shard's lanes take its own slots)"
             )
         self._admissions = 0  # admission counter: ready slots take free decode lanes in this order
-        if device_stop_ids < 1:
-            raise ValueError(f"Engine: device_stop_ids must be >= 1, got {device_stop_ids}")
-        self.device_stop_ids = device_stop_ids
-        if len(device_stop_sequences) != 2 or min(device_stop_sequences) < 1:
-            raise ValueError(f"Engine: device_stop_sequences must be (sequences >= 1, tokens >= 1), got "
-                             f"{device_stop_sequences}")
-        self.device_stop_sequences = tuple(device_stop_sequences)
+        self.device_stop_ids = cfg.device_stop_ids
+        self.device_stop_sequences = cfg.device_stop_sequences
+        decode_kernel_programs = cfg.decode_kernel_programs
         if decode_kernel_programs is None:
             # read at construction, so bench/decode.py's --kernel override reaches it
             decode_kernel_programs = model_decode.PALLAS_MIN_PROGRAMS * (2 if self.decode_batch < self._slots else 1)
-        if decode_kernel_programs < 1:
-            raise ValueError(f"Engine: decode_kernel_programs must be >= 1, got {decode_kernel_programs}")
         self.decode_kernel_programs = decode_kernel_programs
-        self.decode_compiler_options = _decode_compiler_options(decode_compiler_options, self._mesh)
-        self._budget = (num_pages, kv_cache_bytes, kv_cache_memory_fraction)
+        self.decode_compiler_options = decode_compiler_options(cfg.decode_compiler_options, self._mesh)
+        self._budget = (cfg.num_pages, cfg.kv_cache_bytes, cfg.kv_cache_memory_fraction)
         # Weights are stored in the compute dtype: `models.decode.forward` casts every weight to it
         # before use, so casting once at load gives the same values and halves the bytes a decode
         # step reads when the trainer keeps float32 master params. The output embedding stays in
@@ -454,35 +346,3 @@ class Engine(PagedPrefillAPI):
         longest = self.pages.longest() if self.pages is not None else 0
         window = attend_bucket(longest + num_steps, self.max_target_length, self._attend_granule)
         return min(pages_for(window, self.page_size), self.table_width) * self.page_size
-
-
-def _decode_compiler_options(options: dict[str, Any] | None, mesh: Mesh) -> dict[str, Any]:
-    """`Engine(decode_compiler_options=)` checked, or the platform's default (`GPU_DECODE_COMPILER_OPTIONS`)."""
-    if options is None:
-        on_gpu = all(d.platform == "gpu" for d in mesh.devices.flat)
-        return dict(GPU_DECODE_COMPILER_OPTIONS) if on_gpu else {}
-    if not isinstance(options, dict) or not all(
-            isinstance(k, str) and isinstance(v, (bool, int, float, str)) for k, v in options.items()):
-        raise ValueError(f"Engine: decode_compiler_options must be a dict of XLA option name -> bool, number or "
-                         f"string, got {options!r}")
-    if options:  # an unknown name or a bad value fails here, not at the first decode's compile
-        probe = jax.jit(lambda x: x + 1, compiler_options=options)
-        device = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])  # the mesh's backend
-        try:
-            probe.lower(jax.ShapeDtypeStruct((1,), jnp.int32, sharding=device)).compile()
-        except jax.errors.JaxRuntimeError as e:
-            raise ValueError(f"Engine: decode_compiler_options={options!r}: {e}") from e
-    return dict(options)
-
-
-def _check_sizes(*, num_pages, kv_cache_bytes, kv_cache_memory_fraction, **sizes) -> None:
-    """ValueError naming the first `Engine` argument out of range."""
-    for name, value in sizes.items():
-        if value < 1:
-            raise ValueError(f"Engine: {name} must be >= 1, got {value}")
-    if num_pages is not None and num_pages < 1:
-        raise ValueError(f"Engine: num_pages must be >= 1, got {num_pages}")
-    if kv_cache_bytes is not None and kv_cache_bytes < 1:
-        raise ValueError(f"Engine: kv_cache_bytes must be >= 1, got {kv_cache_bytes}")
-    if kv_cache_memory_fraction is not None and not 0 < kv_cache_memory_fraction <= 1:
-        raise ValueError(f"Engine: kv_cache_memory_fraction must be in (0, 1], got {kv_cache_memory_fraction}")

@@ -330,7 +330,7 @@ def test_compilation_cache_dir_stores_compiled_programs(tmp_path, tiny_model):
 
 
 def test_decode_compiler_options_default_per_platform_and_bad_options_name_the_field(tiny_model):
-    from agentrl_jax.rollout.engine import GPU_DECODE_COMPILER_OPTIONS
+    from agentrl_jax.rollout.engine_config import GPU_DECODE_COMPILER_OPTIONS
 
     mesh = make_mesh({"data": 1}, jax.devices()[:1])
     default = DensePrefixEngine(tiny_model, mesh=mesh, **ENGINE_KW).decode_compiler_options
@@ -384,3 +384,23 @@ def test_gpu_decode_weight_matmuls_run_on_cublas_by_default():
     assert len(gemm_calls(forced)) < len(gemm_calls(default)), (
         f"the options did not reach the decode program: {len(gemm_calls(forced))} cuBLAS GEMMs with Triton forced, "
         f"{len(gemm_calls(default))} by default; {targets(forced)}")
+
+
+def test_engine_config_from_the_rollout_section_and_bad_settings_name_the_field():
+    from agentrl_jax.config.rollout import RolloutConfig
+    from agentrl_jax.rollout.engine_config import EngineConfig
+
+    section = RolloutConfig(max_concurrent=16, max_sequence_length=512, max_prompt_length=128, decode_batch=8,
+                            page_size=16, kv_cache_bytes=1 << 20, cache_dtype="float32", decode_compiler_options="none")
+    got = EngineConfig.from_rollout(section)
+    assert (got.max_concurrent_decodes, got.max_target_length, got.max_prefill_length, got.decode_batch,
+            got.page_size, got.kv_cache_bytes, got.cache_dtype, got.decode_compiler_options) == (
+        16, 512, 128, 8, 16, 1 << 20, jnp.float32, {})
+    default = EngineConfig.from_rollout(RolloutConfig())  # the section's 0 / "" / "default" mean the engine's choice
+    assert (default.decode_batch, default.kv_cache_bytes, default.kv_cache_memory_fraction,
+            default.compilation_cache_dir, default.decode_compiler_options, default.cache_dtype) == (
+        None, None, None, None, None, jnp.bfloat16)
+    with pytest.raises(ValueError, match="Engine: page_size must be >= 1, got 0"):
+        EngineConfig(page_size=0)
+    with pytest.raises(ValueError, match="Engine: device_stop_sequences"):
+        EngineConfig(device_stop_sequences=(2, 0))
