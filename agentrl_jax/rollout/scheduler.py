@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from agentrl_jax.rollout.paged_prefill import Admission, PrefillRow
+from agentrl_jax.rollout.paged_prefill import PrefillRow
 from agentrl_jax.rollout.pages import KVPages, OutOfPages, pages_for
 from agentrl_jax.rollout.sampling import request_keys
 from agentrl_jax.rollout.tracks import Pending, Sequence, Session
@@ -292,19 +292,10 @@ class Scheduler:
                 pages = shared + own
             track.slot, track.admitted = slot, next(self._admitted)
             self.slots[slot] = track
-            key, generated = track.key, track.generated_base + len(track.tokens)
             # the pages of its first dispatch (checked free with the prefill's)
             reach = min(length + self.steps, engine.max_target_length)
             pages = pages + self.kv.alloc(pending.shard, max(pages_for(reach, P) - len(pages), 0))
-            # with decode lanes the device stops it at its stop ids, its stop strings' tokens (matched
-            # against the turn's tokens: a resumed sequence brings those before its forced one) and
-            # max_new_tokens
-            request = track.request
-            row.admissions.append(Admission(
-                slot, pages, key, generated, request.sampling, pending.forced,
-                limit=track.kv_start + request.max_new_tokens - 1, stop_ids=request.stop_token_ids,
-                stop_sequences=request.stops.sequences if request.stops is not None else (),
-                recent=track.tokens[:-1] if pending.forced >= 0 else ()))
+            row.admissions.append(track.admission(slot, pages, pending.forced))
 
     def unblock(self, resolved: list) -> None:
         """Nothing decodes and nothing could be admitted: waiting sequences hold pages each other need.
