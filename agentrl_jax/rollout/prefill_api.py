@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from agentrl_jax.models.decode import DecodeParams
 from agentrl_jax.rollout.decode_step import KERNEL_ATTENTION
 from agentrl_jax.rollout.paged_prefill import (
+    AdmissionArrays,
     PackedRows,
     PrefillRow,
     call_layout,
@@ -34,7 +35,6 @@ from agentrl_jax.rollout.paged_prefill import (
 )
 from agentrl_jax.rollout.pages import pages_for
 from agentrl_jax.rollout.result_tokens import ResultTokens
-from agentrl_jax.rollout.sampling import SlotSampling
 from agentrl_jax.rollout.state import DecodeState, attend_bucket
 
 logger = logging.getLogger(__name__)
@@ -168,11 +168,7 @@ class PagedPrefillAPI:
             )
         # host arrays go to the jitted call as they are: it transfers them in one go (an eager
         # jnp.asarray per array cost more host time than the transfers)
-        return self._paged_prefill_fns[key], (
-            params, decode_state, *placed, packed.adm_token, packed.adm_slot, packed.adm_key, packed.adm_generated,
-            packed.adm_forced, packed.adm_length, packed.adm_limit, packed.adm_stops, packed.adm_order,
-            SlotSampling(*packed.sampling),
-        )
+        return self._paged_prefill_fns[key], (params, decode_state, *placed, AdmissionArrays.of(packed))
 
     def warmup(self, params: DecodeParams, decode_state: DecodeState, *, token_budget: int,
                num_steps: int | None, truncation: bool = False) -> tuple[DecodeState, dict[str, float]]:
