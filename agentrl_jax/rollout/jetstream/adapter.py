@@ -49,6 +49,8 @@ def jetstream_engine(engine: DensePrefixEngine, *, sampling: SamplingParams | No
 
 @functools.cache
 def _adapter_class(engine_api) -> type:
+    # Long, but one idea: the class must subclass whichever `engine_api.Engine` is installed, so it
+    # is defined here; its methods are one-line delegations to the engine.
     returns_first_token = "sampler" in inspect.signature(engine_api.Engine.prefill).parameters
 
     class JetStreamEngine(engine_api.Engine):
