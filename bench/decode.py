@@ -104,7 +104,8 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
     import jax.numpy as jnp
     import numpy as np
 
-    from agentrl_jax.rollout import Engine, SamplingParams
+    from agentrl_jax.rollout import SamplingParams
+    from agentrl_jax.rollout.jetstream import DensePrefixEngine  # the runs use JetStream's dense prefill too
     from agentrl_jax.sharding import make_mesh
 
     model, dtype = qwen3_model(size)
@@ -115,7 +116,7 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
     for batch in batches:
         row = {"impl": "agentrl_jax", "size": size, "batch": batch, "device": device.device_kind, "jax": jax.__version__}
         try:
-            engine = Engine(model, mesh=mesh, max_concurrent_decodes=batch,
+            engine = DensePrefixEngine(model, mesh=mesh, max_concurrent_decodes=batch,
                             max_target_length=max_length or prompt + gen + 1,
                             max_prefill_length=prompt, cache_dtype=dtype, page_size=page_size,
                             decode_attention=None if attention == "default" else attention,

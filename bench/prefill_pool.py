@@ -44,7 +44,7 @@ def time_prefill(num_pages: int, calls: int) -> dict:
         state, _ = engine.prefill_insert(params, state, [row])
         jax.block_until_ready(state)
         times.append(time.perf_counter() - started)
-        engine.release_slot(i % 16)
+        engine.pages.release_slot(i % 16)
     return {"pages": num_pages, "pool_bytes_per_layer": int(state.cache.k[0].nbytes) * 2,
             "ms_per_call_median": round(1e3 * float(np.median(times[2:])), 2)}
 

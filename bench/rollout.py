@@ -444,7 +444,8 @@ def main(argv=None) -> None:
     import jax
     from decode import compiler_options, qwen3_model
 
-    from agentrl_jax.rollout import Driver, Engine
+    from agentrl_jax.rollout import Driver
+    from agentrl_jax.rollout.jetstream import DensePrefixEngine  # the runs use JetStream's dense prefill too
     from agentrl_jax.sharding import make_mesh
 
     model, dtype = qwen3_model(args.size)
@@ -465,7 +466,7 @@ def main(argv=None) -> None:
                      cache_dtype=dtype, page_size=args.page_size, kv_cache_memory_fraction=args.kv_fraction,
                      prefill_row_tokens=args.row_tokens, decode_compiler_options=compiler_options(args.compiler_options),
                      **({"prefill_compaction": False} if args.no_compaction else {}))  # (older trees: no such argument)
-    engine = Engine(model, max_concurrent_decodes=slots, decode_batch=lanes,
+    engine = DensePrefixEngine(model, max_concurrent_decodes=slots, decode_batch=lanes,
                     device_stop_ids=max(len(_stop_ids(args, vocab)), 1),
                     decode_kernel_programs=args.kernel_programs or None, **engine_kw)
 
@@ -502,7 +503,7 @@ def main(argv=None) -> None:
     warm, passes, counters = asyncio.run(run())
     timed = passes[-1]
     # the baseline: every lane's slot filled, a lane per slot (the plain step), after the driver freed its pool
-    raw_engine = engine if lanes == slots else Engine(model, max_concurrent_decodes=lanes, **engine_kw)
+    raw_engine = engine if lanes == slots else DensePrefixEngine(model, max_concurrent_decodes=lanes, **engine_kw)
     raw = None if args.no_raw else _raw_decode(raw_engine, raw_engine.load_params(model), args, vocab,
                                                trace_dir=args.profile and os.path.join(args.profile, "raw_trace"))
     # what the lane step's gathers cost: the driver's engine decoding every lane, no slot waiting
@@ -514,7 +515,7 @@ def main(argv=None) -> None:
     if args.matched_baseline and not args.no_raw:  # the same baseline from a prompt as much longer as the workload attends
         extra = max(timed["mean_decode_context"] - raw_context, 0)
         # its own engine: the longer prompt is one prefill call, longer than the workload's prompts
-        matched_engine = Engine(model, max_concurrent_decodes=lanes,
+        matched_engine = DensePrefixEngine(model, max_concurrent_decodes=lanes,
                                 **{**engine_kw, "max_prefill_length": max(prompt + extra, 16)})
         matched = _raw_decode(matched_engine, matched_engine.load_params(model), args, vocab, extra_context=extra)
         matched_context = raw_context + extra

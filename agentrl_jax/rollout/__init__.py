@@ -1,11 +1,13 @@
-"""Rollout: a JetStream-shaped engine over a paged KV cache, exact-logprob sampling, and an
+"""Rollout: a slot-based engine over a paged KV cache, exact-logprob sampling, and an
 asyncio continuous-batching driver with multi-turn sessions, shared prompts, preemption and
 versioned weight updates."""
 
 from agentrl_jax.rollout.driver import Completion, Driver, Session
 from agentrl_jax.rollout.engine import Engine
+from agentrl_jax.rollout.engine_config import EngineConfig
 from agentrl_jax.rollout.paged_prefill import Admission, PrefillRow
-from agentrl_jax.rollout.pages import MemoryPlan, OutOfPages, PageAllocator
+from agentrl_jax.rollout.memory_plan import MemoryPlan
+from agentrl_jax.rollout.pages import KVPages, OutOfPages, PageAllocator
 from agentrl_jax.rollout.result_tokens import ResultTokens, SlotData
 from agentrl_jax.rollout.sampling import GREEDY, SamplingParams, SlotSampling, request_key, sample
 from agentrl_jax.rollout.state import DecodeState, Prefix, prefill_bucket
@@ -17,6 +19,8 @@ __all__ = [
     "DecodeState",
     "Driver",
     "Engine",
+    "EngineConfig",
+    "KVPages",
     "MemoryPlan",
     "OutOfPages",
     "PageAllocator",

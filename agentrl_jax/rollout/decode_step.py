@@ -29,7 +29,7 @@ from agentrl_jax.models.decode import forward
 from agentrl_jax.models.tpu_decode_attention import tpu_kernel_fits
 from agentrl_jax.rollout.pages import TRASH_PAGE
 from agentrl_jax.rollout.result_tokens import ResultTokens
-from agentrl_jax.rollout.sampling import next_token_logits, sample, step_keys
+from agentrl_jax.rollout.sampling import sample_next_token
 from agentrl_jax.rollout.state import DecodeState
 
 DECODE_ATTENTION = ("xla", "pallas", "pallas_tpu")
@@ -51,9 +51,8 @@ def decode_step(params, state: DecodeState, *, config, attend_len, dtype, attent
         config=config, attend_len=attend_len, dtype=dtype, attention=attention,
         cache_spec=cache_spec, mesh=mesh, page_table=state.page_table, kernel_programs=kernel_programs,
     )
-    logits = next_token_logits(hidden[:, -1], *params.output_embedding())
-    tokens, log_prob, truncated = sample(logits, step_keys(state.keys, state.generated), state.sampling,
-                                         truncation=truncation)
+    tokens, log_prob, truncated = sample_next_token(params, hidden[:, -1], state.keys, state.generated,
+                                                    state.sampling, truncation=truncation)
     valid = state.active & (state.lengths < max_length)
     step = valid.astype(jnp.int32)
     new_state = state.replace(
@@ -119,9 +118,8 @@ def lane_decode_step(params, state: DecodeState, *, config, attend_len, dtype, a
         config=config, attend_len=attend_len, dtype=dtype, attention=attention,
         cache_spec=cache_spec, mesh=mesh, page_table=table, kernel_programs=kernel_programs,
     )
-    logits = next_token_logits(hidden[:, -1], *params.output_embedding())
-    tokens, log_prob, truncated = sample(logits, step_keys(lanes(state.keys), lanes(state.generated)),
-                                         jax.tree.map(lanes, state.sampling), truncation=truncation)
+    tokens, log_prob, truncated = sample_next_token(params, hidden[:, -1], lanes(state.keys), lanes(state.generated),
+                                                    jax.tree.map(lanes, state.sampling), truncation=truncation)
     limit = jnp.minimum(lanes(state.limits), max_length)
     valid = live & (lengths < limit)
     recent = jnp.concatenate([lanes(state.recent)[:, 1:], tokens[:, None]], axis=1)  # [B, L], newest last

@@ -24,7 +24,7 @@ at the next step, so those steps are not lost; a slot's valid tokens in a dispat
 the steps it held a lane.
 Step 1's retirement is off there (a ready slot may not run in the dispatch in flight, so its
 end is not known to fall inside it), and each read settles the slots' length bounds to what
-they hold (`SlotTable.settle`), so a slot waiting for a lane does not collect pages.
+they hold (`KVPages.settle`), so a slot waiting for a lane does not collect pages.
 
 Nothing here touches asyncio: finished requests come back as ``(future, value)`` pairs that
 the driver resolves on its event loop.
@@ -39,7 +39,6 @@ import numpy as np
 from jax.profiler import TraceAnnotation
 
 from agentrl_jax.rollout.engine import Engine
-from agentrl_jax.rollout.prefix_cache import PrefixCache
 from agentrl_jax.rollout.request import Completion, Request
 from agentrl_jax.rollout.scheduler import Scheduler
 from agentrl_jax.rollout.scheduler import Sequence as Track
@@ -86,7 +85,7 @@ class Dispatcher:
 
     def drop_state(self) -> None:
         """Forget the decode state and every page (open sessions will re-prefill their history)."""
-        self.state, self.sched.cache = None, None
+        self.state = None  # the engine's `KVPages` (and its prefix cache) goes with it: the next state makes a new one
         for session in self.sched.sessions:
             session.pages, session.shard = [], None
         self.sched.sessions.clear()
@@ -114,13 +113,14 @@ class Dispatcher:
             "split_groups": sched.split_groups, "compiled_programs": engine.compiled_programs(),
             "ticks": self.ticks, "tick_seconds": self.tick_s, "device_wait_seconds": self.wait_s,
         }
-        if sched.cache is not None:
-            out.update(prefix_cache_pages=len(sched.cache), prefix_cache_hits=sched.cache.hits,
-                       prefix_cache_hit_tokens=sched.cache.hit_tokens)
+        cache = engine.pages.cache if self.state is not None else None
+        if cache is not None:
+            out.update(prefix_cache_pages=len(cache), prefix_cache_hits=cache.hits,
+                       prefix_cache_hit_tokens=cache.hit_tokens)
         plan = engine.memory_plan
         if self.state is not None and plan is not None:
             P = engine.page_size
-            slots = sum(engine.slots.length_bound(s) for s in sched.slots)
+            slots = sum(engine.pages.length_bound(s) for s in sched.slots)
             sessions = sum(s.num_cached_tokens for s in sched.sessions)
             out.update(
                 kv_pool_tokens=plan.tokens, kv_pool_bytes_per_device=plan.bytes_per_device,
@@ -157,8 +157,8 @@ class Dispatcher:
             if update is not None and (not update[2] or not sched.slots):
                 self.params, self.version = update[0], update[1]
                 update_done = True
-                if sched.cache is not None:
-                    sched.cache.clear()  # KV of the old weights
+                if sched.kv.cache is not None:
+                    sched.kv.cache.clear()  # KV of the old weights
             if sched.slots:  # pages for the next dispatch of every decoding slot (may preempt)
                 sched.reserve_pages(lambda track: self._finish(track, "capacity", None, resolved))
             rows, admitted = [], []
@@ -194,7 +194,7 @@ class Dispatcher:
         sched = self.sched
         if self.state is None:
             self.state = self.engine.init_decode_state()  # a fresh page allocator
-            sched.cache = PrefixCache(self.engine.pages, self.engine.page_size) if self.prefix_cache else None
+            self.engine.pages.use_prefix_cache(self.prefix_cache)
         sched.release_closed()
         sched.drop_cancelled()
         for request in inbox:
@@ -242,7 +242,7 @@ class Dispatcher:
                 track, tokens[slot], valid[slot], log_prob[slot], truncated[slot], version, resolved
             )
             if self.lanes and track.slot is not None:  # it holds what it holds, plus the dispatch in flight
-                self.engine.slots.settle(slot, track.kv_start + len(track.tokens) - 1 + self.steps)
+                self.engine.pages.settle(slot, track.kv_start + len(track.tokens) - 1 + self.steps)
 
     def _wait(self, result):
         """``result`` on the host; the time blocked counts as waiting for the device."""

@@ -37,11 +37,12 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from agentrl_jax.models.decode import forward
 from agentrl_jax.rollout.pages import TRASH_PAGE, pages_for
 from agentrl_jax.rollout.result_tokens import ResultTokens
-from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, next_token_logits, sample, step_keys
+from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, sample_next_token
 from agentrl_jax.rollout.state import STOP_IDS, STOP_SEQUENCES, DecodeState
 
 
@@ -318,17 +319,37 @@ def copy_pages(state: DecodeState, copy_src, copy_dst) -> DecodeState:
     return state.replace(cache=state.cache.map(copy))
 
 
-def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, lengths, compact, adm_token, adm_slot,
-                        adm_key, adm_generated, adm_forced, adm_length, adm_limit, adm_stops, adm_order,
-                        sampling: SlotSampling, *,
-                        config, dtype, page_size, row_tokens, cache_spec, mesh, attention="xla", truncation=True):
+@struct.dataclass
+class AdmissionArrays:
+    """The M admissions of a `prefill_insert` call on the device (`PackedRows`' ``adm_*`` arrays)."""
+
+    token: jax.Array  # [M] the call's hidden state the admission samples from (flat: [R * C] or [N])
+    slot: jax.Array  # [M], S for padding (dropped)
+    key: jax.Array  # [M, 2]
+    generated: jax.Array  # [M]
+    forced: jax.Array  # [M], -1 = sample
+    length: jax.Array  # [M] the slot's length after the prefill
+    limit: jax.Array  # [M]
+    stops: tuple  # device-side stop ids, stop sequences, the turn's tokens before its first
+    order: jax.Array  # [M]
+    sampling: SlotSampling
+
+    @classmethod
+    def of(cls, packed: PackedRows) -> AdmissionArrays:
+        return cls(packed.adm_token, packed.adm_slot, packed.adm_key, packed.adm_generated, packed.adm_forced,
+                   packed.adm_length, packed.adm_limit, packed.adm_stops, packed.adm_order,
+                   SlotSampling(*packed.sampling))
+
+
+def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, lengths, compact, adm: AdmissionArrays,
+                        *, config, dtype, page_size, row_tokens, cache_spec, mesh, attention="xla", truncation=True):
     """Traced body of `Engine.prefill_insert`: write the rows' KV, sample, fill slots (the page
     copies follow in `copy_pages`); ``attention``: `forward`'s ``prefill_attention``;
     ``truncation``: compile the top-k / top-p sampling path (`sampling.sample`).
 
     ``compact``: None, ``tokens`` being the rows ``[R, C]`` (every token of every row computed),
     or ``(positions [N], token_index [N])`` of `CompactTokens`, ``tokens`` being their ``[N]``
-    tokens. ``adm_token [M]``: each admission's hidden state among the call's, flat (``[R * C]``
+    tokens. ``adm.token [M]``: each admission's hidden state among the call's, flat (``[R * C]``
     or ``[N]``)."""
     kw = dict(config=config, attend_len=tables.shape[1] * page_size, dtype=dtype, page_table=tables,
               cache_spec=cache_spec, mesh=mesh, write_len=lengths, prefill_attention=attention)
@@ -339,30 +360,30 @@ def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, leng
         positions, token_index = compact
         hidden, cache = forward(params, tokens, positions, state.cache, starts, token_index=token_index,
                                 row_tokens=row_tokens, **kw)
-    logits = next_token_logits(hidden.reshape(-1, hidden.shape[-1])[adm_token], *params.output_embedding())
-    sampled, log_prob, truncated = sample(logits, step_keys(adm_key, adm_generated), sampling, truncation=truncation)
-    forced = adm_forced >= 0
-    first = jnp.where(forced, adm_forced, sampled)
-    stop_ids, stop_seqs, before = adm_stops
+    sampled, log_prob, truncated = sample_next_token(params, hidden.reshape(-1, hidden.shape[-1])[adm.token], adm.key,
+                                                     adm.generated, adm.sampling, truncation=truncation)
+    forced = adm.forced >= 0
+    first = jnp.where(forced, adm.forced, sampled)
+    stop_ids, stop_seqs, before = adm.stops
     recent = jnp.concatenate([before[:, 1:], first[:, None]], axis=1)  # the turn's tokens so far, newest last
-    generated = jnp.where(forced, adm_generated, adm_generated + 1)
+    generated = jnp.where(forced, adm.generated, adm.generated + 1)
 
     def put(field, values):
-        return field.at[adm_slot].set(values, mode="drop")
+        return field.at[adm.slot].set(values, mode="drop")
 
     state = state.replace(
         cache=cache,
-        lengths=put(state.lengths, adm_length),
+        lengths=put(state.lengths, adm.length),
         last_tokens=put(state.last_tokens, first),
         generated=put(state.generated, generated),
-        keys=put(state.keys, adm_key),
-        sampling=jax.tree.map(put, state.sampling, sampling),
+        keys=put(state.keys, adm.key),
+        sampling=jax.tree.map(put, state.sampling, adm.sampling),
         active=put(state.active, True),
-        limits=put(state.limits, adm_limit),
+        limits=put(state.limits, adm.limit),
         stop_ids=put(state.stop_ids, stop_ids),
         stop_seqs=put(state.stop_seqs, stop_seqs),
         recent=put(state.recent, recent),
-        order=put(state.order, adm_order),
+        order=put(state.order, adm.order),
     )
-    valid = ~forced & (adm_slot < state.lengths.shape[0])
+    valid = ~forced & (adm.slot < state.lengths.shape[0])
     return state, ResultTokens.pack(first, valid, generated, log_prob, truncated)

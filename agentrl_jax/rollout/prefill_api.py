@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from agentrl_jax.models.decode import DecodeParams
 from agentrl_jax.rollout.decode_step import KERNEL_ATTENTION
 from agentrl_jax.rollout.paged_prefill import (
+    AdmissionArrays,
     PackedRows,
     PrefillRow,
     call_layout,
@@ -34,7 +35,6 @@ from agentrl_jax.rollout.paged_prefill import (
 )
 from agentrl_jax.rollout.pages import pages_for
 from agentrl_jax.rollout.result_tokens import ResultTokens
-from agentrl_jax.rollout.sampling import SlotSampling
 from agentrl_jax.rollout.state import DecodeState, attend_bucket
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class PagedPrefillAPI:
         with TraceAnnotation("engine/pack"):
             packed = self._pack(rows, row_cap)
         for m, a in enumerate(packed.admitted):
-            self.slots.assign(a.slot, a.pages, int(packed.adm_length[m]), truncating=a.sampling.truncates)
+            self.pages.assign(a.slot, a.pages, int(packed.adm_length[m]), truncating=a.sampling.truncates)
         return self._run_prefill(params, self._sync(decode_state), packed)
 
     def _pack(self, rows: Sequence[PrefillRow], row_cap: int | None) -> PackedRows:
@@ -168,11 +168,7 @@ class PagedPrefillAPI:
             )
         # host arrays go to the jitted call as they are: it transfers them in one go (an eager
         # jnp.asarray per array cost more host time than the transfers)
-        return self._paged_prefill_fns[key], (
-            params, decode_state, *placed, packed.adm_token, packed.adm_slot, packed.adm_key, packed.adm_generated,
-            packed.adm_forced, packed.adm_length, packed.adm_limit, packed.adm_stops, packed.adm_order,
-            SlotSampling(*packed.sampling),
-        )
+        return self._paged_prefill_fns[key], (params, decode_state, *placed, AdmissionArrays.of(packed))
 
     def warmup(self, params: DecodeParams, decode_state: DecodeState, *, token_budget: int,
                num_steps: int | None, truncation: bool = False) -> tuple[DecodeState, dict[str, float]]:
@@ -190,7 +186,7 @@ class PagedPrefillAPI:
           the decode state and ``{"prefill_shapes", "decode_shapes", "seconds"}`` (shapes, not
           counting the sampling variants).
         """
-        if self.slots.live_slots():
+        if self.pages.live_slots():
             raise RuntimeError("Engine.warmup: slots are live; warm up before the first request")
         started = time.perf_counter()
         variants = (False, True) if truncation else (False,)
@@ -206,7 +202,7 @@ class PagedPrefillAPI:
         for attend_len, truncates in itertools.product(lengths, variants):  # no live slot: all write the trash page
             decode_state, _ = self._dispatch(params, self._sync(decode_state), num_steps, attend_len, truncates)
         frees = 1
-        while True:  # the batched slot frees, padded to powers of two (`SlotTable`; slot S: dropped)
+        while True:  # the batched slot frees, padded to powers of two (`KVPages.take_deactivations`; slot S: dropped)
             decode_state = self._deactivate(decode_state, np.full((frees,), self._slots, np.int32))
             if frees >= self._slots:
                 break

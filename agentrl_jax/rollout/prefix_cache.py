@@ -19,15 +19,19 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from agentrl_jax.rollout.pages import PageAllocator
+if TYPE_CHECKING:  # `pages.KVPages` owns the cache: a runtime import would be circular
+    from agentrl_jax.rollout.pages import PageAllocator
 
 
 class PrefixCache:
     """Full pages by (shard, hash of the tokens up to their end), least recently used first.
 
+    Made by `KVPages.use_prefix_cache`, which owns it.
+
     Args:
-      pages: the allocator (the cache holds one reference per entry).
+      pages: the pool's allocator (the cache holds one reference per entry).
       page_size: P.
 
     Attributes:

@@ -228,3 +228,34 @@ def next_token_logits(
 ) -> Float[Array, "B V"]:
     """float32 logits from last-position hidden states, as the trainer computes them."""
     return output_logits(hidden_last, output_embedding, layout)
+
+
+def sample_next_token(
+    params,
+    hidden_last: Float[Array, "R D"],
+    keys: Int[Array, "B 2"],
+    generated: Int[Array, "B"],
+    sampling: SlotSampling,
+    *,
+    truncation: bool,
+) -> tuple[Int[Array, "B"], Float[Array, "B"], Float[Array, "B"]]:
+    """The engine's one sampling call: the next token of every row from its last hidden state.
+
+    Every token the engine emits (a decode step, a lane step, a paged or a dense prefill)
+    comes from here: logits as the trainer computes them (`next_token_logits` with the
+    params' output embedding), the row's key for its token number ``generated``
+    (`step_keys`), then `sample`.
+
+    Args:
+      params: `DecodeParams` (its output embedding).
+      hidden_last: [R, D] hidden states; R == B, or R == 1 for B samples of one prompt (the
+        logits are computed once and shared, each sample drawing with its own key).
+      keys: [B, 2] the rows' request keys; generated: [B] tokens each row sampled before.
+      sampling, truncation: as `sample`.
+
+    Returns:
+      `sample`'s ``(tokens, log_prob, truncated_log_prob)``, each [B].
+    """
+    logits = next_token_logits(hidden_last, *params.output_embedding())
+    logits = jnp.broadcast_to(logits, (keys.shape[0], logits.shape[-1]))
+    return sample(logits, step_keys(keys, generated), sampling, truncation=truncation)

@@ -1,25 +1,20 @@
-"""Who holds which KV pages between the driver's ticks, and the choices the driver makes when
-slots or pages run out: the scheduler over the records of `rollout.tracks` (sequences
-decoding, KV work waiting for prefill, sessions between turns).
+"""Who holds which KV pages between the driver's ticks, and the driver's choices when slots or
+pages run out, over the records of `rollout.tracks`. Host-side bookkeeping only (no device
+calls); `driver.Driver` runs it inside its tick.
 
-Host-side bookkeeping only (no device calls); `driver.Driver` runs it inside its tick.
-
-- Waiting work is prefilled under a token budget (in packed tokens: each sequence's chunk
-  rounded up to whole rows of the engine's `prefill_row_tokens`, so a tick's call is
-  one of the shapes `Engine.warmup` compiled), in arrival order while more than
-  `TIGHT_FREE_FRACTION` (half) of the pool is free, else episodes under way (a session's
-  next turn, a resumed sequence) before new ones; a group takes the slots that are free and
-  the rest follows (`Scheduler.split_group`).
-- Out of pages: the prefix cache gives pages back first, then idle sessions (their next
-  turn re-prefills the history), then the newest decoding sequence is preempted (it is
-  re-prefilled later from its kept tokens, exactly); a sequence left alone in its shard takes
-  the pages of work waiting there (a session's next turn waiting for a slot re-prefills its
-  history), and only one the whole shard cannot hold ends with "capacity". A new episode never evicts a session
-  or takes the pages decoding slots are about to need while anything decodes; it waits.
-- With a `PrefixCache`, a pending sequence with nothing prefilled starts, when it is
-  planned, from the cached full pages of its leading tokens, and every prefill but a
-  session's later turns (whose pages hold decoded KV) offers its full pages to the cache;
-  so an agent loop, which runs every episode in a session, shares its prompts' headers.
+- Waiting work is prefilled under a token budget (packed tokens: each chunk rounded up to
+  whole rows of `prefill_row_tokens`, so a call is one of the shapes `Engine.warmup`
+  compiled), in arrival order while more than `TIGHT_FREE_FRACTION` of the pool is free,
+  else episodes under way (a session's next turn, a resumed sequence) before new ones; a
+  group takes the free slots and the rest follows (`Scheduler.split_group`).
+- Out of pages: the prefix cache gives pages back first, then idle sessions (their next turn
+  re-prefills the history), then the newest decoding sequence is preempted (re-prefilled
+  later from its kept tokens, exactly); a sequence alone in its shard takes the pages of
+  work waiting there, and only one the whole shard cannot hold ends with "capacity". A new
+  episode never evicts a session or takes pages decoding slots are about to need; it waits.
+- With a `PrefixCache`, a pending sequence with nothing prefilled starts from the cached full
+  pages of its leading tokens, and every prefill but a session's later turns (whose pages
+  hold decoded KV) offers its full pages to the cache: agent loops share prompt headers.
 """
 
 from __future__ import annotations
@@ -30,24 +25,23 @@ from collections.abc import Callable
 
 import numpy as np
 
-from agentrl_jax.rollout.paged_prefill import Admission, PrefillRow
-from agentrl_jax.rollout.pages import OutOfPages, pages_for
-from agentrl_jax.rollout.prefix_cache import PrefixCache
+from agentrl_jax.rollout.paged_prefill import PrefillRow
+from agentrl_jax.rollout.pages import KVPages, OutOfPages, pages_for
 from agentrl_jax.rollout.sampling import request_keys
 from agentrl_jax.rollout.tracks import Pending, Sequence, Session
 
 __all__ = ["Pending", "Scheduler", "Sequence", "Session"]
 
-# Free fraction of the page pool at or below which episodes under way are prefilled before new
-# ones (above it: arrival order). Swept on CPU in docs/benchmarks.md ("Scheduler constants (CPU)").
+# At or below this free fraction of the pool, episodes under way are prefilled before new ones.
+# Swept on CPU in docs/benchmarks.md ("Scheduler constants (CPU)").
 TIGHT_FREE_FRACTION = 0.5
 
 
 class Scheduler:
-    """The driver's page and slot policy (host side; the driver runs it inside its tick).
+    """The driver's page and slot policy.
 
     Args:
-      engine: the paged engine (its allocator and slot table).
+      engine: the paged engine (its `KVPages`: pool, slots and prefix cache).
       steps: decode steps per dispatch (pages reserved ahead for them).
       budget: new tokens prefilled per tick.
 
@@ -68,11 +62,12 @@ class Scheduler:
         self.sessions: set[Session] = set()
         self.closing: list[Session] = []
         self._admitted = itertools.count()
-        self.cache: PrefixCache | None = None  # set by the dispatcher with each decode state, if enabled
-        self.preemptions = 0
-        self.evictions = 0
-        self.shared_prefills = 0
-        self.split_groups = 0
+        self.preemptions = self.evictions = self.shared_prefills = self.split_groups = 0
+
+    @property
+    def kv(self) -> KVPages:
+        """The engine's page owner (a new one with each decode state); every page move goes through it."""
+        return self.engine.pages
 
     def end_turn(self, track: Sequence) -> None:
         """A sequence stopped: free its slot (unless `retire` did); a session takes over its pages and history."""
@@ -82,7 +77,7 @@ class Scheduler:
         track.kept_pages = None
         if session is None or session.closed:
             if pages:
-                self.engine.pages.release(track.shard, pages)
+                self.kv.release(track.shard, pages)
             return
         session.pages, session.shard = pages or [], track.shard
         session.history = track.context + track.request.prompt.tolist() + track.tokens[:-1]
@@ -104,7 +99,7 @@ class Scheduler:
         session = track.request.session
         keep = session is not None and not session.closed
         track.shard = self.engine.shard_of(track.slot)
-        track.kept_pages = self.engine.release_slot(track.slot, keep_pages=keep)
+        track.kept_pages = self.kv.release_slot(track.slot, keep_pages=keep)
         del self.slots[track.slot]
         track.slot = None
 
@@ -112,7 +107,7 @@ class Scheduler:
         closing, self.closing = self.closing, []
         for session in closing:
             if session.pages:
-                self.engine.pages.release(session.shard, session.pages)
+                self.kv.release(session.shard, session.pages)
             session.pages, session.shard, session.history = [], None, []
             self.sessions.discard(session)
 
@@ -120,7 +115,7 @@ class Scheduler:
         """Requests whose caller gave up: free their slots, pages and waiting work."""
         for slot, track in list(self.slots.items()):
             if track.request.future.cancelled():
-                self.engine.release_slot(slot)
+                self.kv.release_slot(slot)
                 del self.slots[slot]
                 self.break_session(track.request.session, "its turn was cancelled")
         for pending in list(self.waiting):
@@ -129,7 +124,7 @@ class Scheduler:
             if not pending.sequences:
                 self.waiting.remove(pending)
                 if pending.pages:
-                    self.engine.pages.release(pending.shard, pending.pages)
+                    self.kv.release(pending.shard, pending.pages)
             for track in cancelled:
                 self.break_session(track.request.session, "its turn was cancelled")
 
@@ -173,7 +168,7 @@ class Scheduler:
         """Whether ``extra`` more samples can join ``pending`` (one shard's slots and pages)."""
         samples = len(pending.sequences) + extra
         return (samples <= self.engine.max_concurrent_decodes // self.engine.num_shards
-                and self.pages_needed(pending, samples) <= self.engine.pages.usable_pages)
+                and self.pages_needed(pending, samples) <= self.kv.usable_pages)
 
     def plan_prefill(self, resolved: list, *, pages_pending: bool = False) -> tuple[list[PrefillRow], list[Sequence]]:
         """This tick's prefill rows under the token budget, and the sequences they admit to slots.
@@ -187,12 +182,12 @@ class Scheduler:
         # with TIGHT_FREE_FRACTION (half) of the pool or less free, episodes under way (a session's next
         # turn, a resumed sequence) go before new ones: finishing episodes frees pages, starting new ones
         # takes them; with more free, arrival order (new episodes started early shorten the ragged tail)
-        tight = sum(engine.pages.num_free(d) for d in range(engine.num_shards)) <= (
-            TIGHT_FREE_FRACTION * engine.pages.usable_pages * engine.num_shards)
+        tight = sum(self.kv.num_free(d) for d in range(engine.num_shards)) <= (
+            TIGHT_FREE_FRACTION * self.kv.usable_pages * engine.num_shards)
         for pending in sorted(self.waiting, key=lambda p: p.new_episode) if tight else list(self.waiting):
             if budget <= 0:
                 break
-            if self.cache is not None and not pending.pages and pending.done == 0:
+            if self.kv.cache is not None and not pending.pages and pending.done == 0:
                 self.reuse_cached(pending)
             remaining = len(pending.tokens) - pending.done
             # the budget counts packed tokens: a chunk takes whole rows of C (`paged_prefill`)
@@ -203,7 +198,7 @@ class Scheduler:
             G = len(pending.sequences)
             shard = pending.shard
             if shard is None:
-                shard = max(range(engine.num_shards), key=lambda d: (len(free_slots[d]) >= G, engine.pages.num_free(d)))
+                shard = max(range(engine.num_shards), key=lambda d: (len(free_slots[d]) >= G, self.kv.num_free(d)))
             take = min(G, len(free_slots[shard])) if final else G  # fewer: the group is split (`split_group`)
             if take == 0:
                 continue
@@ -217,12 +212,12 @@ class Scheduler:
             elif not self.free_pages(shard, need):
                 continue
             pending.shard = shard
-            pending.pages += engine.pages.alloc(shard, max(pages_for(end, P) - len(pending.pages), 0))
+            pending.pages += self.kv.alloc(shard, max(pages_for(end, P) - len(pending.pages), 0))
             row = PrefillRow(shard=shard, pages=list(pending.pages), start=pending.done,
                              tokens=np.asarray(pending.tokens[pending.done:end], np.int32))
             pending.done = end
             # a session's later turns hold decoded KV in their pages; its first turn holds only its prompt's
-            if self.cache is not None and (pending.session is None or not pending.session.started):
+            if self.kv.cache is not None and (pending.session is None or not pending.session.started):
                 offers.append((shard, pending.tokens, list(pending.pages), end))
             budget -= -(-chunk // C) * C
             if final:
@@ -235,7 +230,7 @@ class Scheduler:
         for pending in finished:
             self.waiting.remove(pending)
         for offer in offers:  # after the lookups: this tick's pages are written by this tick's call
-            self.cache.insert(*offer)
+            self.kv.cache.insert(*offer)
         if not rows and not self.slots and not pages_pending:
             self.unblock(resolved)
         return rows, admitted
@@ -249,8 +244,8 @@ class Scheduler:
         so every page read was written by an earlier call.
         """
         if pending.cache_keys is None:
-            pending.cache_keys = self.cache.chain(pending.tokens)
-        pending.shard, pending.pages = self.cache.lookup(pending.cache_keys, self.engine.num_shards)
+            pending.cache_keys = self.kv.cache.chain(pending.tokens)
+        pending.shard, pending.pages = self.kv.cache.lookup(pending.cache_keys, self.engine.num_shards)
         pending.done = len(pending.pages) * self.engine.page_size
 
     def split_group(self, pending: Pending, take: int) -> None:
@@ -266,7 +261,7 @@ class Scheduler:
         keep = (len(pending.tokens) - 1) // P
         rest = Pending(tokens=pending.tokens, sequences=pending.sequences[take:], done=keep * P,
                        pages=pending.pages[:keep], shard=pending.shard, session=pending.session)
-        self.engine.pages.incref(pending.shard, rest.pages)
+        self.kv.incref(pending.shard, rest.pages)
         pending.sequences = pending.sequences[:take]
         self.waiting.insert(self.waiting.index(pending) + 1, rest)
         self.split_groups += 1
@@ -283,25 +278,16 @@ class Scheduler:
             if g == 0:
                 pages = shared + last  # takes over the pending's references
             else:
-                engine.pages.incref(pending.shard, shared)
-                own = engine.pages.alloc(pending.shard, len(last))
+                self.kv.incref(pending.shard, shared)
+                own = self.kv.alloc(pending.shard, len(last))
                 row.copies += list(zip(last[:1], own[:1]))
                 pages = shared + own
             track.slot, track.admitted = slot, next(self._admitted)
             self.slots[slot] = track
-            key, generated = track.key, track.generated_base + len(track.tokens)
             # the pages of its first dispatch (checked free with the prefill's)
             reach = min(length + self.steps, engine.max_target_length)
-            pages = pages + engine.pages.alloc(pending.shard, max(pages_for(reach, P) - len(pages), 0))
-            # with decode lanes the device stops it at its stop ids, its stop strings' tokens (matched
-            # against the turn's tokens: a resumed sequence brings those before its forced one) and
-            # max_new_tokens
-            request = track.request
-            row.admissions.append(Admission(
-                slot, pages, key, generated, request.sampling, pending.forced,
-                limit=track.kv_start + request.max_new_tokens - 1, stop_ids=request.stop_token_ids,
-                stop_sequences=request.stops.sequences if request.stops is not None else (),
-                recent=track.tokens[:-1] if pending.forced >= 0 else ()))
+            pages = pages + self.kv.alloc(pending.shard, max(pages_for(reach, P) - len(pages), 0))
+            row.admissions.append(track.admission(slot, pages, pending.forced))
 
     def unblock(self, resolved: list) -> None:
         """Nothing decodes and nothing could be admitted: waiting sequences hold pages each other need.
@@ -309,8 +295,8 @@ class Scheduler:
         Every waiting sequence but the first gives its pages back (it re-prefills later); if
         the first cannot fit even into an otherwise empty shard, it fails alone.
         """
-        if self.cache is not None and len(self.cache):
-            self.cache.clear()
+        if self.kv.cache is not None and len(self.kv.cache):
+            self.kv.cache.clear()
             return  # the next tick tries again with the cached pages free
         head, *rest = self.waiting
         freed = False
@@ -323,7 +309,7 @@ class Scheduler:
         needed = len(head.tokens) - head.done
         self.waiting.popleft()
         if head.pages:
-            self.engine.pages.release(head.shard, head.pages)
+            self.kv.release(head.shard, head.pages)
         error = ValueError(
             f"generate: {len(head.sequences)} sample(s) of a {len(head.tokens)}-token sequence ({needed} to prefill) "
             f"do not fit the KV pages of one shard ({self.engine.memory_plan.describe()}); raise "
@@ -349,8 +335,8 @@ class Scheduler:
         session that is never continued cannot block the pool.
         """
         pages = self.engine.pages
-        if self.cache is not None:
-            self.cache.evict(shard, need)
+        if self.kv.cache is not None:
+            self.kv.cache.evict(shard, need)
         while pages.num_free(shard) < need:
             if not evict_sessions:
                 return False
@@ -373,11 +359,11 @@ class Scheduler:
         for track in sorted(self.slots.values(), key=lambda t: t.admitted):
             while track.slot is not None:
                 try:
-                    engine.reserve(track.slot, self.steps)
+                    self.kv.reserve(track.slot, self.steps)
                     break
                 except OutOfPages:
                     shard = engine.shard_of(track.slot)
-                    if self.free_pages(shard, engine.pages.num_free(shard) + 1):
+                    if self.free_pages(shard, self.kv.num_free(shard) + 1):
                         continue
                     victims = [t for t in self.slots.values() if t is not track and engine.shard_of(t.slot) == shard]
                     if victims:
@@ -400,12 +386,12 @@ class Scheduler:
 
     def _drop_pages(self, pending: Pending) -> None:
         """``pending`` gives its pages back and will prefill every token again."""
-        self.engine.pages.release(pending.shard, pending.pages)
+        self.kv.release(pending.shard, pending.pages)
         pending.pages, pending.shard, pending.done = [], None, 0
 
     def preempt(self, track: Sequence) -> None:
         """Free a decoding sequence's slot and pages; it waits (first in line) to be re-prefilled."""
-        self.engine.release_slot(track.slot)
+        self.kv.release_slot(track.slot)
         del self.slots[track.slot]
         track.slot = None
         tokens, forced = track.resume_tokens()

@@ -115,8 +115,8 @@ class Prefix:
       truncating: [] bool, whether they sample with top-k / top-p (`SamplingParams.truncates`);
         `insert` hands it to the slot table, which decides whether a decode dispatch compiles
         the sorted sampling path. A leaf, not static metadata, so every prefix has the tree
-        structure of `get_prefix_destination_sharding` (JetStream's transfers `device_put`
-        prefixes onto it); `insert` reads it with the prefix's length, which it reads anyway.
+        structure of `DensePrefixEngine.get_prefix_destination_sharding` (JetStream's
+        transfers `device_put` prefixes onto it); `insert` reads it with the prefix's length, which it reads anyway.
     """
 
     cache: LayerCache

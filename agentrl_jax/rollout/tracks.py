@@ -20,6 +20,8 @@ import itertools
 
 import numpy as np
 
+from agentrl_jax.rollout.paged_prefill import Admission
+
 _order = itertools.count()
 
 
@@ -59,6 +61,20 @@ class Sequence:
     def resume_tokens(self) -> tuple[list[int], int]:
         """(tokens whose KV a resumed sequence needs, the token it feeds next)."""
         return self.context + list(self.request.prompt) + self.tokens[:-1], self.tokens[-1]
+
+    def admission(self, slot: int, pages: list[int], forced: int) -> Admission:
+        """This sequence entering ``slot`` (reading ``pages``) at the end of its prefill.
+
+        With decode lanes the device stops it at its stop ids, its stop strings' tokens
+        (matched against the turn's tokens: a resumed sequence brings those before its forced
+        one) and max_new_tokens."""
+        request = self.request
+        generated = self.generated_base + len(self.tokens)
+        return Admission(
+            slot, pages, self.key, generated, request.sampling, forced,
+            limit=self.kv_start + request.max_new_tokens - 1, stop_ids=request.stop_token_ids,
+            stop_sequences=request.stops.sequences if request.stops is not None else (),
+            recent=self.tokens[:-1] if forced >= 0 else ())
 
 
 @dataclasses.dataclass(eq=False)

@@ -46,6 +46,7 @@ from agentrl_jax.models.tokenizer import Tokenizer
 from agentrl_jax.rewards.verifier import MathVerifier
 from agentrl_jax.rollout.driver import Driver
 from agentrl_jax.rollout.engine import Engine
+from agentrl_jax.rollout.engine_config import EngineConfig
 from agentrl_jax.rollout.sampling import SamplingParams
 from agentrl_jax.sharding import DEFAULT_RULES, make_mesh
 from agentrl_jax.train import lora, multihost, setup
@@ -175,10 +176,7 @@ class _Job:
         self.tools = None  # the environment's tool schemas, for SFT prompts (set by run)
         self.graphdef, self.params = split_params(policy)
         self.model_config = policy.config
-        self.engine = Engine(policy, mesh=engine_mesh, max_concurrent_decodes=config.rollout.max_concurrent,
-                             max_target_length=config.rollout.max_sequence_length,
-                             max_prefill_length=config.rollout.max_prompt_length,
-                             cache_dtype=DTYPES[config.rollout.cache_dtype], **config.rollout.engine_kwargs())
+        self.engine = Engine(policy, EngineConfig.from_rollout(config.rollout), mesh=engine_mesh)
         self.engine_mesh = engine_mesh
         self.engine_params = lambda p: multihost.local_replica(p, mesh, engine_mesh)
 

@@ -4,7 +4,7 @@ import jax
 import pytest
 from rollout_helpers import ENGINE_KW, make_model
 
-from agentrl_jax.rollout.engine import Engine
+from agentrl_jax.rollout.jetstream import DensePrefixEngine
 from agentrl_jax.sharding import make_mesh
 
 
@@ -15,8 +15,8 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def engine(tiny_model):
-    """Single-device engine: 4 slots of 64 entries."""
-    return Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), **ENGINE_KW)
+    """Single-device engine: 4 slots of 64 entries (with JetStream's dense-prefix calls, which the engine tests use)."""
+    return DensePrefixEngine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), **ENGINE_KW)
 
 
 @pytest.fixture(scope="session")

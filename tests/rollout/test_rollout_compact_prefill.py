@@ -98,7 +98,7 @@ def run_calls(engine, model):
         if call == 0:  # the session's next turn
             slot = session.admissions[0].slot
             sampled = tokens[[a.slot for r in rows for a in r.admissions].index(slot)]
-            pages = engine.release_slot(slot, keep_pages=True)
+            pages = engine.pages.release_slot(slot, keep_pages=True)
             free[0].append(slot)
             pages += engine.pages.alloc(0, 3 - len(pages))
             turn = PrefillRow(0, pages, 7, np.asarray([sampled, 60, 61, 62, 63], np.int32))

@@ -13,7 +13,7 @@ from rollout_helpers import ENGINE_KW, TINY, make_model, teacher_forced
 
 from agentrl_jax.losses.logprobs import token_logprobs
 from agentrl_jax.models import Decoder
-from agentrl_jax.rollout.engine import Engine
+from agentrl_jax.rollout.jetstream import DensePrefixEngine
 from agentrl_jax.rollout.sampling import SamplingParams
 from agentrl_jax.rollout.state import attend_bucket
 from agentrl_jax.sharding import make_mesh
@@ -141,7 +141,7 @@ def test_too_long_prompt_errors(engine, params):
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_sharded_decoding_equals_single_device(engine, params, tiny_model):
     mesh = make_mesh({"data": 2, "tensor": 4})
-    sharded = Engine(tiny_model, mesh=mesh, **ENGINE_KW)
+    sharded = DensePrefixEngine(tiny_model, mesh=mesh, **ENGINE_KW)
     sharded_params = sharded.load_params(tiny_model)
     state = sharded.init_decode_state()
     assert state.cache.k[0].sharding.spec[:2] == ("data", "tensor")
@@ -196,7 +196,7 @@ def test_weights_are_stored_in_the_compute_dtype_with_the_same_results():
     other way: the same tokens, logprobs within 5e-3 (measured: 1.7e-3 at most on an H200). A
     weight left in float32, or the lm head cast to bf16, moves them by about 1e-2 or more."""
     model = Decoder(TINY, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(3))
-    engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), **ENGINE_KW)
+    engine = DensePrefixEngine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), **ENGINE_KW)
     stored = engine.load_params(model)
     assert {x.dtype for x in jax.tree.leaves(stored.layers)} == {jnp.dtype(jnp.bfloat16)}
     assert stored.lm_head.dtype == jnp.float32
@@ -253,7 +253,7 @@ def pallas_model():
 @pytest.fixture(scope="module")
 def pallas_engine(pallas_model):
     """The Pallas decode-attention path (interpreted off GPU) on one device."""
-    return Engine(pallas_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), decode_attention="pallas", **ENGINE_KW)
+    return DensePrefixEngine(pallas_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), decode_attention="pallas", **ENGINE_KW)
 
 
 def test_pallas_decode_attention_matches_teacher_forcing(pallas_engine, pallas_model):
@@ -270,7 +270,7 @@ def test_pallas_decode_attention_matches_teacher_forcing(pallas_engine, pallas_m
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_sharded_pallas_decoding_equals_single_device(pallas_engine, pallas_model):
     """The kernel runs per (slots, kv heads) shard under shard_map."""
-    sharded = Engine(pallas_model, mesh=make_mesh({"data": 2, "tensor": 4}), decode_attention="pallas", **ENGINE_KW)
+    sharded = DensePrefixEngine(pallas_model, mesh=make_mesh({"data": 2, "tensor": 4}), decode_attention="pallas", **ENGINE_KW)
     prompts = [PROMPT, np.arange(30, 50, dtype=np.int32)]
     ref = run_requests(pallas_engine, pallas_engine.load_params(pallas_model), prompts, [1, 2], GREEDY)
     got = run_requests(sharded, sharded.load_params(pallas_model), prompts, [1, 2], GREEDY)
@@ -291,7 +291,7 @@ def test_load_params_from_the_trainer_layout_and_from_other_devices(engine, para
 
     devices = jax.devices()
     engine_mesh = make_mesh({"data": 2, "tensor": 2}, devices=devices[:4])
-    placed = Engine(tiny_model, mesh=engine_mesh, **ENGINE_KW)
+    placed = DensePrefixEngine(tiny_model, mesh=engine_mesh, **ENGINE_KW)
     state = nnx.state(tiny_model, nnx.Param)
     prompts = [PROMPT]
     ref = run_requests(engine, params, prompts, [1], GREEDY)
@@ -309,7 +309,7 @@ def test_load_params_from_the_trainer_layout_and_from_other_devices(engine, para
 
 
 def test_compilation_cache_dir_stores_compiled_programs(tmp_path, tiny_model):
-    """`Engine(compilation_cache_dir=...)` turns JAX's persistent cache on even after earlier compiles
+    """`DensePrefixEngine(compilation_cache_dir=...)` turns JAX's persistent cache on even after earlier compiles
     (the test session has compiled plenty): the next compiled program lands in the directory."""
     from jax.experimental.compilation_cache import compilation_cache
 
@@ -317,7 +317,7 @@ def test_compilation_cache_dir_stores_compiled_programs(tmp_path, tiny_model):
 
     cache = tmp_path / "xla"
     try:
-        Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), compilation_cache_dir=str(cache),
+        DensePrefixEngine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), compilation_cache_dir=str(cache),
                **ENGINE_KW)
         assert jax.config.jax_compilation_cache_dir == str(cache)
         use_compilation_cache(cache, min_compile_seconds=0)  # the tiny program compiles in far less than 1 s
@@ -330,15 +330,15 @@ def test_compilation_cache_dir_stores_compiled_programs(tmp_path, tiny_model):
 
 
 def test_decode_compiler_options_default_per_platform_and_bad_options_name_the_field(tiny_model):
-    from agentrl_jax.rollout.engine import GPU_DECODE_COMPILER_OPTIONS
+    from agentrl_jax.rollout.engine_config import GPU_DECODE_COMPILER_OPTIONS
 
     mesh = make_mesh({"data": 1}, jax.devices()[:1])
-    default = Engine(tiny_model, mesh=mesh, **ENGINE_KW).decode_compiler_options
+    default = DensePrefixEngine(tiny_model, mesh=mesh, **ENGINE_KW).decode_compiler_options
     assert default == (GPU_DECODE_COMPILER_OPTIONS if jax.devices()[0].platform == "gpu" else {})
-    assert Engine(tiny_model, mesh=mesh, decode_compiler_options={}, **ENGINE_KW).decode_compiler_options == {}
+    assert DensePrefixEngine(tiny_model, mesh=mesh, decode_compiler_options={}, **ENGINE_KW).decode_compiler_options == {}
     for bad in ({"xla_no_such_option": True}, {"xla_gpu_enable_triton_gemm": "maybe"}, ["xla_gpu_enable_triton_gemm"]):
         with pytest.raises(ValueError, match="decode_compiler_options"):
-            Engine(tiny_model, mesh=mesh, decode_compiler_options=bad, **ENGINE_KW)
+            DensePrefixEngine(tiny_model, mesh=mesh, decode_compiler_options=bad, **ENGINE_KW)
 
 
 def test_decode_compiler_options_decode_the_same_tokens(engine, params, tiny_model):
@@ -346,7 +346,7 @@ def test_decode_compiler_options_decode_the_same_tokens(engine, params, tiny_mod
     default cuBLAS ones; on CPU: no backend optimization) decodes the same tokens and logprobs."""
     options = ({"xla_gpu_enable_triton_gemm": True} if jax.devices()[0].platform == "gpu"
                else {"xla_backend_optimization_level": 0})
-    other = Engine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), decode_compiler_options=options,
+    other = DensePrefixEngine(tiny_model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), decode_compiler_options=options,
                    **ENGINE_KW)
     sampler = SamplingParams(temperature=1.0, seed=5)
     [(ref_tokens, ref_logp)] = run_requests(engine, params, [PROMPT], [0], sampler)
@@ -366,7 +366,7 @@ def test_gpu_decode_weight_matmuls_run_on_cublas_by_default():
     kw = {"max_concurrent_decodes": 64, "max_target_length": 256, "max_prefill_length": 64}
 
     def compiled_text(options):
-        engine = Engine(model, mesh=mesh, decode_compiler_options=options, **kw)
+        engine = DensePrefixEngine(model, mesh=mesh, decode_compiler_options=options, **kw)
         params, state = engine.load_params(model), engine.init_decode_state()
         attend = engine.table_width * engine.page_size
         return engine._generate_fn(4, attend, False).lower(params, state).compile().as_text()
@@ -384,3 +384,23 @@ def test_gpu_decode_weight_matmuls_run_on_cublas_by_default():
     assert len(gemm_calls(forced)) < len(gemm_calls(default)), (
         f"the options did not reach the decode program: {len(gemm_calls(forced))} cuBLAS GEMMs with Triton forced, "
         f"{len(gemm_calls(default))} by default; {targets(forced)}")
+
+
+def test_engine_config_from_the_rollout_section_and_bad_settings_name_the_field():
+    from agentrl_jax.config.rollout import RolloutConfig
+    from agentrl_jax.rollout.engine_config import EngineConfig
+
+    section = RolloutConfig(max_concurrent=16, max_sequence_length=512, max_prompt_length=128, decode_batch=8,
+                            page_size=16, kv_cache_bytes=1 << 20, cache_dtype="float32", decode_compiler_options="none")
+    got = EngineConfig.from_rollout(section)
+    assert (got.max_concurrent_decodes, got.max_target_length, got.max_prefill_length, got.decode_batch,
+            got.page_size, got.kv_cache_bytes, got.cache_dtype, got.decode_compiler_options) == (
+        16, 512, 128, 8, 16, 1 << 20, jnp.float32, {})
+    default = EngineConfig.from_rollout(RolloutConfig())  # the section's 0 / "" / "default" mean the engine's choice
+    assert (default.decode_batch, default.kv_cache_bytes, default.kv_cache_memory_fraction,
+            default.compilation_cache_dir, default.decode_compiler_options, default.cache_dtype) == (
+        None, None, None, None, None, jnp.bfloat16)
+    with pytest.raises(ValueError, match="Engine: page_size must be >= 1, got 0"):
+        EngineConfig(page_size=0)
+    with pytest.raises(ValueError, match="Engine: device_stop_sequences"):
+        EngineConfig(device_stop_sequences=(2, 0))

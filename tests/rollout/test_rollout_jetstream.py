@@ -1,4 +1,4 @@
-"""The optional JetStream adapter (`rollout/jetstream_adapter.py`).
+"""The optional JetStream adapter (`rollout/jetstream/adapter.py`).
 
 Runs where `jetstream.engine.engine_api` imports (it needs seqio / TensorFlow); elsewhere
 only the clear ImportError is checked.
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from agentrl_jax.rollout import SamplingParams
-from agentrl_jax.rollout.jetstream_adapter import jetstream_engine
+from agentrl_jax.rollout.jetstream import jetstream_engine
 
 
 def _jetstream_available() -> bool:

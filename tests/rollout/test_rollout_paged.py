@@ -89,7 +89,7 @@ def test_paged_decoding_equals_teacher_forcing(tiny_model, page_size):
         state, result = engine.generate(params, state, num_steps=4)
         tokens += np.asarray(result.tokens[:, 2]).tolist()
         logprobs += np.asarray(result.log_prob[:, 2]).tolist()
-    assert len(engine.slot_pages(2)) == -(-(len(PROMPT) + 12) // page_size)  # pages grew as it decoded
+    assert len(engine.pages.slot_pages(2)) == -(-(len(PROMPT) + 12) // page_size)  # pages grew as it decoded
     assert tokens == greedy_reference(tiny_model, PROMPT, len(tokens))
     np.testing.assert_allclose(logprobs, trainer_logprobs(tiny_model, PROMPT, tokens), atol=1e-5)
 
@@ -114,7 +114,7 @@ def test_group_shares_the_prompt_pages_and_equals_separate_prefills(paged, tiny_
         state = paged.init_decode_state()
         state, first = paged.prefill_insert(params, state, rows_for(paged))
         tokens = [[int(t)] for t in np.asarray(first.tokens)[:4]]
-        shared_refs = paged.pages.refcount(0, paged.slot_pages(0)[0])
+        shared_refs = paged.pages.refcount(0, paged.pages.slot_pages(0)[0])
         for _ in range(2):
             state, result = paged.generate(params, state, num_steps=4)
             for g in range(4):

@@ -1,5 +1,5 @@
-"""JetStream's dense prefixes next to the paged cache: `Engine.prefill`, `insert`,
-`bulk_insert` and `extract_prefix` (the `DensePrefixAPI` mixin) and their traced bodies.
+"""JetStream's dense prefixes next to the paged cache: `DensePrefixEngine`, the `Engine` with
+JetStream's `prefill`, `insert`, `bulk_insert` and `extract_prefix`, and their traced bodies.
 
 JetStream's `prefill` takes no decode state, so its result is a dense, batch-1 KV row
 (`Prefix`) outside the page pool; `insert` copies it into pages (the G slots of a
@@ -12,22 +12,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from agentrl_jax.models.decode import DecodeParams, LayerCache, forward
+from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.pages import TRASH_PAGE, OutOfPages, pages_for
 from agentrl_jax.rollout.result_tokens import ResultTokens
-from agentrl_jax.rollout.sampling import (
-    SamplingParams,
-    SlotSampling,
-    next_token_logits,
-    request_key,
-    sample,
-    step_keys,
-)
+from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, request_key, sample_next_token
 from agentrl_jax.rollout.state import (
     DecodeState,
     Prefix,
@@ -62,10 +57,8 @@ def prefill_step(params, old_cache, start, tokens, true_length, keys, generated,
         config=config, attend_len=capacity, dtype=dtype,
     )
     last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, keepdims=True)
-    logits = next_token_logits(last, *params.output_embedding())
+    first, log_prob, truncated = sample_next_token(params, last, keys, generated, sampling, truncation=truncation)
     num_samples = keys.shape[0]
-    logits = jnp.broadcast_to(logits, (num_samples, logits.shape[-1]))
-    first, log_prob, truncated = sample(logits, step_keys(keys, generated), sampling, truncation=truncation)
     prefix = Prefix(
         cache=cache,
         length=start + true_length,
@@ -135,8 +128,25 @@ def extract_step(state: DecodeState, pages, slot, length, generated, truncating,
     )
 
 
-class DensePrefixAPI:
-    """JetStream's dense-prefix calls of `Engine` (a mixin: it uses the engine's slots, pages and jit caches)."""
+class DensePrefixEngine(Engine):
+    """The `Engine` with JetStream's dense-prefix calls (same arguments as `Engine`).
+
+    ``min_prefill_bucket`` (an `Engine` argument) is the smallest padded length of `prefill`.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._prefill_fns: dict[tuple, Any] = {}
+        self._insert_fns: dict[int, Any] = {}
+        self._extract_fns: dict[int, Any] = {}
+
+    @property
+    def samples_per_slot(self) -> int:
+        return 1
+
+    def _global(self, shard: int, pages: Sequence[int]) -> list[int]:
+        """Shard-local page ids as ids of the whole pool."""
+        return [shard * self.memory_plan.pages_per_shard + p for p in pages]
 
     def get_prefix_destination_sharding(self, capacity: int | None = None, num_samples: int = 1) -> Prefix:
         """The sharding of a `Prefix` of `capacity` cache entries (JetStream API)."""
@@ -248,7 +258,7 @@ class DensePrefixAPI:
         P = self.page_size
         full, n = length // P, pages_for(length, P)
         for slot in slots:
-            self.release_slot(slot)
+            self.pages.release_slot(slot)
         tables = []
         for shard in sorted({self.shard_of(s) for s in slots}):
             mine = [s for s in slots if self.shard_of(s) == shard]
@@ -261,8 +271,8 @@ class DensePrefixAPI:
             self.pages.incref(shard, shared * (len(mine) - 1))
             for slot in mine:
                 pages = shared + self.pages.alloc(shard, n - full)
-                self.assign_slot(slot, pages, length, truncating=truncating)
-        tables = [self._global(self.shard_of(s), self.slots.slot_pages(s)) for s in slots]
+                self.pages.assign(slot, pages, length, truncating=truncating)
+        tables = [self._global(self.shard_of(s), self.pages.slot_pages(s)) for s in slots]
         state = self._sync(state)
         if n not in self._insert_fns:
             self._insert_fns[n] = jax.jit(
@@ -288,7 +298,7 @@ class DensePrefixAPI:
             raise ValueError(f"extract_prefix: length={length} must be in (0, {self.max_target_length})")
         capacity = min(prefill_bucket(length, self._min_bucket, 1 << 62), self.max_target_length)
         n = pages_for(capacity, self.page_size)
-        pages = self._global(self.shard_of(slot), self.slots.slot_pages(slot))[:n]
+        pages = self._global(self.shard_of(slot), self.pages.slot_pages(slot))[:n]
         pages += [TRASH_PAGE] * (n - len(pages))
         decode_state = self._sync(decode_state)
         if capacity not in self._extract_fns:
@@ -298,6 +308,6 @@ class DensePrefixAPI:
             )
         return self._extract_fns[capacity](
             decode_state, jnp.asarray(pages, jnp.int32), jnp.int32(slot), jnp.int32(length), jnp.int32(generated),
-            jnp.asarray(self.slots.truncating(slot)),
+            jnp.asarray(self.pages.truncating(slot)),
         )
 

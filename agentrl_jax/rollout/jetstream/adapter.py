@@ -1,4 +1,4 @@
-"""Our `Engine` as a `jetstream.engine.engine_api.Engine`, for JetStream's orchestrator and tools.
+"""Our `DensePrefixEngine` as a `jetstream.engine.engine_api.Engine`, for JetStream's orchestrator and tools.
 
 Optional: the trainer never imports this module, and it needs the ``jetstream`` package.
 State of that package (checked 2026-11): PyPI ``google-jetstream`` is at 0.2.2, an older
@@ -26,11 +26,11 @@ import functools
 import inspect
 from typing import Any
 
-from agentrl_jax.rollout.engine import Engine
+from agentrl_jax.rollout.jetstream.dense_prefix import DensePrefixEngine
 from agentrl_jax.rollout.sampling import SamplingParams
 
 
-def jetstream_engine(engine: Engine, *, sampling: SamplingParams | None = None, tokenizer_path: str | None = None):
+def jetstream_engine(engine: DensePrefixEngine, *, sampling: SamplingParams | None = None, tokenizer_path: str | None = None):
     """Wrap `engine` as a ``jetstream.engine.engine_api.Engine`` (see the module docstring).
 
     Raises:
@@ -41,20 +41,22 @@ def jetstream_engine(engine: Engine, *, sampling: SamplingParams | None = None, 
     except ImportError as e:
         raise ImportError(
             f"jetstream_engine needs the jetstream package (google-jetstream with seqio; see "
-            f"agentrl_jax/rollout/jetstream_adapter.py): {e}"
+            f"agentrl_jax/rollout/jetstream/adapter.py): {e}"
         ) from e
     cls = _adapter_class(engine_api)
     return cls(engine, sampling=sampling or SamplingParams(), tokenizer_path=tokenizer_path)
 
 
 @functools.cache
-def _adapter_class(engine_api) -> type:
+def _adapter_class(engine_api) -> type:  # long: a class defined here, so the jetstream import stays optional
+    # Long, but one idea: the class must subclass whichever `engine_api.Engine` is installed, so it
+    # is defined here; its methods are one-line delegations to the engine.
     returns_first_token = "sampler" in inspect.signature(engine_api.Engine.prefill).parameters
 
     class JetStreamEngine(engine_api.Engine):
         """agentrl_jax's rollout engine behind JetStream's Engine API."""
 
-        def __init__(self, engine: Engine, *, sampling: SamplingParams, tokenizer_path: str | None):
+        def __init__(self, engine: DensePrefixEngine, *, sampling: SamplingParams, tokenizer_path: str | None):
             self.engine = engine
             self.sampling = sampling
             self.tokenizer_path = tokenizer_path
