@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from agentrl_jax.losses import (
     aggregate,
@@ -324,8 +324,10 @@ def make_logprob_fn(settings: LossSettings, *, put: Callable[[Any], jax.Array], 
     """
     if forward is None:
         forward = functools.partial(forward_logprobs, temperature=settings.temperature, chunk_size=settings.chunk_size)
+    # Rows computed where the mesh puts them, returned replicated as the update's inputs are.
+    out = {} if mesh is None else {"out_shardings": NamedSharding(mesh, PartitionSpec())}
     forward = under_mesh(jax.jit(functools.partial(forward, packed=settings.packed), static_argnums=(0,),
-                                 static_argnames=("max_segments",)), mesh)
+                                 static_argnames=("max_segments",), **out), mesh)
 
     def logprobs(graphdef: nnx.GraphDef, params: Any, inputs: dict[str, Any], micro_rows: int) -> jax.Array:
         if settings.packed:
