@@ -22,6 +22,7 @@ from agentrl_jax.models.hf_io import load_hf_checkpoint
 from agentrl_jax.sharding import DEFAULT_RULES
 from agentrl_jax.train.episodes import truncation_rule
 from agentrl_jax.train.guidance.hindsight import ArithmeticOracleJudge, ModelJudge
+from agentrl_jax.train.guidance.program_oracle import ProgramOracleJudge
 from agentrl_jax.train.guidance.old_policy import OldPolicy
 from agentrl_jax.train.guidance.teacher import Teacher
 from agentrl_jax.train.multihost import put_replicated
@@ -176,8 +177,9 @@ def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, dr
         teacher = Teacher(graphdef, h.teacher, initial=start if h.teacher == "lagged" else None,
                           lag_steps=h.teacher_lag_steps, ema_decay=h.teacher_ema_decay)
     judge = None
-    if h.judge == "oracle":
-        judge = ArithmeticOracleJudge(lambda s: len(tokenizer.encode(s)), max_hint_tokens=h.max_hint_tokens)
+    if h.judge == "oracle":  # config validation allows it for these two environments only
+        oracle = ProgramOracleJudge if config.environment.name == "retool_small" else ArithmeticOracleJudge
+        judge = oracle(lambda s: len(tokenizer.encode(s)), max_hint_tokens=h.max_hint_tokens)
     elif h.judge != "none":
         params = {"reference": lambda: frozen(m.reference_dtype), "teacher": lambda: teacher.params}.get(
             h.judge, lambda: None)()
