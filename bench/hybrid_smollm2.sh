@@ -25,8 +25,10 @@ left() { [ -z "${DEADLINE:-}" ] && return 0; echo $((DEADLINE - $(date +%s) + st
 ablation=(python3 bench/hybrid_ablation.py --config configs/smollm2_hybrid.py --out "$out" --jobs "$jobs"
           --set "model.path=$gguf" --set "rollout.compilation_cache_dir=$out/xla_cache")
 deadline() { [ -z "${DEADLINE:-}" ] || echo --deadline "$(left)"; }
-# 1. the SFTs
-"${ablation[@]}" --seeds $seeds --arms $(deadline)
+# 1. the SFTs (their own start evaluation only marks them finished: a token one, no rollout warm-up; every arm
+#    evaluates its start, the same policy, on the protocol's 64 x 4)
+"${ablation[@]}" --seeds $seeds --arms --set rollout.warmup=off --set eval.num_tasks=4 --set eval.samples_per_task=1 \
+  $(deadline)
 # 2. the diagnostic, all seeds at once (forward passes only)
 for s in $seeds; do
   if [ -f "$out/seed$s/sft/export/config.json" ] && [ ! -f "$out/diagnostic_seed$s.json" ]; then

@@ -46,6 +46,8 @@ def get_config():
         # memory, so four runs share one 80 GB card
         algorithm=dataclasses.replace(config.algorithm, micro_batch_size=16),
         eval=dataclasses.replace(config.eval, num_tasks=64, samples_per_task=4),
+        # only the final checkpoint (1.4 GB a run) and no export but the SFT's (bench/hybrid_ablation.py asks for it)
+        checkpoint=dataclasses.replace(config.checkpoint, every_steps=0, export_hf=False),
         hybrid=HybridConfig(
             mode="none",
             lam=0.3,
