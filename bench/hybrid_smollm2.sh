@@ -44,5 +44,6 @@ first=${seeds%% *}
 mkdir -p "$out/probe/seed$first"
 [ -e "$out/probe/seed$first/sft" ] || ln -s "$out/seed$first/sft" "$out/probe/seed$first/sft"
 python3 bench/hybrid_ablation.py --config configs/smollm2_hybrid.py --out "$out/probe" --jobs 1 --seeds "$first" \
-  --arms policy_judge --steps 2 --set "model.path=$gguf" --set "rollout.compilation_cache_dir=$out/xla_cache" \
+  --arms policy_judge --steps 2 --eval-tasks 4 --set eval.samples_per_task=1 --set "model.path=$gguf" \
+  --set "rollout.compilation_cache_dir=$out/xla_cache" \
   $(deadline) > "$out/probe.log" 2>&1 || echo "the policy-judge probe failed: $out/probe.log"
