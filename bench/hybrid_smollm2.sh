@@ -6,8 +6,9 @@
 #   3. the arms grpo, hybrid_lam0.1, hybrid_lam0.3, placebo from those exports, then the table and the plot;
 #   4. a probe, not an arm: the policy prompted as its own judge for 2 RL steps on seed 0 (its judge/* metrics).
 #   bash bench/hybrid_smollm2.sh OUT_DIR GGUF_FILE [SEED ...]          (default seeds: 0 1 2 3 4)
-# JOBS (default 4) processes at once, each with 0.9 / JOBS of the GPU's memory; DEADLINE (seconds, optional):
-# no run starts after it (run the command again to continue: finished runs and exports are reused).
+# JOBS (default 4) processes at once, each with 0.9 / JOBS of the GPU's memory (the SFTs: 0.9 / the SFTs at once);
+# DEADLINE (seconds, optional): no run starts after it (run the command again to continue: finished runs and
+# exports are reused).
 set -euo pipefail
 out=${1:?usage: bench/hybrid_smollm2.sh OUT_DIR GGUF_FILE [SEED ...]}
 gguf=${2:?usage: bench/hybrid_smollm2.sh OUT_DIR GGUF_FILE [SEED ...]}
@@ -27,7 +28,9 @@ ablation=(python3 bench/hybrid_ablation.py --config configs/smollm2_hybrid.py --
 deadline() { [ -z "${DEADLINE:-}" ] || echo --deadline "$(left)"; }
 # 1. the SFTs (their own start evaluation only marks them finished: a token one, no rollout warm-up; every arm
 #    evaluates its start, the same policy, on the protocol's 64 x 4)
-"${ablation[@]}" --seeds $seeds --arms --set rollout.warmup=off --set eval.num_tasks=4 --set eval.samples_per_task=1 \
+nseeds=$(echo $seeds | wc -w)
+XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / min($jobs, $nseeds), 3))") \
+  "${ablation[@]}" --seeds $seeds --arms --set rollout.warmup=off --set eval.num_tasks=4 --set eval.samples_per_task=1 \
   $(deadline)
 # 2. the diagnostic, all seeds at once (forward passes only)
 for s in $seeds; do
