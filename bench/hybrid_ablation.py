@@ -289,9 +289,14 @@ def table_markdown(summary: dict) -> str:
                        f"seeds): {c['diff_mean_sd'][0]:+.3f} ± {c['diff_mean_sd'][1]:.3f}, wins/losses "
                        f"{c['wins']}/{c['losses']}, p {c['p']:.3f}.")]
     helps = [a for a, e in summary["arms"].items() if decision(e.get("paired"), len(e["seeds"]))]
-    lines += ["", "Decision (docs/hybrid.md): " + (f"helps: {', '.join(helps)}" if helps else
-                                                     "no arm helps (positive paired mean and >= 4/5 wins vs GRPO)")
-              + ("; the hint content helps" if c and c["arm"] in helps and decision(c, len(c["seeds"])) else "") + "."]
+    finished = min((len(e["seeds"]) for e in summary["arms"].values()), default=0)
+    if finished < len(SEEDS):  # the rule is written for the protocol's seeds: fewer decide nothing
+        verdict = f"none; {finished} of {len(SEEDS)} seeds finished every arm"
+    else:
+        verdict = ((f"helps: {', '.join(helps)}" if helps else
+                    "no arm helps (positive paired mean and >= 4/5 wins vs GRPO)")
+                   + ("; the hint content helps" if c and c["arm"] in helps and decision(c, len(c["seeds"])) else ""))
+    lines += ["", f"Decision (docs/hybrid.md): {verdict}."]
     lines += ["", "Per seed (final held-out pass@1; step-1 diagnostics):", "",
               "| arm | seed | start | final | steps to threshold | RL seconds | step-1 diagnostics |", "|---|---|---|---|---|---|---|"]
     for arm, e in summary["arms"].items():
