@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed, wait
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = "configs/hybrid_ablation.py"
+CONFIG = "configs/hybrid_ablation.py"  # --config: configs/smollm2_hybrid.py for the real-model protocol
 # every arm with hints also logs the placebo diagnostic at steps 1, 11, 21 (a measurement, no effect on training)
 _HYBRID = ["hybrid.mode=hybrid", "hybrid.judge=oracle", "hybrid.placebo_diagnostic_every=10"]
 #: arm -> its overrides of configs/hybrid_ablation.py (which is the GRPO arm as it stands).
@@ -45,6 +45,8 @@ ARMS: dict[str, list[str]] = {
     "opd_only": ["hybrid.mode=opd", "hybrid.judge=oracle", "hybrid.placebo_diagnostic_every=10"],
     "placebo": [*_HYBRID, "hybrid.lam=0.3", "hybrid.placebo=true"],
     "self_distill": [*_HYBRID, "hybrid.lam=0.3", "hybrid.teacher=policy"],
+    # not an arm of either protocol: the policy prompted as its own judge, for its judge/* metrics and hints
+    "policy_judge": ["hybrid.mode=hybrid", "hybrid.judge=policy", "hybrid.lam=0.3"],
 }
 SEEDS = (0, 1, 2, 3, 4)
 THRESHOLD = 0.5  # training accuracy, trailing mean over WINDOW steps
@@ -56,11 +58,11 @@ DIAGNOSTICS = ("rollout/all_equal_groups", "judge/hint_fraction", "judge/leaked"
                "opd/placebo_near_zero_fraction")
 
 
-def _launch(run_dir: Path, overrides: list[str], log_times: Path | None = None) -> None:
+def _launch(run_dir: Path, overrides: list[str], log_times: Path | None = None, config: str = CONFIG) -> None:
     """One launch/tpu_pod.py process; its output goes to run_dir.log, its wall time to ``log_times``
     (a JSONL line); a failure raises with the log's tail."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "launch/tpu_pod.py", "--config", CONFIG, "--set", f"output_dir={run_dir}",
+    cmd = [sys.executable, "launch/tpu_pod.py", "--config", config, "--set", f"output_dir={run_dir}",
            "--set", "checkpoint.resume=false"]
     for item in overrides:
         cmd += ["--set", item]
@@ -83,13 +85,13 @@ def _launch(run_dir: Path, overrides: list[str], log_times: Path | None = None) 
         raise RuntimeError(f"{' '.join(cmd)} exited with {code}; the end of {log}:\n{tail}")
 
 
-def check_arms(arms: list[str], budget: list[str]) -> None:
+def check_arms(arms: list[str], budget: list[str], config: str = CONFIG) -> None:
     """Load every arm's config before anything runs: an arm this checkout cannot run fails now,
     naming the field, not after an hour of other arms."""
     sys.path.insert(0, str(ROOT))
     from agentrl_jax.config import ConfigError, apply_overrides, load_config
 
-    base = load_config(str(ROOT / CONFIG))
+    base = load_config(str(ROOT / config))
     for arm in arms:
         try:
             apply_overrides(base, [*budget, *ARMS[arm]])
@@ -114,8 +116,9 @@ class AblationRuns:
     starts after ``deadline`` (time.monotonic()); a failed run is reported at the end and the
     others go on."""
 
-    def __init__(self, out: Path, budget: list[str], sft_steps: int | None, jobs: int, deadline: float | None):
-        self.out, self.budget, self.sft_steps, self.deadline = out, budget, sft_steps, deadline
+    def __init__(self, out: Path, budget: list[str], sft_steps: int | None, jobs: int, deadline: float | None,
+                 config: str = CONFIG):
+        self.out, self.budget, self.sft_steps, self.deadline, self.config = out, budget, sft_steps, deadline, config
         self.pool = ThreadPoolExecutor(max_workers=jobs)
         self.failed: list[str] = []
         self.skipped: list[str] = []
@@ -127,7 +130,7 @@ class AblationRuns:
             self.skipped.append(name)
             return False
         try:
-            _launch(run_dir, overrides, self.times)
+            _launch(run_dir, overrides, self.times, self.config)
             return True
         except RuntimeError as e:
             print(e, file=sys.stderr, flush=True)
@@ -223,10 +226,29 @@ def summarize(out: Path, seeds: list[int], arms: list[str]) -> dict:
         if arm != BASELINE and (paired := _paired(per_seed, runs.get(BASELINE, {}))):
             entry["paired"] = paired
         summary["arms"][arm] = entry
+    _steps_to_baseline_final(summary, runs.get(BASELINE, {}))
     real, placebo = CONTENT
     if real in arms and placebo in arms and (content := _paired(runs[real], runs[placebo])):
         summary["content"] = {"arm": real, "versus": placebo, **content}
     return summary
+
+
+def _steps_to_baseline_final(summary: dict, baseline: dict) -> None:
+    """Sample efficiency against GRPO, per seed: the first step at which an arm's training accuracy
+    (trailing WINDOW-step mean) reaches the GRPO run's own trailing mean at its last step. Adds per
+    arm ``to_grpo_final`` {seed: step or None} and the paired count of seeds where the arm gets there
+    no later than GRPO (a run that never gets there counts as later)."""
+    for entry in summary["arms"].values():
+        steps, earlier = {}, 0
+        for seed, run in entry["runs"].items():
+            if seed not in baseline or len(baseline[seed]["curve"]) < WINDOW:
+                continue
+            target = statistics.fmean(baseline[seed]["curve"][-WINDOW:])
+            mine, theirs = steps_to_threshold(run["curve"], target), steps_to_threshold(baseline[seed]["curve"], target)
+            steps[seed] = mine
+            earlier += mine is not None and theirs is not None and mine <= theirs
+        entry["to_grpo_final"] = steps
+        entry["to_grpo_final_no_later"] = earlier
 
 
 def _paired(runs: dict, baseline: dict) -> dict | None:
@@ -248,25 +270,33 @@ def decision(entry: dict | None, seeds: int) -> bool:
 
 def table_markdown(summary: dict) -> str:
     lines = [f"| arm | seeds | start pass@1 | final pass@1 (mean ± sd) | steps to {summary['threshold']:g} "
-             f"(reached, median) | vs GRPO: diff (mean ± sd) | wins/losses | p (sign-flip) |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"(reached, median) | vs GRPO: diff (mean ± sd) | wins/losses | p (sign-flip) | "
+             "steps to GRPO's final training accuracy (per seed) | seeds no later than GRPO |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, e in summary["arms"].items():
         m, sd = e["final_mean_sd"]
         median = "-" if e["steps_to_threshold_median"] is None else f"{e['steps_to_threshold_median']:g}"
         p = e.get("paired")
         paired = (f"{p['diff_mean_sd'][0]:+.3f} ± {p['diff_mean_sd'][1]:.3f} | {p['wins']}/{p['losses']} | "
                   f"{p['p']:.3f}") if p else "- | - | -"
+        to_final = " ".join("-" if v is None else str(v) for v in e.get("to_grpo_final", {}).values()) or "-"
         lines.append(f"| {arm} | {len(e['seeds'])} | {e['start_mean']:.3f} | {m:.3f} ± {sd:.3f} | "
-                     f"{e['reached']}/{len(e['seeds'])}, {median} | {paired} |")
+                     f"{e['reached']}/{len(e['seeds'])}, {median} | {paired} | {to_final} | "
+                     f"{e.get('to_grpo_final_no_later', 0)}/{len(e.get('to_grpo_final', {}))} |")
     c = summary.get("content")
     if c:
         lines += ["", (f"Hint content: {c['arm']} - {c['versus']} (final pass@1, paired over {len(c['seeds'])} "
                        f"seeds): {c['diff_mean_sd'][0]:+.3f} ± {c['diff_mean_sd'][1]:.3f}, wins/losses "
                        f"{c['wins']}/{c['losses']}, p {c['p']:.3f}.")]
     helps = [a for a, e in summary["arms"].items() if decision(e.get("paired"), len(e["seeds"]))]
-    lines += ["", "Decision (docs/hybrid.md): " + (f"helps: {', '.join(helps)}" if helps else
-                                                     "no arm helps (positive paired mean and >= 4/5 wins vs GRPO)")
-              + ("; the hint content helps" if c and c["arm"] in helps and decision(c, len(c["seeds"])) else "") + "."]
+    finished = min((len(e["seeds"]) for e in summary["arms"].values()), default=0)
+    if finished < len(SEEDS):  # the rule is written for the protocol's seeds: fewer decide nothing
+        verdict = f"none; {finished} of {len(SEEDS)} seeds finished every arm"
+    else:
+        verdict = ((f"helps: {', '.join(helps)}" if helps else
+                    "no arm helps (positive paired mean and >= 4/5 wins vs GRPO)")
+                   + ("; the hint content helps" if c and c["arm"] in helps and decision(c, len(c["seeds"])) else ""))
+    lines += ["", f"Decision (docs/hybrid.md): {verdict}."]
     lines += ["", "Per seed (final held-out pass@1; step-1 diagnostics):", "",
               "| arm | seed | start | final | steps to threshold | RL seconds | step-1 diagnostics |", "|---|---|---|---|---|---|---|"]
     for arm, e in summary["arms"].items():
@@ -310,8 +340,12 @@ def plot(summary: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--config", default=CONFIG, help="the regime (GRPO arm) every arm overrides")
+    parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for every run (e.g. model.path=FILE.gguf)")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS),
+                        help="the arms to run (none: only every seed's SFT, e.g. to run a diagnostic on it first)")
     parser.add_argument("--steps", type=int, help="RL steps per arm (default: the config's, the protocol's budget)")
     parser.add_argument("--sft-steps", type=int, help="SFT steps (default: the config's)")
     parser.add_argument("--eval-tasks", type=int, help="held-out tasks (default: the config's)")
@@ -323,11 +357,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = args.out.absolute()
     budget = ([f"total_steps={args.steps}"] if args.steps is not None else []) + (
-        [f"eval.num_tasks={args.eval_tasks}"] if args.eval_tasks is not None else [])
+        [f"eval.num_tasks={args.eval_tasks}"] if args.eval_tasks is not None else []) + args.extra
     if not args.report_only:
-        check_arms(args.arms, budget)
+        check_arms(args.arms, budget, args.config)
         deadline = None if args.deadline is None else time.monotonic() + args.deadline
-        AblationRuns(out, budget, args.sft_steps, args.jobs, deadline).run(args.seeds, args.arms)
+        AblationRuns(out, budget, args.sft_steps, args.jobs, deadline, args.config).run(args.seeds, args.arms)
+    if not args.arms:
+        return
     summary = summarize(out, args.seeds, args.arms)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     table = table_markdown(summary)

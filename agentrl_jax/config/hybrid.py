@@ -51,7 +51,7 @@ class HybridConfig(_Section):
         "opd/placebo_min_token and opd/placebo_near_zero_fraction (one more teacher pass); 0: never.")
     judge: Literal["none", "policy", "reference", "teacher", "oracle"] = _f(
         "none", "Who writes bridge thoughts / PRM scores after an episode: nobody, a model through the "
-        "rollout driver (current policy, reference or teacher params), or a scripted oracle (arithmetic only).")
+        "rollout driver (current policy, reference or teacher params), or a scripted oracle (arithmetic, retool_small).")
     judge_template: str = _f("", "Judge prompt with {problem} {trajectory} {outcome} {reward} {reference_answer}; "
                                  "empty: the built-in template (agentrl_jax.train.guidance.hindsight).")
     judge_max_new_tokens: int = _f(256, "Decoding budget of one judge answer.")

@@ -348,8 +348,8 @@ class Config(_Section):
                  "(a teacher or judge 'reference' would silently be a copy of the initial policy instead)")
 
         hybrid = self.hybrid
-        _require(hybrid.judge != "oracle" or self.environment.name == "arithmetic", "hybrid.judge",
-                 "'oracle' is a scripted judge of the arithmetic environment only")
+        _require(hybrid.judge != "oracle" or self.environment.name in ("arithmetic", "retool_small"), "hybrid.judge",
+                 "'oracle' is a scripted judge of the arithmetic and retool_small (program task) environments only")
         _require(hybrid.judge != "teacher" or hybrid.mode != "none", "hybrid.judge",
                  "'teacher' needs a teacher (hybrid.mode 'opd' or 'hybrid')")
         async_rl = self.async_rl

@@ -24,6 +24,7 @@ from agentrl_jax.sharding import DEFAULT_RULES
 from agentrl_jax.train.critic import build_critic
 from agentrl_jax.train.episodes import truncation_rule
 from agentrl_jax.train.guidance.hindsight import ArithmeticOracleJudge, ModelJudge
+from agentrl_jax.train.guidance.program_oracle import ProgramOracleJudge
 from agentrl_jax.train.guidance.old_policy import OldPolicy
 from agentrl_jax.train.guidance.teacher import Teacher
 from agentrl_jax.train.multihost import put_replicated
@@ -194,8 +195,9 @@ def build_roles(config: Config, graphdef, initial_params, mesh, *, tokenizer, dr
                               pad_token_id=tokenizer.pad_token_id, put=functools.partial(put_replicated, mesh=mesh),
                               load_trunk=lambda path: _load_params(config, "critic.path", path, m.param_dtype, mesh))
     judge = None
-    if h.judge == "oracle":
-        judge = ArithmeticOracleJudge(lambda s: len(tokenizer.encode(s)), max_hint_tokens=h.max_hint_tokens)
+    if h.judge == "oracle":  # config validation allows it for these two environments only
+        oracle = ProgramOracleJudge if config.environment.name == "retool_small" else ArithmeticOracleJudge
+        judge = oracle(lambda s: len(tokenizer.encode(s)), max_hint_tokens=h.max_hint_tokens)
     elif h.judge != "none":
         params = {"reference": lambda: frozen(m.reference_dtype), "teacher": lambda: teacher.params}.get(
             h.judge, lambda: None)()

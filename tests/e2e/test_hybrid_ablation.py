@@ -85,8 +85,25 @@ def test_decision_rule_and_the_hint_content_comparison(tmp_path):
     assert "Decision (docs/hybrid.md): helps: hybrid_lam0.3; the hint content helps." in table
 
 
+def test_steps_to_the_grpo_runs_final_training_accuracy(tmp_path):
+    curves = {"grpo": [[0.2, 0.4, 0.6, 0.6, 0.6], [0.1, 0.1, 0.3, 0.5, 0.7]],
+              "hybrid_lam0.3": [[0.6, 0.6, 0.6, 0.7, 0.7], [0.1, 0.1, 0.1, 0.1, 0.2]]}
+    for arm, per_seed in curves.items():
+        for seed, curve in enumerate(per_seed):
+            _fake_run(tmp_path / f"seed{seed}" / arm, 0.1, 0.5, curve)
+    summary = ablation.summarize(tmp_path, [0, 1], list(curves))
+    # seed 0: GRPO's last trailing mean 0.6 (first reached at step 5); the hybrid is there at step 3.
+    # seed 1: GRPO's 0.5 at step 5; the hybrid never gets there.
+    assert summary["arms"]["hybrid_lam0.3"]["to_grpo_final"] == {0: 3, 1: None}
+    assert summary["arms"]["hybrid_lam0.3"]["to_grpo_final_no_later"] == 1
+    assert summary["arms"]["grpo"]["to_grpo_final"] == {0: 5, 1: 5}
+    assert "| 3 - | 1/2 |" in ablation.table_markdown(summary)
+
+
 def test_preflight_names_what_an_arm_lacks(monkeypatch):
     ablation.check_arms(["grpo", "hybrid_lam1", "opd_only"], ["total_steps=3"])
+    ablation.check_arms(["grpo", "hybrid_lam0.1", "hybrid_lam0.3", "placebo", "policy_judge"],
+                        ["model.path=model.gguf"], "configs/smollm2_hybrid.py")
     monkeypatch.setitem(ablation.ARMS, "bogus", ["hybrid.mode=hybrid", "hybrid.no_such_field=1"])
     with pytest.raises(SystemExit, match="arm 'bogus'.*no_such_field"):
         ablation.check_arms(["grpo", "bogus"], [])
@@ -99,7 +116,7 @@ class _Launches:
     def __init__(self, fail=()):
         self.calls, self.fail = [], set(fail)
 
-    def __call__(self, run_dir, overrides, log_times=None):
+    def __call__(self, run_dir, overrides, log_times=None, config=None):
         self.calls.append((run_dir.parent.name + "/" + run_dir.name, overrides))
         if run_dir.name in self.fail:
             raise RuntimeError(f"{run_dir} failed")
