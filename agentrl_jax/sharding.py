@@ -271,7 +271,7 @@ def under_mesh(fn: Callable, mesh: Mesh | None) -> Callable:
     Without them XLA's propagation alone keeps FSDP's weights and optimizer state sharded
     but computes every row on every device (docs/benchmarks.md, "Several GPUs of one host").
     """
-    if mesh is None:
+    if mesh is None or mesh.size == 1:  # nothing to split; the constraints would only move XLA's fusions
         return fn
 
     @functools.wraps(fn)
