@@ -78,8 +78,8 @@ class Decoder(nnx.Module):
         the data axes, heads over tensor), applied only while a mesh with axes
         (data, fsdp, tensor) is set with ``jax.set_mesh``; None disables them.
       mesh: the (data, fsdp, tensor) mesh the params live on, for splash attention's
-        ``shard_map`` when no mesh is set with ``jax.set_mesh`` (the trainer's jits set
-        none, and XLA cannot partition a Pallas TPU kernel); unused by other attentions.
+        ``shard_map`` when no mesh is set with ``jax.set_mesh`` (a one-device trainer and
+        direct calls set none; XLA cannot partition a Pallas TPU kernel); unused by others.
       lm_head_dtype: "param": the logits matmul reads the output embedding as stored;
         "compute": cast to ``dtype`` first, like every other weight of the model. The logits
         are float32 either way (float32 accumulation). With float32 params and bfloat16

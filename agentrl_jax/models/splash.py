@@ -10,7 +10,7 @@ XLA segment mask (values and gradients); it has not run on a TPU in this reposit
 Under a (data, fsdp, tensor) mesh it runs per shard (``shard_map``: batch over the data
 axes, heads over tensor, as the decoder's activation rules place them), since XLA cannot
 partition a Pallas kernel. The mesh is the one set with ``jax.set_mesh``, else the decoder's
-own (``Decoder(mesh=...)``; the trainer's jits set none). Rows whose length is not a
+own (``Decoder(mesh=...)``, for calls outside ``sharding.under_mesh``). Rows whose length is not a
 multiple of 128 are padded for the kernel. The kernel names its saved residuals (output,
 logsumexp) ``RESIDUAL_NAME``, which the "attention_saveable" remat policies keep
 (``models/remat.py``).
