@@ -52,6 +52,10 @@ def main(argv=None) -> int:
     import jax
 
     local = None
+    if args.local_device_ids and not (args.coordinator or args.distributed):
+        print("error: --local-device-ids applies to jax.distributed: pass --coordinator or --distributed too",
+              file=sys.stderr)
+        return 2
     if args.local_device_ids:
         try:
             local = [int(i) for i in args.local_device_ids.split(",")]

@@ -79,3 +79,17 @@ def test_a_mistake_found_by_the_run_is_one_config_error_line(tmp_path, case):
     assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
     last_line = proc.stderr.strip().splitlines()[-1]
     assert last_line.startswith(message), last_line
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--local-device-ids", "0,x", "--distributed"],
+     "error: --local-device-ids '0,x': expected integers separated by commas"),
+    (["--local-device-ids", "0,1"],
+     "error: --local-device-ids applies to jax.distributed: pass --coordinator or --distributed too"),
+])
+def test_a_bad_local_device_list_is_one_error_line(flags, message):
+    """Checked before jax.distributed starts, so it needs no coordinator."""
+    cmd = [sys.executable, str(ROOT / "launch" / "tpu_pod.py"), "--config", "configs/demo.py", *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == message, proc.stderr[-2000:]
