@@ -47,6 +47,12 @@ ARMS: dict[str, list[str]] = {
     "self_distill": [*_HYBRID, "hybrid.lam=0.3", "hybrid.teacher=policy"],
     # not an arm of either protocol: the policy prompted as its own judge, for its judge/* metrics and hints
     "policy_judge": ["hybrid.mode=hybrid", "hybrid.judge=policy", "hybrid.lam=0.3"],
+    # not hindsight arms: other trainers from the same SFT start and budget, compared with "grpo" in
+    # docs/algorithms.md (PPO with a critic, one sample per prompt at the same episodes per step) and
+    # docs/lora.md (rank-16 adapters at 10x the learning rate, the ratio "LoRA Without Regret" finds
+    # for LoRA against full fine-tuning)
+    "ppo1": ["algorithm.advantage=gae", "algorithm.group_size=1", "data.prompts_per_step=128"],
+    "lora_r16": ["model.lora.rank=16", "optimizer.learning_rate=1e-4"],
 }
 SEEDS = (0, 1, 2, 3, 4)
 THRESHOLD = 0.5  # training accuracy, trailing mean over WINDOW steps

@@ -6,7 +6,7 @@
 #   3. the arms grpo, hybrid_lam0.1, hybrid_lam0.3, placebo from those exports, then the table and the plot;
 #   4. a probe, not an arm: the policy prompted as its own judge for 2 RL steps on seed 0 (its judge/* metrics).
 #   bash bench/hybrid_smollm2.sh OUT_DIR GGUF_FILE [SEED ...]          (default seeds: 0 1 2 3 4)
-# JOBS (default 4) processes at once, each with 0.9 / JOBS of the GPU's memory (the SFTs: 0.9 / the SFTs at once);
+# JOBS (default 4) processes at once (JOBS=6 with EXTRA_ARMS="ppo1 lora_r16"), each with 0.9 / JOBS of the GPU's memory (the SFTs: 0.9 / the SFTs at once);
 # DEADLINE (seconds, optional): no run starts after it (run the command again to continue: finished runs and
 # exports are reused).
 set -euo pipefail
@@ -40,9 +40,11 @@ for s in $seeds; do
   fi
 done
 wait
-# 3. the arms
-"${ablation[@]}" --seeds $seeds --arms grpo hybrid_lam0.1 hybrid_lam0.3 placebo $(deadline) | tee "$out/ablation.log"
-# 4. the policy as judge (its own OUT: the ablation's table stays the four arms')
+# 3. the arms (EXTRA_ARMS: other trainers from the same SFT, e.g. "ppo1 lora_r16", run beside them)
+"${ablation[@]}" --seeds $seeds --arms grpo hybrid_lam0.1 hybrid_lam0.3 placebo ${EXTRA_ARMS:-} $(deadline) \
+  | tee "$out/ablation.log"
+# 4. the policy as judge (its own OUT: the ablation's table stays the four arms'); PROBE=0 skips it
+[ "${PROBE:-1}" = 1 ] || exit 0
 first=${seeds%% *}
 mkdir -p "$out/probe/seed$first"
 [ -e "$out/probe/seed$first/sft" ] || ln -s "$out/seed$first/sft" "$out/probe/seed$first/sft"
