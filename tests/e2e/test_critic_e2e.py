@@ -46,3 +46,14 @@ def test_gae_trains_with_a_critic_and_resumes_exactly(tmp_path):
                     "critic/value_loss", "critic/grad_norm", "critic/param_norm", "critic/value_mean",
                     "critic/explained_variance", "critic/advantage_std"):
             assert resumed[step][key] == pytest.approx(straight[step][key], rel=1e-4, abs=1e-6), (step, key)
+
+
+@pytest.mark.slow  # one launch of the tiny demo, ~2 min on 2 CPU cores
+def test_gae_with_lora_adapters_on_the_policy(tmp_path):
+    """The critic is a full model of its own; the policy it baselines trains only LoRA adapters."""
+    out = tmp_path / "run"
+    _launch(out, "total_steps=2", "checkpoint.resume=false", "model.lora.rank=4", *GAE)
+    warmup, trained = (steps := _steps(out))[1], steps[2]
+    assert warmup["critic/policy_frozen"] == 1.0 and "loss" not in warmup
+    assert trained["update_norm"] > 0 and trained["critic/value_loss"] > 0 and trained["critic/grad_norm"] > 0
+    assert trained["critic/param_norm"] != warmup["critic/param_norm"]
