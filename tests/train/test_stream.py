@@ -11,7 +11,7 @@ import asyncio
 import random
 
 import pytest
-from test_async import TINY, _run
+from test_async import _run
 
 from agentrl_jax.envs.base import Environment, StepResult
 

@@ -159,3 +159,25 @@ def test_groups_in_flight_follow_littles_law_within_the_caps():
     assert stream.capacity() == 8
     stream.engine_step, stream.taken = 9, 9
     assert stream.capacity() == 4
+
+
+def test_the_batch_digest_sees_every_field_the_update_reads():
+    import numpy as np
+
+    from agentrl_jax.envs.base import Trajectory
+    from agentrl_jax.train.rl.collect import batch_digest
+
+    def trajectory(**change):
+        fields = dict(prompt_token_ids=np.array([1, 2]), token_ids=np.array([1, 2, 3, 4]),
+                      loss_mask=np.array([0, 0, 1, 1], np.int8), rollout_logprobs=np.array([0, 0, -0.5, -1.0], np.float32),
+                      params_versions=np.array([-1, -1, 3, 4], np.int32), reward=1.0, group_id=0)
+        return Trajectory(**{**fields, **change})
+
+    base = batch_digest([trajectory(), trajectory(group_id=1)])
+    assert batch_digest([trajectory(), trajectory(group_id=1)]) == base
+    for change in (dict(token_ids=np.array([1, 2, 3, 5])), dict(loss_mask=np.array([0, 0, 0, 1], np.int8)),
+                   dict(rollout_logprobs=np.array([0, 0, -0.5, -1.5], np.float32)),
+                   dict(params_versions=np.array([-1, -1, 4, 4], np.int32)), dict(reward=0.0), dict(group_id=2),
+                   dict(masked=True)):
+        assert batch_digest([trajectory(), trajectory(**{"group_id": 1, **change})]) != base, change
+    assert batch_digest([trajectory(group_id=1), trajectory()]) != base  # the order too
