@@ -263,7 +263,9 @@ class AsyncConfig(_Section):
     trained at params version k holds only tokens sampled by versions >= k - max_staleness,
     enforced by admission (a step's rollouts start only once version >= step - max_staleness;
     finished work is never discarded). In-flight trajectories continue on new weights
-    (partial rollouts) with per-token versions.
+    (partial rollouts) with per-token versions. ``mode='stream'``: groups start one by one
+    whenever one finishes, and each step trains the next finished groups; a group starts only
+    if its first token's version is within max_staleness of the version that will train it.
     """
 
     enabled: bool = _f(False, "Overlap rollouts of later steps with training (async RL).")
@@ -295,6 +297,8 @@ class AsyncConfig(_Section):
 
     def validate(self) -> None:
         _require(self.max_staleness >= 0, self._path("max_staleness"), "must be >= 0")
+        _require(self.mode == "step" or self.enabled, self._path("mode"),
+                 "'stream' needs async_rl.enabled=true (a synchronous run has nothing to stream)")
         _require(self.stream_max_groups >= 0, self._path("stream_max_groups"), "must be >= 0 (0: sized automatically)")
         _require(self.rollout_devices >= 0, self._path("rollout_devices"), "must be >= 0 (0: half)")
         _require(0.0 <= self.ewma_decay < 1.0, self._path("ewma_decay"), f"must be in [0, 1), got {self.ewma_decay}")

@@ -181,3 +181,30 @@ def test_the_batch_digest_sees_every_field_the_update_reads():
                    dict(masked=True)):
         assert batch_digest([trajectory(), trajectory(**{"group_id": 1, **change})]) != base, change
     assert batch_digest([trajectory(group_id=1), trajectory()]) != base  # the order too
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["async_rl.mode=stream"], "async_rl.mode: 'stream' needs async_rl.enabled=true"),
+    (["async_rl.enabled=true", "async_rl.mode=stream", "async_rl.stream_max_groups=-1"],
+     "async_rl.stream_max_groups: must be >= 0"),
+    (["async_rl.enabled=true", "async_rl.mode=streaming"], "async_rl.mode: got 'streaming'"),
+])
+def test_config_refuses_a_stream_it_cannot_run(overrides, message):
+    from agentrl_jax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config("demo", overrides)
+
+
+def test_several_hosts_accept_async_and_dynamic_sampling_only_in_the_stream(monkeypatch):
+    from agentrl_jax.config import ConfigError, load_config
+    from agentrl_jax.train import multihost
+
+    monkeypatch.setattr(multihost.jax, "process_count", lambda: 2)  # the check reads only the host count
+    for mode in ("step", "stream"):
+        multihost.check_supported(load_config("demo", ["async_rl.enabled=true", f"async_rl.mode={mode}",
+                                                       "async_rl.old_logprobs=snapshot"]))
+    multihost.check_supported(load_config("demo", ["async_rl.enabled=true", "async_rl.mode=stream",
+                                                   "async_rl.old_logprobs=snapshot", "algorithm.dynamic_sampling=true"]))
+    with pytest.raises(ConfigError, match="algorithm.dynamic_sampling: on several hosts only with"):
+        multihost.check_supported(load_config("demo", ["algorithm.dynamic_sampling=true"]))
