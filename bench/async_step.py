@@ -19,6 +19,9 @@ Each mode runs at every median of `--tool-medians` (default 1 s and the 0 s refe
     python bench/async_step.py --size 1.7b --steps 6 --placement colocated     # 1 GPU
     python bench/async_step.py --size tiny --steps 3 --cpu 4                   # CPU smoke run
 
+With `--work-dir`, the rows of earlier calls on that directory (same device) join the
+report: `--tool-medians 1` and then `--tool-medians 0` give the whole comparison.
+
 Prints the device, per-step wall times after the warm-up steps, trajectories/s and sampled
 tokens/s (per wall second of the steady steps), idle times, the ratios to sync at each
 latency, and each mode's tokens/s with tools over its tokens/s without.
@@ -157,6 +160,10 @@ def main() -> None:
     env = dict(os.environ)
     if args.cpu:
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={args.cpu}")
+    # Rows of earlier invocations on the same --work-dir (same device) join the report, so the
+    # comparison can be split over several calls (each mode at 1.7B takes minutes).
+    saved = os.path.join(work, "results.json")
+    earlier = json.load(open(saved)) if os.path.exists(saved) else {"device": None, "rows": []}
     results, device = [], "?"
     for median in [float(m) for m in args.tool_medians.split(",")]:
         for mode in args.modes.split(","):
@@ -172,6 +179,12 @@ def main() -> None:
             out = json.loads(line[-1][len("RESULT "):])
             device = out["device"]
             results.append(summarize(mode, out["steps"], args.warmup, median))
+    if earlier["device"] not in (None, device):
+        raise SystemExit(f"{saved} holds rows measured on {earlier['device']}, not {device}: use another --work-dir")
+    done = {(r["mode"], r["tool_median"]) for r in results}
+    results = [r for r in earlier["rows"] if (r["mode"], r["tool_median"]) not in done] + results
+    with open(saved, "w") as f:
+        json.dump({"device": device, "rows": results}, f)
     print(report(results, device, args))
 
 
