@@ -1,8 +1,9 @@
-"""Two `jax.distributed` processes on localhost CPU run the stream (async_rl.mode='stream') on the tiny config.
+"""Two `jax.distributed` processes on localhost CPU run asynchronous RL on the tiny config: the
+stream (async_rl.mode='stream') and the step admission (mode='step').
 
-Each process streams its half of the groups on its own engine; each step every process takes its
-share of finished groups under the staleness bound, the processes exchange them, and every process
-trains the same batch: the trainer compares a digest of the batch across processes every step
+Each process rolls out its half of the groups on its own engine (the stream: each step every
+process takes its share of finished groups under the staleness bound), the processes exchange
+them, and every process trains the same batch: the trainer compares a digest of the batch across processes every step
 (and stops on a mismatch), and the test compares the digests each process logged.
 """
 
@@ -19,7 +20,8 @@ from test_multihost import _free_port
 
 
 @pytest.mark.slow  # two processes, compiles in each: ~2 min on the 2-core CPU
-def test_two_processes_stream_and_train_identical_batches(tmp_path):
+@pytest.mark.parametrize("mode", ["stream", "step"])
+def test_two_processes_run_async_rl_and_train_identical_batches(tmp_path, mode):
     port = _free_port()
     out = tmp_path / "run"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
@@ -28,7 +30,7 @@ def test_two_processes_stream_and_train_identical_batches(tmp_path):
         cmd = [sys.executable, str(ROOT / "launch" / "tpu_pod.py"), "--config", "configs/demo.py",
                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid),
                "--set", f"output_dir={out}", "--set", "total_steps=3", "--set", "checkpoint.resume=false"]
-        for item in TINY + ["sft.steps=0", "async_rl.enabled=true", "async_rl.mode=stream", "async_rl.max_staleness=1",
+        for item in TINY + ["sft.steps=0", "async_rl.enabled=true", f"async_rl.mode={mode}", "async_rl.max_staleness=1",
                             "async_rl.old_logprobs=snapshot"]:
             cmd += ["--set", item]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

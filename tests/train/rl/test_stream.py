@@ -208,3 +208,31 @@ def test_several_hosts_accept_async_and_dynamic_sampling_only_in_the_stream(monk
                                                    "async_rl.old_logprobs=snapshot", "algorithm.dynamic_sampling=true"]))
     with pytest.raises(ConfigError, match="algorithm.dynamic_sampling: on several hosts only with"):
         multihost.check_supported(load_config("demo", ["algorithm.dynamic_sampling=true"]))
+
+
+def test_the_timed_env_measures_tool_calls_and_passes_the_rest_through():
+    from agentrl_jax.envs.base import Environment, StepResult
+    from agentrl_jax.train.rl.stream import _TimedEnv
+
+    class SlowTool(Environment):
+        num_sampled_tokens = 0
+
+        async def reset(self, task):
+            return [{"role": "user", "content": task}]
+
+        async def step(self, action_text):
+            await asyncio.sleep(0.03)
+            return StepResult("ok", float(self.num_sampled_tokens), True, finish_reason="answer")
+
+    inner = SlowTool()
+    env = _TimedEnv(inner)
+
+    async def episode():
+        await env.reset("q")
+        await asyncio.sleep(0.03)  # decoding: not tool time
+        env.num_sampled_tokens = 7  # the agent loop tells the environment its token count
+        return await env.step("call")
+
+    result = asyncio.run(episode())
+    assert inner.num_sampled_tokens == 7 and result.reward == 7.0
+    assert 0.03 <= env.tool_seconds < 0.06
