@@ -208,7 +208,8 @@ class GroupStream:
 
     @property
     def in_flight(self) -> int:
-        return len(self.running)
+        """Batches' worth of groups started and not taken (``async/steps_in_flight``)."""
+        return math.ceil((len(self.running) + len(self.buffer)) / self.per_batch)
 
     def metrics(self) -> dict[str, float]:
         """The stream now: groups running and buffered, its size, and what a resume from here loses."""
