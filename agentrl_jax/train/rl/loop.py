@@ -134,9 +134,17 @@ def _admission(rl: RL, start_step: int, max_staleness: int) -> StepAdmission | G
                                         lambda: next(rl.data)),
             rl.data, start_step, c.total_steps, max_staleness)
     r, G = c.rollout, c.algorithm.group_size
+    pool: list[int] = []
 
-    def kv_groups() -> int:  # the KV pool over a group at full length (0 before the pool exists)
-        return int(rl.driver.stats().get("kv_pool_tokens", 0)) // (G * r.max_sequence_length)
+    def kv_groups() -> int:
+        """The KV pool over a group at full length (0 before the pool exists); read once: the
+        async pipeline keeps its pool, and the stream asks at every group's start."""
+        if not pool:
+            tokens = int(rl.driver.stats().get("kv_pool_tokens", 0))
+            if not tokens:
+                return 0
+            pool.append(tokens // (G * r.max_sequence_length))
+        return pool[0]
 
     return GroupStream(
         stream_rollout(c, rl.agent_loop, rl.env_factory), rl.data, start_step, c.total_steps, max_staleness,
