@@ -263,10 +263,17 @@ class AsyncConfig(_Section):
     trained at params version k holds only tokens sampled by versions >= k - max_staleness,
     enforced by admission (a step's rollouts start only once version >= step - max_staleness;
     finished work is never discarded). In-flight trajectories continue on new weights
-    (partial rollouts) with per-token versions.
+    (partial rollouts) with per-token versions. ``mode='stream'``: groups start one by one
+    whenever one finishes, and each step trains the next finished groups; a group starts only
+    if its first token's version is within max_staleness of the version that will train it.
     """
 
     enabled: bool = _f(False, "Overlap rollouts of later steps with training (async RL).")
+    mode: Literal["step", "stream"] = _f(
+        "step", "step: a step's rollouts start as a batch once the bound admits the step; stream: groups start one "
+                "by one whenever one finishes, and each step trains the next finished groups (docs/async.md).")
+    stream_max_groups: int = _f(0, "mode='stream': groups in flight at most (0: sized from the measured tool "
+                                   "share of an episode's time, the decode lanes and the KV pool).")
     max_staleness: int = _f(1, "Versions a trained token may lag the params being updated (0: on-policy; "
                                "the async pipeline then reproduces the synchronous run).")
     placement: Literal["colocated", "disaggregated"] = _f(
@@ -290,6 +297,9 @@ class AsyncConfig(_Section):
 
     def validate(self) -> None:
         _require(self.max_staleness >= 0, self._path("max_staleness"), "must be >= 0")
+        _require(self.mode == "step" or self.enabled, self._path("mode"),
+                 "'stream' needs async_rl.enabled=true (a synchronous run has nothing to stream)")
+        _require(self.stream_max_groups >= 0, self._path("stream_max_groups"), "must be >= 0 (0: sized automatically)")
         _require(self.rollout_devices >= 0, self._path("rollout_devices"), "must be >= 0 (0: half)")
         _require(0.0 <= self.ewma_decay < 1.0, self._path("ewma_decay"), f"must be in [0, 1), got {self.ewma_decay}")
         _require(self.ewma_reset_every >= 0, self._path("ewma_reset_every"), "must be >= 0 (0: never)")

@@ -44,11 +44,10 @@ def check_supported(config: Config) -> None:
                           f"number of hosts ({n}): each host rolls out its share")
     if config.hybrid.mode != "none" or config.hybrid.judge != "none":
         raise ConfigError("hybrid.mode / hybrid.judge: not supported on several hosts yet")
-    if config.algorithm.dynamic_sampling:
-        raise ConfigError("algorithm.dynamic_sampling: not supported on several hosts yet")
-    if config.async_rl.enabled:
-        raise ConfigError("async_rl.enabled: not supported on several hosts yet (every host would need to "
-                          "agree on which batch trains when)")
+    stream = config.async_rl.enabled and config.async_rl.mode == "stream"
+    if config.algorithm.dynamic_sampling and not stream:
+        raise ConfigError("algorithm.dynamic_sampling: on several hosts only with async_rl.mode='stream' (each "
+                          "host filters its own groups)")
 
 
 def gather_objects(obj: Any) -> list[Any]:

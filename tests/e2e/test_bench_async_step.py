@@ -4,6 +4,7 @@ would time steps that train nothing), and its summary refuses such steps."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import pytest
@@ -36,3 +37,19 @@ def test_a_step_that_trained_nothing_is_not_summarized(bench):
     empty = {**step, "step": 2, "train/empty_batch": 1.0, "rollout/finish/env_error": 1.0}
     with pytest.raises(SystemExit, match=r"steps \[2\] trained no token.*env_error"):
         bench.summarize("sync", [step, empty], warmup=1)
+
+
+def test_the_report_gives_each_modes_ratios_to_sync_and_to_its_tool_free_rate(bench):
+    def row(mode, median, traj_per_s, tokens_per_s):
+        return {"mode": mode, "tool_median": median, "step_s": 1.0, "rollout_s": 1.0, "update_s": 0.1,
+                "trainer_idle_s": 0.0, "rollout_idle_s": 0.0, "traj_per_s": traj_per_s, "tokens_per_s": tokens_per_s,
+                "staleness": 0.0, "mixed": 0.0}
+
+    args = argparse.Namespace(size="tiny", prompts=2, group=2, turns=2, new_tokens=8, tool_sigma=1.0, tool_cap=10.0,
+                              placement="colocated", max_staleness=1, warmup=1, steps=3)
+    text = bench.report([row("sync", 1.0, 2.0, 100.0), row("stream", 1.0, 5.0, 300.0),
+                         row("sync", 0.0, 8.0, 400.0), row("stream", 0.0, 8.0, 400.0)], "1 x H100", args)
+    assert "device: 1 x H100" in text
+    assert "stream / sync at tool median 1 s: traj/s 2.50x, sampled tok/s 3.00x" in text
+    assert "stream: sampled tok/s at tool median 1 s / at 0 s: 0.75" in text
+    assert "sync: sampled tok/s at tool median 1 s / at 0 s: 0.25" in text

@@ -4,7 +4,8 @@
 everything else built once by ``train/build.py``); ``collect.py`` the rollouts, judge and
 evaluation; ``stages.py`` build batch / logprobs / push weights / log / save, each taking
 what it uses as arguments; ``loop.py`` the minibatch update; ``admission.py`` when a
-step's rollouts may start (synchronous and asynchronous RL).
+step's rollouts may start (synchronous and asynchronous RL); ``stream.py`` the stream of
+groups that replaces it with ``async_rl.mode='stream'``.
 """
 
 from agentrl_jax.train.rl.loop import LoopResult, run_rl, train_step

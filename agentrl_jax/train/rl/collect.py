@@ -9,12 +9,14 @@ tool calls in the sandbox pool), with DAPO dynamic sampling when configured; the
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from agentrl_jax.config import Config, EvalConfig
 from agentrl_jax.envs.agent_loop import AgentLoop
@@ -106,7 +108,23 @@ def exchange(trajectories: list[Trajectory]) -> list[Trajectory]:
     for t in trajectories:
         t.group_id = t.group_id * hosts + host
     gathered = [t for part in gather_objects(trajectories) for t in part]
-    return sorted(gathered, key=lambda t: t.group_id)  # stable: a group's samples keep their order
+    batch = sorted(gathered, key=lambda t: t.group_id)  # stable: a group's samples keep their order
+    digests = gather_objects(batch_digest(batch))
+    if len(set(digests)) > 1:  # SPMD over differing host values would train silently on garbage
+        raise RuntimeError(f"the hosts built different batches (digests by process: {digests})")
+    logger.info("batch digest %s (%d trajectories, the same on all %d hosts)", digests[0], len(batch), hosts)
+    return batch
+
+
+def batch_digest(trajectories: list[Trajectory]) -> str:
+    """A hash of what the update reads from a batch: group ids, tokens, masks, versions, rewards."""
+    h = hashlib.sha256()
+    for t in trajectories:
+        h.update(np.asarray([t.group_id, t.masked], np.int64).tobytes())
+        h.update(np.float64(t.reward).tobytes())
+        for array in (t.token_ids, t.loss_mask, t.rollout_logprobs, t.params_versions):
+            h.update(np.ascontiguousarray(array).tobytes())
+    return h.hexdigest()[:16]
 
 
 async def judge(config: Config, prm_judge: Judge, writer: Any, tokenizer: Any, trajectories: list[Trajectory],

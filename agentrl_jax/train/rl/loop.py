@@ -15,7 +15,8 @@ changes from step to step, the policy's ``TrainState`` and its params version, i
 explicitly and returned at the end. The update calls the jitted update of
 ``train/step.py`` directly. Synchronous RL is the admission rule with ``max_staleness =
 0``; asynchronous RL the same step body with later steps' rollouts admitted while this
-one trains.
+one trains. With ``async_rl.mode='stream'`` the rollouts are a stream of groups instead
+(``stream.py``): groups start one by one, each step takes the next finished ones.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from agentrl_jax.train.rl import stages
 from agentrl_jax.train.rl.admission import StepAdmission
 from agentrl_jax.train.rl.collect import collect, evaluate, exchange, judge, rollout_fn
 from agentrl_jax.train.rl.roles import RL, StepFunctions
+from agentrl_jax.train.rl.stream import GroupStream, stream_rollout
 from agentrl_jax.train.sft import batch_arrays
 from agentrl_jax.train.step import TrainState
 
@@ -70,10 +72,7 @@ async def run_rl(rl: RL, state: TrainState, version: int, start_step: int = 0, *
     rl.roles.check(c)
     async_rl = c.async_rl
     max_staleness = async_rl.max_staleness if async_rl.enabled else 0
-    admission = StepAdmission(
-        lambda step, tasks: collect(c, rollout_fn(c, rl.agent_loop, rl.env_factory, step), tasks,
-                                    lambda: next(rl.data)),
-        rl.data, start_step, c.total_steps, max_staleness)
+    admission = _admission(rl, start_step, max_staleness)
     rl.old_policy.on_version(version, state.params)
     last, idle_mark, violations = time.perf_counter(), rl.driver.idle_seconds, 0
     async with admission:
@@ -112,6 +111,9 @@ async def run_rl(rl: RL, state: TrainState, version: int, start_step: int = 0, *
                                 sum(t.num_sampled_tokens for t in trajectories) / max(t_rollout, 1e-9))})
             if async_rl.enabled:
                 metrics.update(_async_metrics(rl, admission, step, t_wait, idle_mark, violations))
+            if isinstance(admission, GroupStream):
+                metrics.update(admission.metrics())
+                metrics.update(_last_token_staleness(trajectories, version - 1))  # the version trained (pushed +1)
             preempted = await _finish_step(  # log / evaluate / checkpoint
                 rl, state, version, step, trajectories, metrics, data_state=admission.data_state(step + 1),
                 token_staleness=token_staleness, checkpoint_extra=checkpoint_extra or {})
@@ -120,6 +122,36 @@ async def run_rl(rl: RL, state: TrainState, version: int, start_step: int = 0, *
             if preempted:
                 return LoopResult(state, version, True)
     return LoopResult(state, version, False)
+
+
+def _admission(rl: RL, start_step: int, max_staleness: int) -> StepAdmission | GroupStream:
+    """When rollouts start: a step's batch at once (``StepAdmission``), or groups one by one
+    (``GroupStream``, ``async_rl.mode='stream'``)."""
+    c = rl.config
+    if not (c.async_rl.enabled and c.async_rl.mode == "stream"):
+        return StepAdmission(
+            lambda step, tasks: collect(c, rollout_fn(c, rl.agent_loop, rl.env_factory, step), tasks,
+                                        lambda: next(rl.data)),
+            rl.data, start_step, c.total_steps, max_staleness)
+    r, G = c.rollout, c.algorithm.group_size
+    pool: list[int] = []
+
+    def kv_groups() -> int:
+        """The KV pool over a group at full length (0 before the pool exists); read once: the
+        async pipeline keeps its pool, and the stream asks at every group's start."""
+        if not pool:
+            tokens = int(rl.driver.stats().get("kv_pool_tokens", 0))
+            if not tokens:
+                return 0
+            pool.append(tokens // (G * r.max_sequence_length))
+        return pool[0]
+
+    return GroupStream(
+        stream_rollout(c, rl.agent_loop, rl.env_factory), rl.data, start_step, c.total_steps, max_staleness,
+        c.data.prompts_per_step // jax.process_count(), first_draw=getattr(rl.data, "batches_served", start_step),
+        dynamic_sampling=c.algorithm.dynamic_sampling, max_sampling_rounds=c.algorithm.max_sampling_rounds,
+        max_groups=c.async_rl.stream_max_groups, decode_lanes=r.decode_batch or r.max_concurrent,
+        kv_groups=kv_groups, group_size=G)
 
 
 def train_step(rl: RL, state: TrainState, version: int, step: int, trajectories: list[Trajectory],
@@ -260,6 +292,13 @@ def _async_metrics(rl: RL, admission: StepAdmission, step: int, t_wait: float, i
     return {"time/trainer_idle": t_wait, "time/rollout_idle": rl.driver.idle_seconds - idle_mark,
             "time/admission_wait": admission.admission_wait.pop(step, 0.0),
             "async/steps_in_flight": float(admission.in_flight), "async/staleness_violations": float(violations)}
+
+
+def _last_token_staleness(trajectories: list[Trajectory], version: int) -> dict[str, float]:
+    """Versions between a trajectory's last sampled token and ``version``, the one that trained it."""
+    lags = [version - int(t.params_versions[t.loss_mask > 0].max()) for t in trajectories if (t.loss_mask > 0).any()]
+    return {"stream/last_token_staleness_mean": float(np.mean(lags)) if lags else 0.0,
+            "stream/last_token_staleness_max": float(max(lags, default=0))}
 
 
 def _staleness_violation(trajectories: list[Trajectory], version: int, max_staleness: int, step: int) -> int:
