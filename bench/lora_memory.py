@@ -23,7 +23,9 @@ Then, for each way (full, and LoRA at the smallest rank in each form), the large
 compiled. One JSON with everything goes to ``--out``.
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python bench/lora_memory.py --time --out lora_memory.json
-    python bench/lora_memory.py --tiny --out /tmp/lora_memory.json   # CPU: seconds, checks the script
+    python bench/lora_memory.py --tiny --out /tmp/lora_memory.json   # CPU: checks the script (~2 min)
+    python bench/lora_memory.py --sizes cpu --ranks 16 --rows 2 --seq 256 --steps 5 --time --no-fit-search \\
+        --budget-gib 80 --out /tmp/lora_cpu.json                       # CPU: in_layer vs merged
 """
 
 from __future__ import annotations
@@ -51,14 +53,18 @@ from agentrl_jax.train.step import LossSettings, TrainState, update_step
 SETTINGS = LossSettings(loss="ppo", hparams=(("eps_high", 0.28), ("eps_low", 0.2)))
 GiB = 1024**3
 _QWEN3_LARGE = dict(vocab_size=151936, num_kv_heads=8, head_dim=128, tie_word_embeddings=False)
-#: Qwen3 dense shapes (published config.json values), smallest first: the ladder of the fit search.
+#: Qwen3 dense shapes (published config.json values), and two for CPU checks: "tiny", and "cpu"
+#: (large enough that the projections, not the overheads, dominate an update's time on CPU).
 QWEN3 = {
     **{size: SHAPES[size] for size in ("0.6b", "1.7b", "4b")},
     "8b": dict(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32, **_QWEN3_LARGE),
     "14b": dict(hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40, **_QWEN3_LARGE),
     "32b": dict(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64, **_QWEN3_LARGE),
     "tiny": SHAPES["tiny"],
+    "cpu": dict(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8, num_kv_heads=4,
+                head_dim=64, tie_word_embeddings=True),
 }
+LADDER = ("0.6b", "1.7b", "4b", "8b", "14b", "32b")  # the fit search's sizes, smallest first
 
 
 def model_config(size: str) -> DecoderConfig:
@@ -143,8 +149,8 @@ def measure(size: str, rank: int, impl: str, args, budget: int, *, timed: bool) 
 def largest_fitting(way: tuple[int, str], start: str, rows: dict, args, budget: int) -> dict:
     """The largest shape of the ladder from ``start`` that fits, walking up until one does not."""
     rank, impl = way
-    best, ladder = None, [s for s in QWEN3 if s != "tiny"]
-    for size in ladder[ladder.index(start):] if start in ladder else [start]:
+    best = None
+    for size in LADDER[LADDER.index(start):] if start in LADDER else [start]:
         row = rows.get((size, rank, impl)) or measure(size, rank, impl, args, budget, timed=False)
         if not row["fits"]:
             return {"largest": best, "first_not_fitting": size, "its_row": row}
@@ -177,7 +183,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="1.7b,4b")
+    parser.add_argument("--sizes", default="1.7b,4b", help=f"of {', '.join(QWEN3)}")
     parser.add_argument("--ranks", default="16,64", help="LoRA ranks; the full model (rank 0) always runs first")
     parser.add_argument("--impls", default="in_layer,merged", help="model.lora.impl forms to measure")
     parser.add_argument("--rows", type=int, default=4)
