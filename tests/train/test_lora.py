@@ -3,6 +3,8 @@ against the chain rule through the merged weights), the in-layer update forms no
 tensor, the base neither donated nor changed, the reference is the base itself, checkpoints hold
 the adapters only and resume exactly."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,6 +81,10 @@ def _output_shapes(jaxpr, found):
     return found
 
 
+def _loss_of_adapters(params, graphdef, batch, z, adapters):
+    return policy_loss(params.replace(adapters=adapters), graphdef, batch, z, SETTINGS, None)[0]
+
+
 def test_the_in_layer_gradient_forms_no_merged_weight_and_no_weight_gradient(policy):
     """The merged form computes ``[L, *in, *out]`` tensors for every targeted weight (the merged
     copy and its gradient); the in-layer form none, nor the per-layer ``[*in, *out]`` ones."""
@@ -87,10 +93,9 @@ def test_the_in_layer_gradient_forms_no_merged_weight_and_no_weight_gradient(pol
     weights = {name: tuple(base["layers"][name][...].shape) for name in params.adapters}
     found = {}
     for impl in ("in_layer", "merged"):
-        p = params.replace(impl=impl)
-        grad = jax.grad(lambda adapters: policy_loss(p.replace(adapters=adapters), graphdef, batch, z, SETTINGS,
-                                                     None)[0])  # noqa: B023
-        found[impl] = _output_shapes(jax.make_jaxpr(grad)(p.adapters).jaxpr, set())
+        form = params.replace(impl=impl)
+        loss = functools.partial(_loss_of_adapters, form, graphdef, batch, z)
+        found[impl] = _output_shapes(jax.make_jaxpr(jax.grad(loss))(form.adapters).jaxpr, set())
     assert all(shape in found["merged"] for shape in weights.values())
     assert not any(shape in found["in_layer"] for shape in weights.values())
     # [64, 32] is also the tied embedding's shape; the attention weights' are the model's alone.
