@@ -18,6 +18,9 @@ class LoraConfig(_Section):
     targets: tuple[Literal["q", "k", "v", "o", "gate", "up", "down"], ...] = _f(
         ("q", "k", "v", "o", "gate", "up", "down"),
         "Projections that get adapters: attention q/k/v/o, MLP gate/up/down (HF q_proj ... down_proj).")
+    impl: Literal["in_layer", "merged"] = _f(
+        "in_layer", "How the update applies the adapters: in_layer computes x W + (alpha / rank) (x A) B in each "
+                    "projection; merged forms W + (alpha / rank) A B (a merged copy and its gradient per weight).")
 
     def validate(self) -> None:
         _require(self.rank >= 0, self._path("rank"), f"must be >= 0 (0: off), got {self.rank}")

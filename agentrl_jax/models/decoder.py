@@ -30,10 +30,12 @@ from jax.sharding import Mesh
 
 from agentrl_jax.models.config import DecoderConfig
 from agentrl_jax.models.layers import (
+    LowRank,
     apply_rope,
     attention,
     packed_attention,
     packed_causal_mask,
+    project,
     rms_norm,
     rope_frequencies,
     swiglu,
@@ -139,6 +141,8 @@ class Decoder(nnx.Module):
         attention_mask: jax.Array | None = None,
         lengths: jax.Array | None = None,
         max_segments: int | None = None,
+        adapters: dict[str, dict[str, jax.Array]] | None = None,
+        adapter_scale: float = 1.0,
     ) -> tuple[jax.Array, None]:
         """Final hidden states of ``[B, T]`` tokens: causal attention within each row,
         restricted to equal ``segment_ids`` (packed rows) and to real keys (``attention_mask`` 1).
@@ -155,6 +159,10 @@ class Decoder(nnx.Module):
             ``attention_impl="cudnn"`` it selects cuDNN's packed flash-attention kernel
             (no ``[B, T, T]`` mask; ``layers.packed_attention``). 1 (every row one segment
             followed by padding) runs the mask-free ``lengths`` path on any backend.
+          adapters: LoRA adapters in the layer path, ``{weight: {"a": [L, *in, r], "b": [L, r,
+            *out]}}`` (``models.lora``): the targeted projections compute ``x W + adapter_scale
+            * (x A) B`` (``layers.project``), so no merged weight is formed; None: the plain model.
+          adapter_scale: ``alpha / r``.
 
         Returns:
           ``(hidden [B, T, D] in the compute dtype, None)``; the rollout engine keeps its
@@ -183,8 +191,9 @@ class Decoder(nnx.Module):
             mesh=self.mesh,
             **self._attention_inputs(B, T, segment_ids, attention_mask, lengths, max_segments),
         )
-        body = remat_layer(lambda h, w: (block(h, w), None), self.remat)
-        hidden, _ = jax.lax.scan(body, hidden, layer_weights)
+        # The adapters are sliced per layer with the weights; None adds no scanned input.
+        body = remat_layer(lambda h, w: (block(h, *w, lora_scale=adapter_scale), None), self.remat)
+        hidden, _ = jax.lax.scan(body, hidden, (layer_weights, adapters))
         hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
         return hidden, None
 
@@ -227,6 +236,7 @@ class Decoder(nnx.Module):
 def _decoder_block(
     h: jax.Array,
     w: dict[str, jax.Array],
+    lora: dict[str, dict[str, jax.Array]] | None = None,
     *,
     config: DecoderConfig,
     dtype,
@@ -238,11 +248,13 @@ def _decoder_block(
     packed: tuple[jax.Array, int] | None = None,
     rules: Rules | None = None,
     mesh: Mesh | None = None,
+    lora_scale: float = 1.0,
 ) -> jax.Array:
     """One pre-norm block: ``h + Attn(RMSNorm(h))``, then ``h + SwiGLU(RMSNorm(h))``.
 
     Args:
       h: ``[B, T, D]`` residual stream; w: one layer's weights (``layer_param_specs``).
+      lora: one layer's LoRA adapters ``{weight: {"a", "b"}}`` or None; lora_scale: their scale.
       mask: ``[B, 1, T, T]`` bool, or None (``lengths``, ``packed``, or causal splash).
       lengths: ``[B]`` real tokens of right-padded rows, or None.
       packed: ``(segment_ids, max_segments)`` for cuDNN's or splash's packed kernel, or None.
@@ -253,12 +265,13 @@ def _decoder_block(
       ``h [B, T, D]``.
     """
     cast = {name: value.astype(dtype) for name, value in w.items()}
+    adapters = {name: LowRank(ab["a"], ab["b"], lora_scale) for name, ab in (lora or {}).items()}
     eps = config.rms_norm_eps
     inv_freq = rope_frequencies(config)
     x = rms_norm(h, cast["attn_norm"], eps)
-    q = jnp.einsum("btd,dhk->bthk", x, cast["wq"])
-    k = jnp.einsum("btd,dhk->bthk", x, cast["wk"])
-    v = jnp.einsum("btd,dhk->bthk", x, cast["wv"])
+    q = project("btd,dhk->bthk", x, cast["wq"], adapters.get("wq"))
+    k = project("btd,dhk->bthk", x, cast["wk"], adapters.get("wk"))
+    v = project("btd,dhk->bthk", x, cast["wv"], adapters.get("wv"))
     if config.attention_bias:
         q, k, v = q + cast["bq"], k + cast["bk"], v + cast["bv"]
     if config.qk_norm:
@@ -277,9 +290,9 @@ def _decoder_block(
         out = packed_attention(q, k, v, *packed)
     else:
         out = attention(q, k, v, mask, None if implementation == "splash" else implementation, lengths=lengths)
-    h = h + jnp.einsum("bthk,hkd->btd", out, cast["wo"])
+    h = h + project("bthk,hkd->btd", out, cast["wo"], adapters.get("wo"))
     x = rms_norm(h, cast["mlp_norm"], eps)
-    h = h + swiglu(x, cast["w_gate"], cast["w_up"], cast["w_down"])
+    h = h + swiglu(x, cast["w_gate"], cast["w_up"], cast["w_down"], adapters=adapters)
     return constrain(h, ("batch", "sequence", "embed"))
 
 

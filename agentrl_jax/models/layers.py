@@ -7,6 +7,7 @@ key/value heads, K head dim, F MLP width.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import chex
 import jax
@@ -214,15 +215,51 @@ def packed_attention(
     return jnp.where(real, out, jnp.zeros((), out.dtype))
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+class LowRank(NamedTuple):
+    """One layer's LoRA adapter of a weight ``W [*in, *out]``: ``a [*in, r]``, ``b [r, *out]``
+    and the scale ``alpha / r`` (LoRA, arXiv:2106.09685)."""
+
+    a: jax.Array
+    b: jax.Array
+    scale: float
+
+
+def project(equation: str, x: jax.Array, w: jax.Array, adapter: LowRank | None = None) -> jax.Array:
+    """``einsum(equation, x, w)``, plus ``scale * (x A) B`` with a LoRA ``adapter``.
+
+    The in-layer form of ``x (W + scale A B)``: the update costs two thin matmuls through the
+    rank-r bottleneck, and neither the merged weight nor its gradient is ever formed.
+    ``equation`` contracts x's trailing dims with w's leading ones (``"btd,dhk->bthk"``,
+    ``"bthk,hkd->btd"``); ``a`` and ``b`` are cast to ``x.dtype``, as the decoder casts weights.
+    """
+    out = jnp.einsum(equation, x, w)
+    if adapter is None:
+        return out
+    inputs, result = equation.split("->")
+    x_dims, w_dims = inputs.split(",")
+    contracted = "".join(c for c in w_dims if c in x_dims and c not in result)
+    if not w_dims.startswith(contracted):
+        raise ValueError(f"project: {equation!r} must contract the weight's leading dims")
+    r = next(c for c in "rzyxwvu" if c not in equation)
+    kept = "".join(c for c in x_dims if c not in contracted)
+    xa = jnp.einsum(f"{x_dims},{contracted}{r}->{kept}{r}", x, adapter.a.astype(x.dtype))
+    update = jnp.einsum(f"{kept}{r},{r}{w_dims[len(contracted):]}->{result}", xa * adapter.scale,
+                        adapter.b.astype(x.dtype))
+    return out + update.astype(out.dtype)
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+           adapters: dict[str, LowRank] | None = None) -> jax.Array:
     """SwiGLU MLP (Shazeer 2020): ``(silu(x W_g) * (x W_u)) W_d``.
 
     Args:
       x: ``[B, T, D]``; w_gate, w_up: ``[D, F]``; w_down: ``[F, D]``.
+      adapters: LoRA adapters of ``"w_gate"``, ``"w_up"``, ``"w_down"`` (any subset; `project`).
     """
-    gate = jnp.einsum("btd,df->btf", x, w_gate)
-    up = jnp.einsum("btd,df->btf", x, w_up)
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w_down)
+    adapters = adapters or {}
+    gate = project("btd,df->btf", x, w_gate, adapters.get("w_gate"))
+    up = project("btd,df->btf", x, w_up, adapters.get("w_up"))
+    return project("btf,fd->btd", jax.nn.silu(gate) * up, w_down, adapters.get("w_down"))
 
 
 def rope_frequencies(config: DecoderConfig) -> np.ndarray:

@@ -1,16 +1,20 @@
-"""LoRA adapters on the decoder as a param transform: ``W + (alpha / r) A B`` inside the jit.
+"""LoRA adapters on the decoder: ``x W + (alpha / r) (x A) B`` in the layer, or merged weights.
 
-LoRA: Low-Rank Adaptation of Large Language Models (arXiv:2106.09685). The decoder is not
-changed: ``LoraParams`` holds the frozen base params (the decoder's ``nnx.State``) and a
-separate trainable tree of adapters, and ``merged_params`` computes the targeted stacked
-weights ``W[l] + scale * A[l] @ B[l]`` wherever a forward runs (trainer, engine push), so one
-code path serves full fine-tuning and LoRA. The KL reference is the base itself (adapters off).
+LoRA: Low-Rank Adaptation of Large Language Models (arXiv:2106.09685). ``LoraParams`` holds the
+frozen base params (the decoder's ``nnx.State``) and a separate trainable tree of adapters. A
+forward takes them two ways (``decoder_inputs``):
 
-Cost against an in-layer adapter (``x W + scale * (x A) B``): the forward holds a merged
-copy of the targeted weights, and the backward forms their full-size gradient before
-projecting it onto A and B; what LoRA saves is the optimizer state and float32 master copy of
-the base (docs/lora.md). Dropout on the adapter input cannot be written as a weight merge and is
-not offered: in RL it would also make the trainer's logprobs differ from the sampler's.
+- ``impl="in_layer"`` (the default): the decoder gets the base and the adapters, and each
+  targeted projection computes ``x W + scale * (x A) B`` (``layers.project``). Neither a merged
+  weight nor its gradient is formed: the update holds the base, the adapters and activations.
+- ``impl="merged"``: ``merged_params`` forms ``W[l] + scale * A[l] @ B[l]`` for the targeted
+  stacked weights and the decoder runs on them; the forward holds a merged copy and the backward
+  its full-size gradient before projecting it onto A and B.
+
+The engine always decodes merged weights (``merged_params`` at each push), so it runs one dense
+model at full speed. The KL reference is the base itself (adapters off). Dropout on the adapter
+input cannot be written as a weight merge and is not offered: in RL it would also make the
+trainer's logprobs differ from the sampler's.
 
 Shapes (the decoder's stacked layout, ``models/decoder.py``): an adapter on a weight
 ``[L, *in, *out]`` is ``a [L, *in, r]`` and ``b [L, r, *out]`` (``wq [L, D, H, K]``:
@@ -61,12 +65,14 @@ class LoraParams:
       dtype: the merged weights' dtype (static): the decoder's compute dtype, to which it casts
         every weight at use anyway, so a bfloat16 run holds the merged copy (and its gradient) in
         bfloat16; None: float32 where either side is (a bfloat16 sum would round the update away).
+      impl: how the trainer's forward applies the adapters (static): "in_layer" or "merged".
     """
 
     base: Any
     adapters: dict[str, dict[str, jax.Array]]
     scale: float = struct.field(pytree_node=False, default=1.0)
     dtype: Any = struct.field(pytree_node=False, default=None)
+    impl: str = struct.field(pytree_node=False, default="in_layer")
 
 
 def adapter_shapes(config: DecoderConfig, lora: LoraConfig) -> dict[str, dict[str, tuple[tuple[int, ...], tuple]]]:
@@ -108,7 +114,7 @@ def attach(base: nnx.State, config: DecoderConfig, lora: LoraConfig, key: jax.Ar
     ``compute_dtype``: the decoder's (``LoraParams.dtype``)."""
     adapters = init_adapters(config, lora, key, mesh=mesh, rules=rules)
     dtype = None if compute_dtype is None else jnp.dtype(compute_dtype)
-    return LoraParams(base=base, adapters=adapters, scale=lora.alpha / lora.rank, dtype=dtype)
+    return LoraParams(base=base, adapters=adapters, scale=lora.alpha / lora.rank, dtype=dtype, impl=lora.impl)
 
 
 def delta(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -135,6 +141,19 @@ def merged_params(params: Any) -> Any:
     merged = nnx.State(dict(params.base))
     merged["layers"] = nnx.State(layers)
     return merged
+
+
+def decoder_inputs(params: Any) -> tuple[Any, dict[str, Any]]:
+    """``(state, call keywords)`` of the trainer's forward: ``nnx.merge(graphdef, state)(...,
+    **keywords)``. The base and the decoder's ``adapters``/``adapter_scale`` for in-layer LoRA;
+    ``merged_params(params)`` and no keywords otherwise (plain params, or ``impl="merged"``)."""
+    if not isinstance(params, LoraParams) or params.impl == "merged":
+        return merged_params(params), {}
+    if params.impl != "in_layer":
+        raise ValueError(f"LoraParams.impl must be 'in_layer' or 'merged', got {params.impl!r}")
+    if params.base is None:
+        raise ValueError("decoder_inputs: these LoraParams carry no base (taken out by without_base)")
+    return params.base, {"adapters": params.adapters, "adapter_scale": params.scale}
 
 
 def adapters_off(params: Any) -> Any:

@@ -30,7 +30,7 @@ from agentrl_jax.losses import (
     kl_loss,
     token_logprobs,
 )
-from agentrl_jax.models.lora import merged_params, trainable, with_trainable
+from agentrl_jax.models.lora import decoder_inputs, trainable, with_trainable
 from agentrl_jax.sharding import under_mesh
 from agentrl_jax.train.lora import jit_donating_state
 from agentrl_jax.train.packing import gather_rows, packed_logprobs
@@ -102,15 +102,16 @@ def forward_logprobs(
     Returns:
       logp [B, T] float32 (and entropy [B, T] when ``with_entropy``).
     """
-    model = nnx.merge(graphdef, merged_params(params))  # LoRA: W + scale * A B (models/lora.py)
+    state, lora = decoder_inputs(params)  # LoRA: the adapters in the layers, or merged (models/lora.py)
+    model = nnx.merge(graphdef, state)
     if packed:
         hidden, _ = model(
             batch["input_ids"], batch["positions"], segment_ids=batch["segment_ids"],
-            max_segments=max_segments or None,
+            max_segments=max_segments or None, **lora,
         )
     else:
         lengths = jnp.sum(batch["segment_ids"] > 0, axis=1).astype(jnp.int32)
-        hidden, _ = model(batch["input_ids"], batch["positions"], lengths=lengths)
+        hidden, _ = model(batch["input_ids"], batch["positions"], lengths=lengths, **lora)
     table, layout = model.output_embedding()
     return token_logprobs(
         hidden,

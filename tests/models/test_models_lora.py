@@ -1,5 +1,6 @@
-"""LoRA adapters (models/lora.py): the merged forward against NumPy, fresh adapters change
-nothing, the PEFT export loads in peft + transformers with our logits, the merged HF export too."""
+"""LoRA adapters (models/lora.py): the merged weights and the in-layer projection against NumPy,
+the in-layer forward equals the merged one, fresh adapters change nothing, the PEFT export loads
+in peft + transformers with our logits, the merged HF export too."""
 
 import json
 
@@ -13,7 +14,16 @@ from flax import nnx
 
 from agentrl_jax.config import LoraConfig
 from agentrl_jax.models import load_hf_checkpoint, save_hf_checkpoint, split_params
-from agentrl_jax.models.lora import TARGETS, LoraParams, adapters_off, attach, init_adapters, merged_params
+from agentrl_jax.models.layers import LowRank, project
+from agentrl_jax.models.lora import (
+    TARGETS,
+    LoraParams,
+    adapters_off,
+    attach,
+    decoder_inputs,
+    init_adapters,
+    merged_params,
+)
 from agentrl_jax.models.lora_export import save_peft_adapter
 
 IDS = np.random.default_rng(0).integers(0, 97, (2, 12))
@@ -62,6 +72,50 @@ def test_merged_weights_equal_a_numpy_merge_and_fresh_adapters_change_nothing(qw
     fresh = attach(params.base, model.config, lora, jax.random.key(0))
     np.testing.assert_array_equal(_logits(graphdef, merged_params(fresh)), _logits(graphdef, params.base))
     assert adapters_off(params) is params.base
+
+
+@pytest.mark.parametrize("equation,x_shape,w_shape,k", [
+    ("btd,dhk->bthk", (2, 5, 6), (6, 3, 4), 1),  # q/k/v
+    ("bthk,hkd->btd", (2, 5, 3, 4), (3, 4, 6), 2),  # o
+    ("btf,fd->btd", (2, 5, 7), (7, 6), 1),  # MLP
+])
+def test_project_adds_the_low_rank_update_like_numpy(equation, x_shape, w_shape, k):
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
+    a, b = rng.standard_normal((*w_shape[:k], 3)), rng.standard_normal((3, *w_shape[k:]))
+    x2, w2 = x.reshape(10, -1), w.reshape(int(np.prod(w_shape[:k])), -1)
+    expected = (x2 @ w2 + 0.5 * (x2 @ a.reshape(w2.shape[0], 3)) @ b.reshape(3, -1)).reshape(
+        *x_shape[:2], *w_shape[k:])
+    f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+    ours = jax.jit(project, static_argnums=0)(equation, f32(x), f32(w), LowRank(f32(a), f32(b), 0.5))
+    np.testing.assert_allclose(np.asarray(ours), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(project(equation, f32(x), f32(w))),
+                                  np.asarray(jnp.einsum(equation, f32(x), f32(w))))
+
+
+def test_project_refuses_a_weight_whose_inputs_are_not_leading():
+    x, w = jnp.ones((2, 5, 6)), jnp.ones((3, 4, 6))  # [H, K, D] read as a q projection
+    with pytest.raises(ValueError, match="must contract the weight's leading dims"):
+        project("btd,hkd->bthk", x, w, LowRank(jnp.ones((6, 2)), jnp.ones((2, 3, 4)), 1.0))
+
+
+@pytest.mark.parametrize("targets", [("q", "k", "v", "o", "gate", "up", "down"), ("v", "o", "down")])
+def test_in_layer_forward_equals_the_merged_forward(qwen3, targets):
+    _, model = qwen3
+    graphdef, params = _trained_lora(model, LoraConfig(rank=4, alpha=8.0, targets=targets))
+    assert params.impl == "in_layer"
+    state, keywords = decoder_inputs(params)
+    assert state is params.base and keywords["adapter_scale"] == 2.0
+    decoder = nnx.merge(graphdef, state)
+    ids = jnp.asarray(IDS, jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    hidden, _ = decoder(ids, positions, **keywords)
+    in_layer, merged = np.asarray(decoder.logits(hidden)), _logits(graphdef, merged_params(params))
+    np.testing.assert_allclose(in_layer, merged, rtol=1e-5, atol=2e-5)
+    assert not np.allclose(in_layer, _logits(graphdef, params.base), atol=1e-3)  # the adapters act
+    state, keywords = decoder_inputs(params.replace(impl="merged"))
+    assert keywords == {}
+    np.testing.assert_array_equal(_logits(graphdef, state), merged)
 
 
 def test_adapter_shapes_and_targets():

@@ -88,7 +88,7 @@ def text_of(nb) -> str:
     return "\n".join(parts)
 
 
-@pytest.mark.parametrize("name", ["quickstart.ipynb", "custom_loss.ipynb", "load_hf_model.ipynb"])
+@pytest.mark.parametrize("name", ["quickstart.ipynb", "custom_loss.ipynb", "load_hf_model.ipynb", "lora_rl.ipynb"])
 def test_notebook_is_valid_and_stored_without_outputs(name):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(nb)
@@ -127,6 +127,19 @@ def test_custom_loss_trains_with_the_registered_loss(tmp_path, kernel_env, monke
         assert [r["step"] for r in train_rows] == [1, 2, 3]
         # The custom loss's own metric reaches metrics.jsonl only if the trainer called it.
         assert all(("spo_penalty" in r) == (run == "spo") for r in train_rows)
+
+
+@pytest.mark.slow  # ~80 s on 2 CPU cores; LoRA RL through the launcher is also in tests/e2e/test_lora_e2e.py
+def test_lora_rl_trains_adapters_and_the_peft_export_matches(tmp_path, kernel_env, monkeypatch):
+    nb = execute("lora_rl.ipynb", tmp_path, kernel_env, monkeypatch)
+    assert outputs(nb, "error") == []
+    text = text_of(nb)
+    assert "LoRA rank 4" in text and "engine and trainer logprobs agree" in text
+    assert "PEFT adapter and merged export agree" in text
+    out = tmp_path / "runs" / "lora_rl"
+    rows = [json.loads(line) for line in (out / "metrics" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    assert (out / "export_adapter" / "adapter_model.safetensors").exists()
 
 
 def test_load_hf_model_decodes_and_scores_pass_at_k(tmp_path, kernel_env, monkeypatch):

@@ -1,6 +1,9 @@
-"""LoRA in the trainer: gradients and optimizer state only for the adapters (checked against the
-chain rule through the merged weights), the base neither donated nor changed, the reference is
-the base itself, checkpoints hold the adapters only and resume exactly."""
+"""LoRA in the trainer: gradients and optimizer state only for the adapters (both forms checked
+against the chain rule through the merged weights), the in-layer update forms no weight-sized
+tensor, the base neither donated nor changed, the reference is the base itself, checkpoints hold
+the adapters only and resume exactly."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +50,10 @@ def _minibatch(graphdef, params):
     return batch, global_normalizer(batch["loss_mask"], "token-mean", max_response_length=24)
 
 
-def test_adapter_gradients_are_the_chain_rule_through_the_merged_weights(policy):
+@pytest.mark.parametrize("impl", ["in_layer", "merged"])
+def test_adapter_gradients_are_the_chain_rule_through_the_merged_weights(policy, impl):
     graphdef, _, params = policy
+    params = params.replace(impl=impl)
     batch, z = _minibatch(graphdef, params)
     loss = lambda p: policy_loss(p, graphdef, batch, z, SETTINGS, None)[0]  # noqa: E731
     grads = jax.grad(lambda adapters: loss(params.replace(adapters=adapters)))(params.adapters)
@@ -62,6 +67,39 @@ def test_adapter_gradients_are_the_chain_rule_through_the_merged_weights(policy)
         np.testing.assert_allclose(np.asarray(grads[name]["b"]).reshape(b.shape), SCALE * a.transpose(0, 2, 1) @ g,
                                    rtol=1e-4, atol=1e-7)
         assert np.abs(np.asarray(grads[name]["a"])).max() > 0 and np.abs(np.asarray(grads[name]["b"])).max() > 0
+
+
+def _output_shapes(jaxpr, found):
+    """Shapes of every value a jaxpr computes, inside scans, remats and nested jits too."""
+    for eqn in jaxpr.eqns:
+        found.update(tuple(v.aval.shape) for v in eqn.outvars)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    _output_shapes(sub, found)
+    return found
+
+
+def _loss_of_adapters(params, graphdef, batch, z, adapters):
+    return policy_loss(params.replace(adapters=adapters), graphdef, batch, z, SETTINGS, None)[0]
+
+
+def test_the_in_layer_gradient_forms_no_merged_weight_and_no_weight_gradient(policy):
+    """The merged form computes ``[L, *in, *out]`` tensors for every targeted weight (the merged
+    copy and its gradient); the in-layer form none, nor the per-layer ``[*in, *out]`` ones."""
+    graphdef, base, params = policy
+    batch, z = _minibatch(graphdef, params)
+    weights = {name: tuple(base["layers"][name][...].shape) for name in params.adapters}
+    found = {}
+    for impl in ("in_layer", "merged"):
+        form = params.replace(impl=impl)
+        loss = functools.partial(_loss_of_adapters, form, graphdef, batch, z)
+        found[impl] = _output_shapes(jax.make_jaxpr(jax.grad(loss))(form.adapters).jaxpr, set())
+    assert all(shape in found["merged"] for shape in weights.values())
+    assert not any(shape in found["in_layer"] for shape in weights.values())
+    # [64, 32] is also the tied embedding's shape; the attention weights' are the model's alone.
+    assert not any(weights[name][1:] in found["in_layer"] for name in ("wq", "wo"))
 
 
 def test_update_trains_the_adapters_only_and_keeps_the_base_undonated(policy):
