@@ -98,3 +98,20 @@ def test_the_scaling_bench_measures_the_tiny_update_on_the_fake_devices():
     row = load_script("bench/train_scaling.py").measure("tiny", "fsdp", 64, 64, 1, "full", "xla", 64, "compute")
     assert row["gpus"] == 8 and row["rows"] == 8 and row["mesh"]["fsdp"] == 8
     assert row["step_s"] > 0 and row["tokens_per_s_per_gpu"] > 0 and row["loss"] == row["loss"]
+
+
+def test_a_process_running_at_the_deadline_is_killed_with_what_it_started(window, tmp_path):
+    import argparse
+    import os
+    import time
+
+    w = window.Window(argparse.Namespace(deadline=window.RESERVE_S + 2, dry_run=True), str(tmp_path), str(tmp_path),
+                      time.monotonic())
+    os.makedirs(tmp_path / "logs")
+    marker = tmp_path / "child.pid"
+    started = time.monotonic()
+    result = window.run_proc(w, (["bash", "-c", f"sleep 60 & echo $! > {marker}; wait"], [], "slow.log"))
+    assert result["rc"] == "deadline" and time.monotonic() - started < 20
+    child = int(marker.read_text())
+    time.sleep(0.5)
+    assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z"
