@@ -15,6 +15,8 @@ disjoint GPUs (a on the first ones). The default order puts first what the docs 
   asyncN_stream  the streaming arm (--stream-args), skipped with a line if the bench has no such option
   train_xla    1.7B on 1, 2, 4 GPUs with XLA's attention and full remat: only if a cuDNN row on
                several GPUs failed in `train` (then it gives the same-attention baseline)
+  train_hlo    1.7B's update compiled for 4 GPUs (no run): its matmuls over all or a quarter of
+               the tokens, its collectives (train_scaling.py --hlo)
 Before a stage starts, its estimate on H100s (from the runs in docs/benchmarks.md) is compared
 with the time left before ``--deadline`` seconds; a stage that does not fit is skipped, and the
 end prints the command that runs what was skipped. A process still running at the deadline is
@@ -37,13 +39,13 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
-DEFAULT_PARTS = ("train,procs2+async2,procs4,async4,train_xla,async2_lat0+async2_s2,async4_lat0,"
+DEFAULT_PARTS = ("train,procs2+async2,procs4,async4,train_xla,train_hlo,async2_lat0+async2_s2,async4_lat0,"
                  "async2_s4+async2_stream")
 # Seconds on H100s. train: per worker ~15 s compile (measured 13 s, 1.7B) + ~25 s start and init;
 # two rounds (1 and 2 GPUs, then 4) per shape. procs2: the 2-GPU test measured 248 s for its four
 # runs. asyncN: ~14 s per synchronous and ~10 s per async step (2 x H200, 5 steps each) plus
 # ~80 s start, compile and warm-up per mode.
-ESTIMATE_S = {"train": 240, "train_xla": 150, "procs2": 270, "procs4": 300}
+ESTIMATE_S = {"train": 240, "train_xla": 150, "train_hlo": 60, "procs2": 270, "procs4": 300}
 ESTIMATE_S.update({f"async{n}{arm}": s for n in (2, 4) for arm, s in
                    (("", 300), ("_lat0", 190), ("_s2", 150), ("_s4", 150), ("_stream", 300))})
 RESERVE_S = 15  # the tables and the tar at the end
@@ -127,6 +129,10 @@ def part_steps(w: Window, name: str, gpus: list[str]) -> list[list[Proc]]:
             print("train_xla: no cuDNN row on several GPUs failed (in --work): skipped", flush=True)
             return []
         return train_steps(w, gpus, [("1.7b", ["--remat", "full"])], "xla")
+    if name == "train_hlo":  # compile only: do the 4 GPUs each compute their share of the rows?
+        cmd = [PY, "bench/train_scaling.py", "--hlo", "--gpus", "4", "--layouts", "fsdp"]
+        cmd += ["--tiny"] if w.args.dry_run else ["--sizes", "1.7b", "--gpu-ids", ",".join(gpus)]
+        return [[(cmd, gpus, "train_hlo.log")]]
     if name in ("procs2", "procs4"):
         # JAX_PLATFORMS=cpu: the test process itself must not take the GPUs its processes use
         return [[(["env", "JAX_PLATFORMS=cpu", PY, "-m", "pytest", "-p", "no:xdist", "-m", "gpu", "-s", "-q",
@@ -197,12 +203,14 @@ def record_env(w: Window) -> dict:
     """The machine, the commit and the command, in env.json (and nvidia-smi's view in env.txt)."""
     def out(cmd):
         try:
-            return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60).stdout.strip()
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as e:
             return f"{cmd[0]}: {e}"
+        return proc.stdout.strip() if proc.returncode == 0 else f"{cmd[0]}: {proc.stderr.strip()[:200]}"
     smi = out(["nvidia-smi", "-L"])
     gpus = [line.split(":", 1)[1].split("(")[0].strip() for line in smi.splitlines() if line.startswith("GPU ")]
-    env = {"commit": out(["git", "rev-parse", "HEAD"]), "dirty": bool(out(["git", "status", "--short", "-uno"])),
+    commit = w.args.commit or out(["git", "rev-parse", "HEAD"])
+    env = {"commit": commit, "dirty": not w.args.commit and bool(out(["git", "status", "--short", "-uno"])),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpus": len(gpus),
            "device": f"{len(gpus)} x {gpus[0]}" if gpus else "CPU (dry run)" if w.args.dry_run else "?",
            "jax": out([PY, "-c", "import importlib.metadata as m; print(m.version('jax'))"]),
@@ -277,6 +285,8 @@ def main(argv=None) -> None:
                    help="kept between invocations on one machine: a second command adds to the first's results "
                         "(its tar has both) and reuses the async arms' model")
     p.add_argument("--gpus", type=int, default=4, help="GPUs of the machine")
+    p.add_argument("--commit", default="", help="the commit to record (default: git rev-parse HEAD, where git "
+                                                "and the repository's .git are there)")
     p.add_argument("--stream-args", default="--modes stream",
                    help="what bench/async_step.py takes for the streaming arm")
     p.add_argument("--dry-run", action="store_true", help="CPU, fake devices and tiny shapes: checks the plumbing")
@@ -304,8 +314,8 @@ def finish(w: Window, stages: list[list[str]], records: list[dict]) -> None:
     tables and the command for what did not run."""
     done = {r["name"] for r in records if r.get("status") in ("ok", "failed", "skipped")}
     rest = ",".join("+".join(s) for s in stages if not set(s) <= done)
-    rerun = (f"python bench/multigpu_window.py --deadline {w.args.deadline:.0f} --out <tar> --parts {rest}"
-             + (" --dry-run" if w.args.dry_run else "")) if rest else ""
+    rerun = (f"python bench/multigpu_window.py --deadline {w.args.deadline:.0f} --out <tar> --work {w.args.work} "
+             f"--parts {rest}" + (" --dry-run" if w.args.dry_run else "")) if rest else ""
     path = os.path.join(w.stage_dir, "summary.json")
     runs = []
     if os.path.exists(path):

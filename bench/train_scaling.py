@@ -101,15 +101,21 @@ def measure(size: str, layout: str, seq: int, tokens_per_gpu: int, steps: int, r
     # it, sharding propagation alone decides, and on 2 fake CPU devices it computed every row
     # on every device.
     context = jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext()
-    if hlo:  # this bench's update, and the trainer's (rows sliced from a replicated batch)
-        from agentrl_jax.train.step import make_update_fn
+    if hlo:  # this bench's update, and the trainer's form of it (rows sliced from a replicated batch)
+        # As train/step.py make_update_fn's jit (without LoRA); the trainer's own update is a Python
+        # function that sets the mesh around its jit, which no outer trace may do.
+        def sliced(state, whole, rows_index, z):
+            minibatch = jax.tree.map(lambda x: x[rows_index], whole)
+            return update_step(state, minibatch, z, graphdef=graphdef, optimizer=optimizer, settings=settings,
+                               num_micro_batches=1, num_sequences=None)
 
-        trainer = make_update_fn(graphdef, optimizer, settings, state_sharding=state_sharding, mesh=mesh)
+        trainer = jax.jit(sliced, in_shardings=(state_sharding, replicated, replicated, replicated),
+                          out_shardings=(state_sharding, replicated))
         whole = {k: jax.device_put(np.ascontiguousarray(v), replicated) for k, v in host.items()}
         rows_index = jax.device_put(np.arange(rows, dtype=np.int32), replicated)
         with context:
             bench_text = step.lower(state, batch, z).compile().as_text()
-            trainer_text = trainer.lower(state, whole, rows_index, z, 1, False).compile().as_text()
+            trainer_text = trainer.lower(state, whole, rows_index, z).compile().as_text()
         return {"size": size, "gpus": n, "set_mesh": set_mesh, "bench": token_split(bench_text, rows * seq, n),
                 "trainer": token_split(trainer_text, rows * seq, n)}
     with context:

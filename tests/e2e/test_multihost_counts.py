@@ -145,9 +145,9 @@ def test_process_counts_agree_on_cpu(tmp_path, processes):
     # 4 hosts need prompts in multiples of 4 (each rolls out its share)
     overrides = [*TINY, "data.prompts_per_step=4"] if processes == 4 else TINY
     report = run_counts(tmp_path, "cpu", 8, processes, overrides, timeout=900)
-    # Measured (2 processes): step 1's loss and gradient norm bit for bit, the train state within
-    # 1.04e-7 after steps 2 and 3 (one float32 ulp at 1.0; the cross-process all-reduce sums in
-    # its own order).
+    # Measured: the same tokens at every step; the train state within 6.0e-8 (2 processes) and
+    # 1.2e-7 (4) after steps 1, 2 and 3, one float32 ulp of the largest weights (the
+    # cross-process all-reduce sums in its own order), never bit for bit.
     check_counts(report, identical_steps=(1, 2, 3), params_atol={1: 1e-6, 2: 1e-6, 3: 1e-6})
 
 
