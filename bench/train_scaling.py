@@ -64,8 +64,7 @@ def measure(size: str, layout: str, seq: int, tokens_per_gpu: int, steps: int, r
     from jax.sharding import NamedSharding, PartitionSpec
 
     from agentrl_jax.losses import global_normalizer
-    from agentrl_jax.models import Decoder, DecoderConfig, split_params
-    from agentrl_jax.models.decoder import param_shardings
+    from agentrl_jax.models import Decoder, DecoderConfig, param_shardings, split_params
     from agentrl_jax.sharding import make_mesh
     from agentrl_jax.train.step import LossSettings, init_train_state, update_step
 
@@ -102,15 +101,21 @@ def measure(size: str, layout: str, seq: int, tokens_per_gpu: int, steps: int, r
     # it, sharding propagation alone decides, and on 2 fake CPU devices it computed every row
     # on every device.
     context = jax.set_mesh(mesh) if set_mesh else contextlib.nullcontext()
-    if hlo:  # this bench's update, and the trainer's (rows sliced from a replicated batch)
-        from agentrl_jax.train.step import make_update_fn
+    if hlo:  # this bench's update, and the trainer's form of it (rows sliced from a replicated batch)
+        # As train/step.py make_update_fn's jit (without LoRA); the trainer's own update is a Python
+        # function that sets the mesh around its jit, which no outer trace may do.
+        def sliced(state, whole, rows_index, z):
+            minibatch = jax.tree.map(lambda x: x[rows_index], whole)
+            return update_step(state, minibatch, z, graphdef=graphdef, optimizer=optimizer, settings=settings,
+                               num_micro_batches=1, num_sequences=None)
 
-        trainer = make_update_fn(graphdef, optimizer, settings, state_sharding=state_sharding, mesh=mesh)
+        trainer = jax.jit(sliced, in_shardings=(state_sharding, replicated, replicated, replicated),
+                          out_shardings=(state_sharding, replicated))
         whole = {k: jax.device_put(np.ascontiguousarray(v), replicated) for k, v in host.items()}
         rows_index = jax.device_put(np.arange(rows, dtype=np.int32), replicated)
         with context:
             bench_text = step.lower(state, batch, z).compile().as_text()
-            trainer_text = trainer.lower(state, whole, rows_index, z, 1, False).compile().as_text()
+            trainer_text = trainer.lower(state, whole, rows_index, z).compile().as_text()
         return {"size": size, "gpus": n, "set_mesh": set_mesh, "bench": token_split(bench_text, rows * seq, n),
                 "trainer": token_split(trainer_text, rows * seq, n)}
     with context:
@@ -158,10 +163,13 @@ def _run_worker(size: str, layout: str, gpus: list[str], args) -> dict:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={len(gpus)}"
     else:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    log = os.path.join(args.log_dir, f"{size}_{layout}_{len(gpus)}gpu_{args.attention}.log") if args.log_dir else ""
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.worker_timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired as e:
+        _keep_log(log, cmd, f"timeout {args.worker_timeout} s", e.stdout, e.stderr)
         return {"size": size, "layout": layout, "gpus": len(gpus), "error": f"timeout {args.worker_timeout} s"}
+    _keep_log(log, cmd, f"rc {proc.returncode}", proc.stdout, proc.stderr)
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if args.hlo and results:
         for r in results:
@@ -173,7 +181,18 @@ def _run_worker(size: str, layout: str, gpus: list[str], args) -> dict:
     lines = proc.stderr.strip().splitlines() or ["no output"]
     raised = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b", ln)]
     return {"size": size, "layout": layout, "gpus": len(gpus), "error": f"rc={proc.returncode}: "
-            f"{(raised or lines)[-1][:400]}", "stderr_tail": "\n".join(lines[-25:])[-3000:]}
+            f"{(raised or lines)[-1][:400]}", "stderr_tail": "\n".join(lines[-25:])[-3000:], "log": log}
+
+
+def _keep_log(path: str, cmd: list[str], status: str, stdout, stderr) -> None:
+    """A worker's whole output in ``path`` (nothing without --log-dir): XLA's errors run to many
+    lines and the row keeps only the tail, which lost the cause of a failure before."""
+    if not path:
+        return
+    text = lambda s: s.decode(errors="replace") if isinstance(s, bytes) else (s or "")  # noqa: E731
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(f"$ {' '.join(cmd)}\n{status}\n--- stdout\n{text(stdout)}\n--- stderr\n{text(stderr)}")
 
 
 def table(rows: list[dict]) -> str:
@@ -213,6 +232,7 @@ def main(argv=None) -> None:
     p.add_argument("--worker-timeout", type=float, default=600)
     p.add_argument("--mem-fraction", default="0.95", help="XLA_PYTHON_CLIENT_MEM_FRACTION of each worker")
     p.add_argument("--out", default="", help="append every result row (JSON) to this file")
+    p.add_argument("--log-dir", default="", help="write each worker's whole stdout and stderr to a file here")
     p.add_argument("--tiny", action="store_true", help="tiny shape on fake CPU devices: checks the script runs")
     p.add_argument("--no-set-mesh", action="store_true",
                    help="trace the update without jax.set_mesh (as the trainer's jits are): no activation "

@@ -227,7 +227,8 @@ class LoggingConfig(_Section):
     sample_trajectories: int = _f(2, "Trajectories written as text per logged step.")
     progress: bool = _f(True, "Console progress line with ETA.")
     every_host: bool = _f(False, "Several hosts: every host writes its metrics (process i > 0 to "
-                                 "metrics_host<i>/ beside metrics/), to check that the hosts agree.")
+                                 "metrics_host<i>/ beside metrics/) and, at the end, the sha256 of its copy "
+                                 "of every weight (params_digest/host<i>.json), to check that the hosts agree.")
 
 
 @dataclass(frozen=True)

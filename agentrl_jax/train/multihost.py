@@ -18,7 +18,10 @@ On one process every helper reduces to its single-host equivalent.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import pickle
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -115,3 +118,19 @@ def local_replica(params: Any, global_mesh: Mesh, mesh: Mesh) -> Any:
         return jax.make_array_from_single_device_arrays(x.shape, target, [s.data for s in shards])
 
     return jax.tree.map(one, replicated)
+
+
+def write_params_digest(out: Path, local_params: Any, step: int) -> Path:
+    """Write this host's ``params_digest/host<i>.json``: the sha256 of every array of
+    ``local_params`` (this host's full copy, :func:`local_replica`) by key path, at ``step``.
+
+    The hosts' files are equal exactly when every host holds the same weights bit for bit.
+    That is not automatic: JAX does not check that the copies of a replicated piece agree
+    across hosts, and a host's engine samples with its own copy.
+    """
+    digests = {jax.tree_util.keystr(path): hashlib.sha256(np.ascontiguousarray(np.asarray(leaf)).tobytes()).hexdigest()
+               for path, leaf in jax.tree_util.tree_flatten_with_path(local_params)[0]}
+    path = Path(out) / "params_digest" / f"host{jax.process_index()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"step": step, "sha256": digests}, indent=1))
+    return path

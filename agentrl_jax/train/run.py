@@ -232,6 +232,8 @@ class _Job:
                 if start.step < c.total_steps:  # else: the step is on disk already (nothing trained since)
                     save(self.checkpointer, c, roles, final.state, final.version, c.total_steps,
                          data_state=rl.data.get_state(), extra={"results": json.dumps(results)})
+                if c.logging.every_host:  # the hosts' copies of the trained weights, to compare
+                    multihost.write_params_digest(self.out, self.engine_params(final.state.params), c.total_steps)
         return results, final
 
     async def _starting_policy(self, driver, results: dict[str, Any]) -> _Start:

@@ -1,17 +1,20 @@
 """Runs of `launch/tpu_pod.py` as N `jax.distributed` processes, and what they leave behind.
 
 Shared by the multi-process tests on fake CPU devices and on GPUs: start the processes
-(one coordinator on localhost, each process its own devices), read every host's metrics,
-and read a checkpoint's arrays back as NumPy (no devices needed, any process count).
+(one coordinator on localhost, each process its own devices), read every host's metrics and
+weight digests, and read a checkpoint's arrays and data position back (no devices needed,
+any process count).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -35,13 +38,28 @@ def process_env(platform: str, index: int, devices: int) -> dict[str, str]:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     else:
         env.pop("XLA_FLAGS", None)  # the test process's fake CPU device count
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index * devices + i) for i in range(devices))
+        ids = visible_gpus()
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[index * devices + i] for i in range(devices))
     return env
 
 
+def visible_gpus() -> list[str]:
+    """The GPUs this test may use: CUDA_VISIBLE_DEVICES's list if set (so a run can be pinned to
+    some GPUs of the machine), else every GPU `nvidia-smi -L` lists (none without the tool)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "").strip():
+        return [i.strip() for i in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if i.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i, line in enumerate(line for line in out.splitlines() if line.startswith("GPU "))]
+
+
 def launch(out: Path, processes: int, devices_per_process: int, overrides: list[str], *, platform: str = "cpu",
-           config: str = "configs/demo.py", timeout: float = 900) -> list[str]:
-    """`launch/tpu_pod.py` as ``processes`` processes writing to ``out``; their stdout (asserted rc 0)."""
+           config: str = "configs/demo.py", timeout: float = 900) -> float:
+    """`launch/tpu_pod.py` as ``processes`` processes writing to ``out`` (asserted rc 0); the wall
+    seconds until the last one exited."""
+    t0 = time.perf_counter()
     port = free_port()
     procs = []
     for pid in range(processes):
@@ -56,7 +74,7 @@ def launch(out: Path, processes: int, devices_per_process: int, overrides: list[
     outputs = [p.communicate(timeout=timeout) for p in procs]
     for pid, (p, (stdout, stderr)) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0, f"process {pid} of {processes} failed:\n{stdout[-2000:]}\n{stderr[-6000:]}"
-    return [stdout for stdout, _ in outputs]
+    return time.perf_counter() - t0
 
 
 def host_metrics(out: Path, host: int = 0) -> dict[int, dict]:
@@ -74,6 +92,21 @@ def checkpoint_arrays(out: Path, step: int) -> dict[str, np.ndarray]:
         args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
         restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
     return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(restored)[0]}
+
+
+def data_state(out: Path, step: int) -> dict:
+    """The data position saved with the checkpoint of ``step`` (the iterator's JSON state)."""
+    return json.loads((out / "checkpoints" / str(step) / "data_state" / "metadata").read_text())
+
+
+def params_digests(out: Path, processes: int) -> list[dict]:
+    """Every host's ``params_digest/host<i>.json`` (written with ``logging.every_host``)."""
+    return [json.loads((out / "params_digest" / f"host{i}.json").read_text()) for i in range(processes)]
+
+
+def sha256(array: np.ndarray) -> str:
+    """The digest `train.multihost.write_params_digest` writes for an array."""
+    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
 
 
 def max_difference(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> tuple[float, str]:
