@@ -18,6 +18,7 @@ from agentrl_jax.config.registries import run_config_checks
 from agentrl_jax.config.environments import EnvironmentConfig
 from agentrl_jax.config.hybrid import HybridConfig
 from agentrl_jax.config.lora import LoraConfig
+from agentrl_jax.config.policies import MultiPolicyConfig, check_policies
 from agentrl_jax.config.rollout import RolloutConfig
 
 
@@ -320,6 +321,8 @@ class Config(_Section):
     sft: SFTConfig = _section(SFTConfig, "Supervised cold start.")
     hybrid: HybridConfig = _section(HybridConfig, "Teacher, OPD, PRM judge and hindsight hints (docs/hybrid.md).")
     async_rl: AsyncConfig = _section(AsyncConfig, "Asynchronous rollouts, staleness bound, old-logit source.")
+    multi_policy: MultiPolicyConfig = _section(MultiPolicyConfig, "Several trained policies in one episode "
+                                                                  "(docs/multi_policy.md); empty: one policy.")
 
     def validate(self) -> None:
         _require(self.total_steps >= 0, "total_steps", "must be >= 0")
@@ -367,6 +370,7 @@ class Config(_Section):
                      "corrected (set algorithm.correction to 'tis', 'mis' or 'icepop'; or async_rl.old_logprobs='snapshot')")
 
         self.environment.validate_in(self)
+        check_policies(self)
 
     def _path(self, name: str) -> str:
         return name
