@@ -2,7 +2,7 @@
 
 Each policy is today's single-policy config with its own overrides: ``PolicyConfig.overrides``
 are ``section.field=value`` strings (as ``--set`` takes) over the run's sections ``model``,
-``optimizer``, ``algorithm``, ``rollout``, ``critic``, ``sft`` and ``mesh``; the result
+``optimizer``, ``algorithm``, ``rollout``, ``critic`` and ``mesh``; the result
 (``policy_config``) is validated exactly as a single-policy Config is, and each error names
 the policy. What every policy shares stays the run's: the tasks (``data``,
 ``environment``), ``total_steps``, ``seed``, ``eval``. With no policies (the default) the
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from agentrl_jax.config.sections import Config
 
 #: The sections a policy may set on its own; the rest is the run's, shared by every policy.
-POLICY_SECTIONS = ("model", "optimizer", "algorithm", "rollout", "critic", "sft", "mesh")
+POLICY_SECTIONS = ("model", "optimizer", "algorithm", "rollout", "critic", "mesh")
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,11 @@ class PolicyConfig(_Section):
     actors: tuple[str, ...] = _f((), "The episode's actors this policy plays (several: shared weights, roles by "
                                      "prompt).")
     overrides: tuple[str, ...] = _f((), "section.field=value over the run's model, optimizer, algorithm, rollout, "
-                                        "critic, sft and mesh sections (e.g. 'model.path=/ckpt').")
+                                        "critic and mesh sections (e.g. 'model.path=/ckpt').")
     devices: tuple[int, ...] = _f((), "Indices into jax.devices() of the policy's engine and trainer (its "
-                                      "sub-mesh); empty: all devices (time-shared with the others).")
+                                      "sub-mesh); empty: its share, else all devices (time-shared).")
+    share: float = _f(0.0, "With no devices: this fraction of the devices, a block after the blocks of the "
+                           "policies before it; 0: all devices.")
     checkpoint_dir: str = _f("", "The policy's checkpoints; empty: output_dir/policies/<name>/checkpoints.")
 
     def validate(self) -> None:
@@ -41,6 +43,8 @@ class PolicyConfig(_Section):
         _require(bool(self.actors), f"multi_policy.policies[{self.name}].actors", "must name at least one actor")
         _require(len(set(self.devices)) == len(self.devices) and min(self.devices, default=0) >= 0,
                  f"multi_policy.policies[{self.name}].devices", f"{self.devices} must be distinct indices >= 0")
+        _require(0 <= self.share <= 1 and not (self.share and self.devices), f"multi_policy.policies[{self.name}].share",
+                 f"{self.share} must be in [0, 1], and not given with devices")
         for item in self.overrides:
             section = item.split("=", 1)[0].split(".", 1)[0].strip()
             _require("=" in item and section in POLICY_SECTIONS, f"multi_policy.policies[{self.name}].overrides",
@@ -68,22 +72,39 @@ class MultiPolicyConfig(_Section):
                  f"each actor is played by one policy; {sorted({a for a in actors if actors.count(a) > 1})} by several")
         _require(self.critique_retries >= 0, "multi_policy.critique_retries", "must be >= 0")
 
-        _require(self.schedule != "concurrent" or self.disjoint(), "multi_policy.schedule",
-                 "'concurrent' needs every policy on its own devices (multi_policy.policies[*].devices non-empty "
-                 "and disjoint)")
+        _require(sum(p.share for p in self.policies) <= 1 + 1e-9, "multi_policy.policies",
+                 f"the shares add up to {sum(p.share for p in self.policies)}, more than all devices")
 
     @property
     def enabled(self) -> bool:
         return bool(self.policies)
 
-    def disjoint(self) -> bool:
-        """Every policy has devices of its own, shared with no other policy."""
-        used = [set(p.devices) for p in self.policies]
-        return all(used) and sum(map(len, used)) == len(set().union(*used))
+    def placement(self, num_devices: int) -> list[tuple[int, ...]]:
+        """Each policy's device indices out of ``num_devices``: its ``devices``, its ``share`` (a
+        block after the shares before it, at least one device), or all."""
+        placed, first = [], 0
+        for p in self.policies:
+            if p.devices:
+                placed.append(p.devices)
+            elif p.share:
+                count = max(1, round(p.share * num_devices))
+                if first + count > num_devices:
+                    raise ConfigError(f"multi_policy.policies[{p.name}].share: no device left for it ({num_devices} "
+                                      "devices; every share takes at least one)")
+                placed.append(tuple(range(first, first + count)))
+                first += count
+            else:
+                placed.append(tuple(range(num_devices)))
+        return placed
 
-    def concurrent(self) -> bool:
-        """Whether the policies train at once (``schedule``; 'auto': when their devices are disjoint)."""
-        return self.schedule == "concurrent" or (self.schedule == "auto" and self.disjoint())
+    def concurrent(self, num_devices: int) -> bool:
+        """Whether the policies train at once (``schedule``; 'auto': when no two share a device)."""
+        used = [set(d) for d in self.placement(num_devices)]
+        disjoint = sum(map(len, used)) == len(set().union(*used)) if used else False
+        if self.schedule == "concurrent" and not disjoint:
+            raise ConfigError("multi_policy.schedule: 'concurrent' needs every policy on devices of its own; "
+                              f"the placement on {num_devices} devices is {self.placement(num_devices)}")
+        return self.schedule == "concurrent" or (self.schedule == "auto" and disjoint)
 
 
 def policy_config(config: Config, policy: PolicyConfig) -> Config:
@@ -100,7 +121,15 @@ def policy_config(config: Config, policy: PolicyConfig) -> Config:
 
 
 def check_policies(config: Config) -> None:
-    """Every policy's own Config is valid (``Config.validate`` runs this)."""
+    """Every policy's own Config is valid, and the run asks for nothing the multi-policy run
+    does not do (``Config.validate`` runs this)."""
+    if not config.multi_policy.enabled:
+        return
+    unsupported = {"sft.steps": config.sft.steps > 0, "async_rl.enabled": config.async_rl.enabled,
+                   "hybrid.mode": config.hybrid.mode != "none", "hybrid.judge": config.hybrid.judge != "none"}
+    for key, asked in unsupported.items():
+        _require(not asked, key, "is not supported with multi_policy.policies yet (the multi-policy run has no SFT "
+                                 "stage, synchronous rollouts only, no teacher or judge); leave it at its default")
     for policy in config.multi_policy.policies:
         policy_config(config, policy)
 
