@@ -27,6 +27,9 @@ SMOKE = [
     "eval.num_tasks=2", "eval.samples_per_task=1", "data.prompts_per_step=2", "algorithm.group_size=2",
     "logging.progress=false", "logging.sample_trajectories=0", "checkpoint.every_steps=1",
     "checkpoint.export_hf=true", "rollout.max_concurrent=8",
+    # A random model's team reward is 0 in every group (no advantage): the entropy term still moves
+    # both policies, so the resume check compares params that changed.
+    "algorithm.entropy_coef=0.05", "optimizer.warmup_steps=0",
 ]
 
 
@@ -39,6 +42,7 @@ def _exported(out: Path, name: str):
     return split_params(load_hf_checkpoint(str(out / "export" / name)))[1]
 
 
+@pytest.mark.slow  # three runs, ~3 min on 2 cores
 @require_devices(8)
 def test_two_policies_on_sub_meshes_train_and_resume_exactly(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -50,7 +54,7 @@ def test_two_policies_on_sub_meshes_train_and_resume_exactly(tmp_path):
     assert sorted(rows) == [1, 2]
     for row in rows.values():
         for name in ("solver", "checker"):  # each policy trained its own tokens, with its own optimizer
-            assert row[f"{name}/train_tokens"] > 0 and np.isfinite(row[f"{name}/grad_norm"])
+            assert row[f"{name}/train_tokens"] > 0 and row[f"{name}/update_norm"] > 0
         assert row["checker/learning_rate"] != row["solver/learning_rate"]  # the checker's own optimizer
     for name in ("solver", "checker"):
         assert sorted(int(p.name) for p in (straight / "policies" / name / "checkpoints").iterdir()

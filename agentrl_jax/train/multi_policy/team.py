@@ -49,14 +49,13 @@ def policy_trajectories(episodes: Sequence[MultiActorEpisode], actors: Sequence[
 def team_metrics(episodes: Sequence[MultiActorEpisode], prefix: str = "") -> dict[str, float]:
     """The episodes' own metrics averaged (checker accuracy, first / final correct, ...), and
     ``critique/wrong_to_right_rate``: of the wrong first answers the checker rejected, the
-    fraction whose second try was correct (NaN when there were none)."""
+    fraction whose second try was correct (absent when there were none)."""
     results = [e.result for e in episodes if not e.result.masked]
     keys = sorted({k for r in results for k in r.metrics})
     out = {f"{prefix}{k}": float(np.mean([r.metrics.get(k, 0.0) for r in results])) for k in keys}
     sums = {k: sum(r.metrics.get(k, 0.0) for r in results) for k in ("critique/wrong_first", "critique/wrong_to_right")}
-    if "critique/wrong_first" in keys:
-        out[f"{prefix}critique/wrong_to_right_rate"] = (sums["critique/wrong_to_right"] / sums["critique/wrong_first"]
-                                                        if sums["critique/wrong_first"] else float("nan"))
+    if sums["critique/wrong_first"]:
+        out[f"{prefix}critique/wrong_to_right_rate"] = sums["critique/wrong_to_right"] / sums["critique/wrong_first"]
     out[f"{prefix}team/masked_episodes"] = float(len(episodes) - len(results))
     return out
 
