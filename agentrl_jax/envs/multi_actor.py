@@ -30,7 +30,9 @@ the actor's own turn). The first messages of a view are its prompt (``apply_chat
 Token ids pass straight through: sampled ids enter the view as the engine produced them.
 
 A view that would overflow the context ends the episode ("max_tokens"); the environment
-scores it (``cut_short``) or, returning None, every row of the episode is masked.
+scores it (``cut_short``) or, returning None, every row of the episode is masked. An
+environment whose ``step`` raises ends its episode masked ("env_error", counted in
+``env_errors``): a crash is never a training signal.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -46,6 +49,7 @@ import numpy as np
 from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.rollout.sampling import SamplingParams
 
+logger = logging.getLogger(__name__)
 OBSERVATION = -1  # the owner of prompt and observation tokens
 
 
@@ -183,6 +187,7 @@ class MultiActorLoop:
             raise ValueError(f"MultiActorLoop: actors are played by policies without a driver: {unknown}")
         self.drivers, self.actor_policy, self.tokenizer = dict(drivers), dict(actor_policy), tokenizer
         self.max_new_tokens_per_turn, self.max_total_tokens = max_new_tokens_per_turn, max_total_tokens
+        self.env_errors = 0
 
     async def run_group(self, env_factory: Callable[[], MultiActorEnvironment], task: dict[str, Any],
                         num_samples: int, sampling: SamplingParams, *, group_id: int = 0) -> list[MultiActorEpisode]:
@@ -226,7 +231,13 @@ class MultiActorLoop:
                                                max_new_tokens=budget, session=session)
             view.sample(completion, env.actors.index(turn.actor))
             view.read[policy] = (session, len(view.ids))
-            result = await env.step(turn.actor, self.tokenizer.decode(completion.token_ids, skip_special_tokens=True))
+            try:
+                result = await env.step(turn.actor, self.tokenizer.decode(completion.token_ids,
+                                                                          skip_special_tokens=True))
+            except Exception as e:  # noqa: BLE001  (a broken env ends its episode, not the run)
+                self.env_errors += 1
+                logger.warning("environment step failed for task %r (episode masked): %r", task.get("id"), e)
+                return _masked("env_error")
             if result.done:
                 return result
             turn = result.next_turn

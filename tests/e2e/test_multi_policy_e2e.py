@@ -65,7 +65,7 @@ def test_two_policies_on_sub_meshes_train_and_resume_exactly(tmp_path):
     train(load_config("configs/multi_policy_demo.py", [f"output_dir={resumed}", "total_steps=2",
                                                        "checkpoint.resume=true", *SMOKE]))
     again = _rows(resumed)
-    for key in ("solver/loss", "checker/loss", "solver/reward_mean", "checker/reward_mean"):
+    for key in ("solver/loss", "checker/loss", "solver/reward/mean", "checker/reward/mean"):
         assert again[2][key] == pytest.approx(rows[2][key], rel=1e-5, abs=1e-7), key
     for name in ("solver", "checker"):
         for a, b in zip(jax.tree.leaves(_exported(straight, name)), jax.tree.leaves(_exported(resumed, name))):

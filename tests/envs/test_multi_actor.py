@@ -30,8 +30,8 @@ class Dialogue(MultiActorEnvironment):
 
     actors = ("proposer", "critic")
 
-    def __init__(self, shared_view: bool):
-        self.shared_view = shared_view
+    def __init__(self, shared_view: bool, fail_at: int = 0):
+        self.shared_view, self.fail_at = shared_view, fail_at
         self.stop_strings = {}
 
     async def reset(self, task):
@@ -40,6 +40,8 @@ class Dialogue(MultiActorEnvironment):
 
     async def step(self, actor, action_text):
         self.said.append((actor, action_text))
+        if len(self.said) == self.fail_at:
+            raise RuntimeError("the environment broke")
         if len(self.said) == 1:
             seen = ([{"role": "user", "content": "Critic, your review?"}] if self.shared_view else
                     [{"role": "system", "content": REVIEW_SYSTEM}, {"role": "user", "content": action_text}])
@@ -58,7 +60,7 @@ def setup(tmp_path_factory):
     return tok, engines
 
 
-def play(setup, *, shared_view: bool, self_play: bool, group_id: int = 3):
+def play(setup, *, shared_view: bool, self_play: bool, group_id: int = 3, fail_at: int = 0):
     tok, engines = setup
     actor_policy = {"proposer": "a", "critic": "a" if self_play else "b"}
 
@@ -71,13 +73,16 @@ def play(setup, *, shared_view: bool, self_play: bool, group_id: int = 3):
             await drivers["b"].update_params(engines[1][1], 7)  # the critic's engine holds version 7
             loop = MultiActorLoop(drivers, actor_policy, tok, max_new_tokens_per_turn=PER_TURN,
                                   max_total_tokens=MAX_TOKENS)
-            return await loop.run_episode(Dialogue(shared_view), {"question": "q", "id": 1},
-                                          SamplingParams(temperature=1.0, seed=0), group_id=group_id)
+            episode = await loop.run_episode(Dialogue(shared_view, fail_at), {"question": "q", "id": 1},
+                                             SamplingParams(temperature=1.0, seed=0), group_id=group_id)
+            return episode, loop.env_errors
         finally:
             for d in drivers.values():
                 await d.__aexit__(None, None, None)
 
-    return asyncio.run(main())
+    episode, env_errors = asyncio.run(main())
+    assert env_errors == int(fail_at > 0)
+    return episode
 
 
 def runs(values) -> list[tuple[int, int, int]]:
@@ -137,3 +142,10 @@ def test_shared_view_one_transcript_masks_split_by_actor(setup, self_play):
     assert set(rows["critic"].params_versions[rows["critic"].loss_mask > 0]) == {critic_version}
     if self_play:
         assert len(view.read) == 1
+
+
+def test_a_broken_environment_masks_its_episode_and_the_run_goes_on(setup):
+    episode = play(setup, shared_view=False, self_play=False, fail_at=2)
+    assert episode.result.finish_reason == "env_error" and episode.result.masked
+    assert all(t.masked and t.reward == 0.0 for t in episode.trajectories.values())
+    assert set(episode.trajectories) == {"proposer", "critic"}  # both acted before the failure

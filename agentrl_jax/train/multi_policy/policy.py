@@ -41,6 +41,7 @@ class Policy:
       rl: what its training step uses (``train/rl/loop.py train_step``).
       state, version: its train state and the params version its engine decodes with.
       checkpointer: its checkpoints (``spec.checkpoint_dir``).
+      initial: (graphdef, params) it starts from, until ``finish_build`` makes the frozen models.
     """
 
     spec: PolicyConfig
@@ -52,6 +53,7 @@ class Policy:
     state: TrainState
     version: int
     checkpointer: Checkpointer
+    initial: tuple[Any, Any] | None = None
 
     @property
     def name(self) -> str:
@@ -75,6 +77,10 @@ def model_assets(config: Config, spec: PolicyConfig, corpus: list[str]) -> tuple
     return own, model_dir, tokenizer_dir
 
 
+def checkpoint_dir(spec: PolicyConfig, out: Path) -> Path:
+    return Path(spec.checkpoint_dir) if spec.checkpoint_dir else out / "policies" / spec.name / "checkpoints"
+
+
 def build_policy(own: Config, spec: PolicyConfig, placement: tuple[int, ...], model_dir: str, tokenizer, *,
                  out: Path) -> Policy:
     """The policy's model on its sub-mesh (``placement``: device indices), its engine and driver
@@ -94,18 +100,15 @@ def build_policy(own: Config, spec: PolicyConfig, placement: tuple[int, ...], mo
                     prefill_token_budget=r.prefill_token_budget or None, prefix_cache=r.prefix_cache)
     optimizer, _ = make_optimizer(own.optimizer, own.total_steps)
     state = init_train_state(lora.policy_params(own, params, model.config, mesh), optimizer, own.seed)
-    directory = Path(spec.checkpoint_dir) if spec.checkpoint_dir else out / "policies" / spec.name / "checkpoints"
-    checkpointer = Checkpointer(directory, max_to_keep=own.checkpoint.max_to_keep,
+    checkpointer = Checkpointer(checkpoint_dir(spec, out), max_to_keep=own.checkpoint.max_to_keep,
                                 async_save=own.checkpoint.async_save)
-    policy = Policy(spec, own, mesh, model.config, driver, None, state, 0, checkpointer)
-    policy.initial = (graphdef, params)  # the frozen models' source, consumed by finish_build
-    return policy
+    return Policy(spec, own, mesh, model.config, driver, None, state, 0, checkpointer, initial=(graphdef, params))
 
 
 def finish_build(policy: Policy, tokenizer, *, start_step: int, train_tasks, eval_tasks, writer) -> None:
     """The policy's roles (reference, ...) from its starting params, and its step functions."""
     graphdef, params = policy.initial
-    del policy.initial
+    policy.initial = None  # the trained policy is the state from here on
     roles = build_roles(policy.config, graphdef, params, policy.mesh, tokenizer=tokenizer, driver=policy.driver,
                         start_step=start_step, policy_params=policy.state.params)
     policy.rl = build_rl(policy.config, roles=roles, state=policy.state, tokenizer=tokenizer, driver=policy.driver,

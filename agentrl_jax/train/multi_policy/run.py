@@ -1,15 +1,15 @@
 """``train_multi(config)``: several policies trained on one multi-actor episode (docs/multi_policy.md).
 
-    tasks, one tokenizer, the sandbox pool and verifier           shared by the run
-    per policy: its Config, devices (sub-mesh), model, engine      multi_policy/policy.py
+    tasks, one tokenizer, the sandbox pool and verifier        shared by the run
+    per policy: its Config, devices (sub-mesh), model, engine   train/multi_policy/policy.py
                 + driver, train state, roles, step functions
     resume: every policy at the newest step all of them saved
     start evaluation (team pass@1, the solver's own, the checker's accuracy)
     each step:
-      collect: G episodes per prompt; each turn decoded by the   multi_policy/team.py, envs/multi_actor.py
-               acting policy's engine, tokens tagged by actor
-      split:   each policy's rows (its actors' tokens trained)    team.policy_trajectories
-      train:   each policy's build batch / logprobs / update      train/rl/loop.py train_step
+      collect: G episodes per prompt; each turn decoded by    train/multi_policy/team.py, envs/multi_actor.py
+               the acting policy's engine, tokens tagged by actor
+      split:   each policy's rows (its actors' tokens trained)  team.policy_trajectories
+      train:   each policy's build batch / logprobs / update    train/rl/loop.py train_step
                (its own advantages, groups per actor), at once
                on disjoint sub-meshes or one after the other
       push:    each policy's new params to its own engine
@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,15 @@ from agentrl_jax.models.tokenizer import Tokenizer
 from agentrl_jax.rewards.verifier import MathVerifier
 from agentrl_jax.train import lora, setup
 from agentrl_jax.train.metrics import MetricsWriter
-from agentrl_jax.train.multi_policy.policy import Policy, build_policy, finish_build, model_assets, restore
+from agentrl_jax.train.episodes import rollout_metrics
+from agentrl_jax.train.multi_policy.policy import (
+    Policy,
+    build_policy,
+    checkpoint_dir,
+    finish_build,
+    model_assets,
+    restore,
+)
 from agentrl_jax.train.multi_policy.team import (
     collect_team,
     evaluate_team,
@@ -54,8 +63,14 @@ from agentrl_jax.train.rl.loop import train_step
 logger = logging.getLogger(__name__)
 
 
-def train_multi(config: Config) -> dict[str, Any]:
-    """Run the configured multi-policy job; returns the results dict also written to results.json."""
+def train_multi(config: Config, *, make_env: Any = None) -> dict[str, Any]:
+    """Run the configured multi-policy job; returns the results dict also written to results.json.
+
+    ``make_env``: refused (a custom single-actor environment; the run plays ``multi_policy.episode``).
+    """
+    if make_env is not None:
+        raise ConfigError("train(make_env=...): a custom environment is for a single-policy run; "
+                          "multi_policy.policies plays multi_policy.episode")
     return asyncio.run(train_multi_async(config))
 
 
@@ -67,6 +82,8 @@ async def train_multi_async(config: Config) -> dict[str, Any]:
     corpus = [t["question"] for t in train_tasks]
     assets = [model_assets(config, spec, corpus) for spec in config.multi_policy.policies]
     tokenizer = shared_tokenizer(config, [tokenizer_dir for _, _, tokenizer_dir in assets])
+    if not config.checkpoint.resume:
+        _start_over(config, out)
     placement = config.multi_policy.placement(len(jax.devices()))
     policies = [build_policy(own, spec, devices, model_dir, tokenizer, out=out)
                 for (own, model_dir, _), spec, devices in zip(assets, config.multi_policy.policies, placement)]
@@ -190,8 +207,8 @@ class _Team:
             policy.state = state
             policy.version = await stages.push_weights(policy.driver, lambda p: p, state.params, policy.version)
             policy.rl.old_policy.on_version(policy.version, state.params)
-            policy_metrics["reward_mean"] = float(sum(t.reward for t in rows[policy.name]) /
-                                                  max(len(rows[policy.name]), 1))
+            if rows[policy.name]:  # rewards, lengths, ... of its own rows
+                policy_metrics.update(rollout_metrics(rows[policy.name]))
             metrics.update(prefixed(policy.name, policy_metrics))
         now = time.perf_counter()
         metrics.update({"time/rollout": t_rollout, "time/train": t1 - t0 - t_rollout, "time/step": now - t0,
@@ -203,6 +220,19 @@ class _Team:
         for policy in self.policies:
             stages.save(policy.checkpointer, policy.config, policy.rl.roles, policy.state, policy.version, step,
                         data_state=data_state, extra={"results": json.dumps(results)})
+
+
+def _start_over(config: Config, out: Path) -> None:
+    """Without resume: what an earlier run left (metrics, checkpoints, exports, results) goes,
+    so the outputs are this run's alone; a scratch model's assets stay (made from the seed)."""
+    paths = [out / "metrics", out / "export", out / "results.json"]
+    paths += [checkpoint_dir(spec, out) for spec in config.multi_policy.policies]
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path)
+            logger.warning("starting over: removed %s of an earlier run (resume with checkpoint.resume=true)", path)
+        elif path.exists():
+            path.unlink()
 
 
 def _write_outputs(config: Config, out: Path, policies: list[Policy], tokenizer: Tokenizer,
