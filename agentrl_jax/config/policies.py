@@ -2,7 +2,7 @@
 
 Each policy is today's single-policy config with its own overrides: ``PolicyConfig.overrides``
 are ``section.field=value`` strings (as ``--set`` takes) over the run's sections ``model``,
-``optimizer``, ``algorithm``, ``rollout``, ``critic`` and ``mesh``; the result
+``optimizer``, ``algorithm``, ``rollout``, ``critic``, ``sft`` and ``mesh``; the result
 (``policy_config``) is validated exactly as a single-policy Config is, and each error names
 the policy. What every policy shares stays the run's: the tasks (``data``,
 ``environment``), ``total_steps``, ``seed``, ``eval``. With no policies (the default) the
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from agentrl_jax.config.sections import Config
 
 #: The sections a policy may set on its own; the rest is the run's, shared by every policy.
-POLICY_SECTIONS = ("model", "optimizer", "algorithm", "rollout", "critic", "mesh")
+POLICY_SECTIONS = ("model", "optimizer", "algorithm", "rollout", "critic", "sft", "mesh")
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class PolicyConfig(_Section):
     actors: tuple[str, ...] = _f((), "The episode's actors this policy plays (several: shared weights, roles by "
                                      "prompt).")
     overrides: tuple[str, ...] = _f((), "section.field=value over the run's model, optimizer, algorithm, rollout, "
-                                        "critic and mesh sections (e.g. 'model.path=/ckpt').")
+                                        "critic, sft and mesh sections (e.g. 'model.path=/ckpt').")
     devices: tuple[int, ...] = _f((), "Indices into jax.devices() of the policy's engine and trainer (its "
                                       "sub-mesh); empty: its share, else all devices (time-shared).")
     share: float = _f(0.0, "With no devices: this fraction of the devices, a block after the blocks of the "
@@ -125,13 +125,17 @@ def check_policies(config: Config) -> None:
     does not do (``Config.validate`` runs this)."""
     if not config.multi_policy.enabled:
         return
-    unsupported = {"sft.steps": config.sft.steps > 0, "async_rl.enabled": config.async_rl.enabled,
-                   "hybrid.mode": config.hybrid.mode != "none", "hybrid.judge": config.hybrid.judge != "none"}
+    unsupported = {"async_rl.enabled": config.async_rl.enabled, "hybrid.mode": config.hybrid.mode != "none",
+                   "hybrid.judge": config.hybrid.judge != "none", "data.sft_path": bool(config.data.sft_path)}
     for key, asked in unsupported.items():
-        _require(not asked, key, "is not supported with multi_policy.policies yet (the multi-policy run has no SFT "
-                                 "stage, synchronous rollouts only, no teacher or judge); leave it at its default")
+        _require(not asked, key, "is not supported with multi_policy.policies yet (synchronous rollouts only, no "
+                                 "teacher or judge, SFT from the episode's own demonstrations); leave it at its default")
     for policy in config.multi_policy.policies:
-        policy_config(config, policy)
+        own = policy_config(config, policy)
+        if own.sft.steps:  # a resumed run rebuilds no post-SFT frozen copy; the views must be the demos' layout
+            _require(not config.multi_policy.shared_view and own.algorithm.kl_coef == 0 and not own.model.lora.rank,
+                     f"multi_policy.policies[{policy.name}].sft.steps", "SFT of a policy is supported with its own "
+                     "view (multi_policy.shared_view=false), no KL reference (algorithm.kl_coef=0) and no LoRA")
 
 
 SECTION_PATHS.update({"MultiPolicyConfig": "multi_policy", "PolicyConfig": "multi_policy.policies"})

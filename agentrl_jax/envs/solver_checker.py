@@ -29,11 +29,35 @@ from typing import Any
 from agentrl_jax.envs.base import StepResult
 from agentrl_jax.envs.multi_actor import ActorTurn, MultiActorEnvironment, MultiActorResult
 from agentrl_jax.envs.retool import ReToolEnv
+from agentrl_jax.rewards.boxed import find_boxed_spans
 
 SOLVER, CHECKER = "solver", "checker"
 CHECKER_SYSTEM_PROMPT = ("You check a solution to a math problem. Reply ACCEPT if its final answer is right, "
                          "else REJECT: and one line saying what is wrong.")
 CHECK_REQUEST = "Checker: is the final answer above right? Reply ACCEPT, or REJECT: and one line saying why."
+DEMO_CRITIQUE = "REJECT: the final answer is wrong; run the program and read its output again."
+
+
+def checker_prompt(question: str, transcript: str) -> list[dict[str, str]]:
+    """The checker's own view: the problem and the solver's transcript as text."""
+    return [{"role": "system", "content": CHECKER_SYSTEM_PROMPT},
+            {"role": "user", "content": f"Problem: {question}\n\nSolution:\n{transcript}"}]
+
+
+def checker_demonstrations(solver_conversations: list[list[dict[str, str]]],
+                           tasks: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
+    """The checker's SFT conversations, one per solver demonstration (``tasks[i]``'s): its own
+    view of that transcript, answered ACCEPT when the demonstration's last boxed answer is the
+    task's, else a one-line critique (the demonstrations that guess are often wrong)."""
+    out = []
+    for conversation, task in zip(solver_conversations, tasks):
+        first = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
+        transcript = "".join(m["content"] for m in conversation[first:])
+        boxes = find_boxed_spans(transcript)
+        right = bool(boxes) and boxes[-1][2].strip() == str(task["answer"]).strip()
+        out.append(checker_prompt(str(task["question"]), transcript)
+                   + [{"role": "assistant", "content": "ACCEPT" if right else DEMO_CRITIQUE}])
+    return out
 
 
 def parse_verdict(text: str) -> tuple[bool, str, bool]:
@@ -77,9 +101,7 @@ class SolverCheckerEnv(MultiActorEnvironment):
     def _check_turn(self) -> ActorTurn:
         if self.shared_view:
             return ActorTurn(CHECKER, messages=[{"role": "user", "content": CHECK_REQUEST}])
-        transcript = f"Problem: {self.task['question']}\n\nSolution:\n{self.solver.response}"
-        return ActorTurn(CHECKER, messages=[{"role": "system", "content": CHECKER_SYSTEM_PROMPT},
-                                            {"role": "user", "content": transcript}])
+        return ActorTurn(CHECKER, messages=checker_prompt(str(self.task["question"]), self.solver.response))
 
     def _checked(self, reply: str) -> MultiActorResult:
         self.verdict = parse_verdict(reply)

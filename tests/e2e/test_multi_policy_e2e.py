@@ -1,6 +1,7 @@
 """configs/multi_policy_demo.py end to end on 8 fake CPU devices: a solver on devices 0-3 and a
-checker on 4-7, each with its own scratch model, engine, optimizer and checkpoints, trained at
-once on the solver-checker episode (real sandbox and verifier); then a resume of both policies.
+checker on 4-7, each with its own scratch model, SFT on its own demonstrations, engine,
+optimizer and checkpoints, trained at once on the solver-checker episode (real sandbox and
+verifier); then a resume of both policies.
 
 A pipeline check, not a learning claim.
 """
@@ -30,6 +31,8 @@ SMOKE = [
     # A random model's team reward is 0 in every group (no advantage): the entropy term still moves
     # both policies, so the resume check compares params that changed.
     "algorithm.entropy_coef=0.05", "optimizer.warmup_steps=0",
+    # SFT of each policy on its actors' demonstrations (the solver's programs, the checker's verdicts)
+    "sft.steps=2", "sft.batch_size=4", "environment.num_demonstrations=8",
 ]
 
 
@@ -57,6 +60,9 @@ def test_two_policies_on_sub_meshes_train_and_resume_exactly(tmp_path):
             assert row[f"{name}/train_tokens"] > 0 and row[f"{name}/update_norm"] > 0
         assert row["checker/learning_rate"] != row["solver/learning_rate"]  # the checker's own optimizer
     for name in ("solver", "checker"):
+        sft = [json.loads(line) for line in (straight / "policies" / name / "sft_metrics" / "metrics.jsonl")
+               .read_text().splitlines()]
+        assert [r["step"] for r in sft if "sft/loss" in r] == [0, 1]
         assert sorted(int(p.name) for p in (straight / "policies" / name / "checkpoints").iterdir()
                       if p.name.isdigit()) == [1, 2]
 

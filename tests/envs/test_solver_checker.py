@@ -8,7 +8,15 @@ import pytest
 
 from agentrl_jax.envs.multi_actor import MultiActorResult
 from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv
-from agentrl_jax.envs.solver_checker import CHECK_REQUEST, CHECKER, SOLVER, SolverCheckerEnv, parse_verdict
+from agentrl_jax.envs.solver_checker import (
+    CHECK_REQUEST,
+    CHECKER,
+    DEMO_CRITIQUE,
+    SOLVER,
+    SolverCheckerEnv,
+    checker_demonstrations,
+    parse_verdict,
+)
 from agentrl_jax.rewards import MathVerifier
 
 TASK = {"question": "What is 12*34?", "answer": "408"}
@@ -80,3 +88,15 @@ def test_an_accept_or_no_tries_left_ends_at_the_first_answer(loop_thread, pool, 
     assert accepted.rewards == {SOLVER: 1.0, CHECKER: 2.0} and accepted.metrics["checker/rejected"] == 0.0
     _, _, final = play(loop_thread, pool, verifier, [(SOLVER, "\\boxed{1}"), (CHECKER, "REJECT: wrong")], retries=0)
     assert isinstance(final, MultiActorResult) and final.done and final.rewards == {SOLVER: 0.0, CHECKER: 1.0}
+
+
+def test_checker_demonstrations_judge_each_solver_demonstration_by_its_boxed_answer():
+    solver = [[{"role": "system", "content": "s"}, {"role": "user", "content": "What is 12*34?"},
+               {"role": "assistant", "content": f"{PROGRAM}"}, {"role": "tool", "content": "408"},
+               {"role": "assistant", "content": " so \\boxed{408}"}],
+              [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "I guess \\boxed{7}"}]]
+    demos = checker_demonstrations(solver, [TASK, {"question": "q2", "answer": "8"}])
+    assert [d[-1]["content"] for d in demos] == ["ACCEPT", DEMO_CRITIQUE]
+    assert demos[0][1]["content"] == f"Problem: What is 12*34?\n\nSolution:\n{PROGRAM}408 so \\boxed{{408}}"
+    assert parse_verdict(DEMO_CRITIQUE)[:2] == (False, "the final answer is wrong; run the program and read its "
+                                                       "output again.")

@@ -51,9 +51,12 @@ def test_each_policy_is_validated_as_a_single_policy_config_in_one_line(fields, 
 def test_one_actor_one_policy_and_what_the_run_does_not_do_are_errors():
     with pytest.raises(ConfigError, match="each actor is played by one policy; \\['a'\\]"):
         with_policies(PolicyConfig(name="p", actors=("a",)), PolicyConfig(name="q", actors=("a",)))
-    with pytest.raises(ConfigError, match="^sft.steps: is not supported with multi_policy"):
+    with pytest.raises(ConfigError, match="^async_rl.enabled: is not supported with multi_policy"):
         dataclasses.replace(with_policies(PolicyConfig(name="p", actors=("a",))),
-                            sft=dataclasses.replace(Config().sft, steps=5))
+                            async_rl=dataclasses.replace(Config().async_rl, enabled=True, max_staleness=0))
+    with pytest.raises(ConfigError, match=r"^multi_policy.policies\[p\].sft.steps: SFT of a policy is supported"):
+        with_policies(PolicyConfig(name="p", actors=("a",), overrides=("sft.steps=5", "algorithm.kl_coef=0.1")))
+    with_policies(PolicyConfig(name="p", actors=("a",), overrides=("sft.steps=5",)))  # no KL, own views: fine
 
 
 def test_placement_by_devices_or_share_decides_concurrent_or_time_shared():

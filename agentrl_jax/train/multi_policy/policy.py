@@ -24,6 +24,7 @@ from agentrl_jax.sharding import DEFAULT_RULES, make_mesh
 from agentrl_jax.train import lora, setup
 from agentrl_jax.train.build import DTYPES, attention_implementation, build_rl, build_roles
 from agentrl_jax.train.checkpoint import Checkpointer
+from agentrl_jax.train.metrics import MetricsWriter
 from agentrl_jax.train.rl.roles import RL
 from agentrl_jax.train.step import TrainState, init_train_state, make_optimizer
 
@@ -114,7 +115,27 @@ def finish_build(policy: Policy, tokenizer, *, start_step: int, train_tasks, eva
     policy.rl = build_rl(policy.config, roles=roles, state=policy.state, tokenizer=tokenizer, driver=policy.driver,
                          env_factory=None, train_tasks=train_tasks, eval_tasks=eval_tasks, writer=writer,
                          checkpointer=policy.checkpointer, mesh=policy.mesh)
+    if start_step and roles.critic is not None:  # GAE: the critic's params and optimizer state
+        roles.critic.restore(policy.checkpointer, start_step)
     policy.rl.old_policy.on_version(policy.version, policy.state.params)
+
+
+async def cold_start(policy: Policy, tokenizer, conversations: list[list[dict[str, str]]], out: Path) -> None:
+    """SFT of the policy on ``conversations`` (its actors' demonstrations, ``sft.*`` of its Config);
+    its train state, frozen models and engine (version 0) start from the result."""
+    from agentrl_jax.train.run import _sft  # the single-policy run's SFT stage (that module imports this package)
+
+    if not conversations:
+        raise ConfigError(f"multi_policy.policies[{policy.name}].sft.steps: no demonstrations for its actors "
+                          f"{list(policy.spec.actors)}")
+    graphdef, params = policy.initial
+    c = policy.config
+    with MetricsWriter(out / "policies" / policy.name / "sft_metrics", total_steps=c.sft.steps) as writer:
+        params = _sft(c, graphdef, params, tokenizer, conversations, writer, policy.mesh)
+    policy.initial = (graphdef, params)
+    optimizer, _ = make_optimizer(c.optimizer, c.total_steps)
+    policy.state = init_train_state(lora.policy_params(c, params, policy.model_config, policy.mesh), optimizer, c.seed)
+    await policy.driver.update_params(policy.state.params, 0)
 
 
 async def restore(policy: Policy, step: int):

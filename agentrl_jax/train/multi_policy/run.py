@@ -45,12 +45,14 @@ from agentrl_jax.train.multi_policy.policy import (
     Policy,
     build_policy,
     checkpoint_dir,
+    cold_start,
     finish_build,
     model_assets,
     restore,
 )
 from agentrl_jax.train.multi_policy.team import (
     collect_team,
+    demonstrations,
     evaluate_team,
     policy_trajectories,
     prefixed,
@@ -157,6 +159,11 @@ class _Team:
         results: dict[str, Any] = {"config": c.name, "seed": c.seed, "schedule": "concurrent" if self.concurrent
                                    else "time_shared"}
         data = BatchIterator(self.train_tasks, batch_size=c.data.prompts_per_step, seed=c.data.shuffle_seed)
+        if not start_step and any(p.config.sft.steps for p in self.policies):
+            demos = demonstrations(c, self.train_tasks)
+            for policy in (p for p in self.policies if p.config.sft.steps):
+                await cold_start(policy, self.tokenizer, [d for a in policy.spec.actors for d in demos.get(a, [])],
+                                 self.out)
         for policy in self.policies:
             if start_step:
                 restored = await restore(policy, start_step)

@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from agentrl_jax.config import Config
+from agentrl_jax.config import Config, ConfigError
 from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.envs.multi_actor import MultiActorEnvironment, MultiActorEpisode, MultiActorLoop
 from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv
-from agentrl_jax.envs.solver_checker import SolverCheckerEnv
+from agentrl_jax.envs.solver_checker import CHECKER, SOLVER, SolverCheckerEnv, checker_demonstrations
 from agentrl_jax.rollout.sampling import SamplingParams
 
 
@@ -24,6 +24,16 @@ def team_env_factory(config: Config, pool: Any, verifier: Any,
     return lambda: SolverCheckerEnv(ReToolEnv(pool, verifier, settings, count_tokens=count_tokens),
                                     retries=mp.critique_retries, role_reward=mp.role_reward,
                                     shared_view=mp.shared_view)
+
+
+def demonstrations(config: Config, tasks: list[dict]) -> dict[str, list[list[dict[str, str]]]]:
+    """SFT conversations per actor: the environment's solver demonstrations, and the checker's
+    verdicts on them (``envs.solver_checker.checker_demonstrations``)."""
+    solver = config.environment.make_demonstrations(config, tasks)
+    if solver is None:
+        raise ConfigError(f"sft.steps: environment.name={config.environment.name!r} writes no demonstrations for "
+                          "the solver-checker episode; set sft.steps=0")
+    return {SOLVER: solver, CHECKER: checker_demonstrations(solver, tasks[:len(solver)])}
 
 
 async def collect_team(config: Config, loop: MultiActorLoop, env_factory: Callable[[], MultiActorEnvironment],
