@@ -98,9 +98,10 @@ class MultiPolicyConfig(_Section):
         return placed
 
     def concurrent(self, num_devices: int) -> bool:
-        """Whether the policies train at once (``schedule``; 'auto': when no two share a device)."""
+        """Whether the policies train at once (``schedule``; 'auto': when there are several and no two
+        share a device)."""
         used = [set(d) for d in self.placement(num_devices)]
-        disjoint = sum(map(len, used)) == len(set().union(*used)) if used else False
+        disjoint = len(used) > 1 and sum(map(len, used)) == len(set().union(*used))  # one policy: nothing at once
         if self.schedule == "concurrent" and not disjoint:
             raise ConfigError("multi_policy.schedule: 'concurrent' needs every policy on devices of its own; "
                               f"the placement on {num_devices} devices is {self.placement(num_devices)}")

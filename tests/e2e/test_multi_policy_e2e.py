@@ -8,6 +8,7 @@ A pipeline check, not a learning claim.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 from conftest import require_devices
 
 from agentrl_jax.config import load_config
+from agentrl_jax.config.policies import PolicyConfig
 from agentrl_jax.models.hf_io import load_hf_checkpoint
 from agentrl_jax.models import split_params
 from agentrl_jax.train.run import train
@@ -31,14 +33,14 @@ SMOKE = [
     # A random model's team reward is 0 in every group (no advantage): the entropy term still moves
     # both policies, so the resume check compares params that changed.
     "algorithm.entropy_coef=0.05", "optimizer.warmup_steps=0",
-    # SFT of each policy on its actors' demonstrations (the solver's programs, the checker's verdicts)
-    "sft.steps=2", "sft.batch_size=4", "environment.num_demonstrations=8",
 ]
+# SFT of each policy on its actors' demonstrations (the solver's programs, the checker's verdicts)
+SFT = ["sft.steps=2", "sft.batch_size=4", "environment.num_demonstrations=8"]
 
 
-def _rows(out: Path) -> dict[int, dict]:
+def _rows(out: Path, policy: str = "solver") -> dict[int, dict]:
     rows = [json.loads(line) for line in (out / "metrics" / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "solver/train_tokens" in r or "solver/skipped_updates" in r}
+    return {r["step"]: r for r in rows if f"{policy}/train_tokens" in r}
 
 
 def _exported(out: Path, name: str):
@@ -49,7 +51,7 @@ def _exported(out: Path, name: str):
 @require_devices(8)
 def test_two_policies_on_sub_meshes_train_and_resume_exactly(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    results = train(load_config("configs/multi_policy_demo.py", [f"output_dir={straight}", "total_steps=2", *SMOKE]))
+    results = train(load_config("configs/multi_policy_demo.py", [f"output_dir={straight}", "total_steps=2", *SMOKE, *SFT]))
     assert results["schedule"] == "concurrent"
     for stage in ("start", "end"):
         assert 0.0 <= results[stage]["team/final_correct"] <= 1.0 and "checker/accuracy" in results[stage]
@@ -67,12 +69,29 @@ def test_two_policies_on_sub_meshes_train_and_resume_exactly(tmp_path):
                       if p.name.isdigit()) == [1, 2]
 
     # Killed after step 1: resume both policies from their step-1 checkpoints.
-    train(load_config("configs/multi_policy_demo.py", [f"output_dir={resumed}", "total_steps=1", *SMOKE]))
+    train(load_config("configs/multi_policy_demo.py", [f"output_dir={resumed}", "total_steps=1", *SMOKE, *SFT]))
     train(load_config("configs/multi_policy_demo.py", [f"output_dir={resumed}", "total_steps=2",
-                                                       "checkpoint.resume=true", *SMOKE]))
+                                                       "checkpoint.resume=true", *SMOKE, *SFT]))
     again = _rows(resumed)
     for key in ("solver/loss", "checker/loss", "solver/reward/mean", "checker/reward/mean"):
         assert again[2][key] == pytest.approx(rows[2][key], rel=1e-5, abs=1e-7), key
     for name in ("solver", "checker"):
         for a, b in zip(jax.tree.leaves(_exported(straight, name)), jax.tree.leaves(_exported(resumed, name))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bit for bit
+
+
+@pytest.mark.slow  # one run, ~1 min on 2 cores
+def test_self_play_one_policy_plays_both_roles_in_one_transcript(tmp_path):
+    """Shared weights, roles by prompt: one policy on every device plays solver and checker in a
+    shared view; its batch holds both actors' rows (groups per actor)."""
+    config = load_config("configs/multi_policy_demo.py", [f"output_dir={tmp_path}", "total_steps=1",
+                                                          "multi_policy.shared_view=true", *SMOKE])
+    mp = config.multi_policy
+    config = dataclasses.replace(config, multi_policy=dataclasses.replace(mp, policies=(
+        PolicyConfig(name="team", actors=("solver", "checker")),)))
+    results = train(config)
+    assert results["schedule"] == "time_shared"
+    [row] = _rows(tmp_path, "team").values()
+    # both actors' rows: 2 prompts x 2 samples x 2 actors
+    assert row["team/rollout/sampled_tokens"] > 0 and row["team/update_norm"] > 0
+    assert (tmp_path / "export" / "team" / "config.json").exists()
