@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from agentrl_jax.config.core import SECTION_PATHS, ConfigError, _f, _require, _Section
+from agentrl_jax.config.registries import register_config_check
 
 if TYPE_CHECKING:
     from agentrl_jax.config.sections import Config
@@ -121,9 +122,10 @@ def policy_config(config: Config, policy: PolicyConfig) -> Config:
         raise ConfigError(f"multi_policy.policies[{policy.name}]: {e}") from None
 
 
+@register_config_check
 def check_policies(config: Config) -> None:
     """Every policy's own Config is valid, and the run asks for nothing the multi-policy run
-    does not do (``Config.validate`` runs this)."""
+    does not do (a config check: ``Config.validate`` runs it)."""
     if not config.multi_policy.enabled:
         return
     unsupported = {"async_rl.enabled": config.async_rl.enabled, "hybrid.mode": config.hybrid.mode != "none",
