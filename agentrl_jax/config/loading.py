@@ -40,8 +40,10 @@ def from_dict(data: dict[str, Any], cls: type | None = None, prefix: str = "") -
             if not isinstance(value, dict):
                 raise ConfigError(f"{path}: expected a section (dict), got {type(value).__name__}")
             value = from_dict(value, tp, prefix=f"{path}.")
-        elif isinstance(value, list):
-            value = tuple(value)
+        elif isinstance(value, (list, tuple)):
+            item = (typing.get_args(tp) or (None,))[0]  # a tuple of sections (multi_policy.policies)
+            value = tuple(from_dict(v, item, prefix=f"{path}[{i}].") if dataclasses.is_dataclass(item)
+                          and isinstance(v, dict) else v for i, v in enumerate(value))
         kwargs[key] = value
     return cls(**kwargs)
 

@@ -18,6 +18,7 @@ from agentrl_jax.config.registries import run_config_checks
 from agentrl_jax.config.environments import EnvironmentConfig
 from agentrl_jax.config.hybrid import HybridConfig
 from agentrl_jax.config.lora import LoraConfig
+from agentrl_jax.config.policies import MultiPolicyConfig  # registers its check of the policies' configs
 from agentrl_jax.config.rollout import RolloutConfig
 
 
@@ -331,6 +332,7 @@ class Config(_Section):
     sft: SFTConfig = _section(SFTConfig, "Supervised cold start.")
     hybrid: HybridConfig = _section(HybridConfig, "Teacher, OPD, PRM judge and hindsight hints (docs/hybrid.md).")
     async_rl: AsyncConfig = _section(AsyncConfig, "Asynchronous rollouts, staleness bound, old-logit source.")
+    multi_policy: MultiPolicyConfig = _section(MultiPolicyConfig, "Policies sharing an episode (docs/multi_policy.md).")
 
     def validate(self) -> None:
         _require(self.total_steps >= 0, "total_steps", "must be >= 0")
@@ -352,7 +354,6 @@ class Config(_Section):
                 "algorithm.micro_batch_size",
                 f"({algo.micro_batch_size}) must divide the trajectories per minibatch ({per_minibatch})",
             )
-
 
         _require(not self.model.reference_path or algo.kl_coef > 0, "model.reference_path",
                  "is loaded only for the KL term (algorithm.kl_coef > 0); with kl_coef=0 nothing would use it "
@@ -384,8 +385,7 @@ class Config(_Section):
 
 
 SECTION_PATHS.update({
-    "ModelConfig": "model",
-    "ScratchModelConfig": "model.scratch",
+    "ModelConfig": "model", "ScratchModelConfig": "model.scratch",
     "MeshConfig": "mesh",
     "RolloutConfig": "rollout",
     "AlgorithmConfig": "algorithm",

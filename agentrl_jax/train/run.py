@@ -49,7 +49,7 @@ from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.engine_config import EngineConfig
 from agentrl_jax.rollout.sampling import SamplingParams
 from agentrl_jax.sharding import DEFAULT_RULES, make_mesh
-from agentrl_jax.train import lora, multihost, setup
+from agentrl_jax.train import lora, multi_policy, multihost, setup
 from agentrl_jax.train.build import (
     DTYPES,
     attention_implementation,
@@ -97,6 +97,8 @@ def train(config: Config, *, make_env: MakeEnv | None = None) -> dict[str, Any]:
         of ``environment.name``'s. Tasks still come from the configured data (``data.*``, or
         the generated arithmetic tasks), and the sandbox pool and math verifier are yours to use.
     """
+    if config.multi_policy.enabled:  # several policies in one episode (docs/multi_policy.md)
+        return multi_policy.train_multi(config, make_env=make_env)
     return asyncio.run(train_async(config, make_env=make_env))
 
 

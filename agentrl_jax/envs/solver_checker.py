@@ -1,0 +1,140 @@
+"""A solver and a checker on the ReTool tasks: two actors, one episode (``envs/multi_actor.py``).
+
+    solver:  the ReTool episode (envs/retool.py): programs run in the sandbox, the
+             interpreter's output appended inline, until a \\boxed{} answer
+    checker: reads the problem and the solver's transcript, answers ACCEPT or
+             "REJECT: <one-line critique>"
+    solver:  after a rejection, sees the critique and gets one more try (``retries``)
+
+Rewards: the team reward (both actors) is 1 for a correct final answer, else 0; the
+checker's role reward adds ``role_reward`` for a right verdict on the first answer (accept
+a correct one, reject a wrong one). A checker reply with neither word counts as ACCEPT
+and is never right (``verdict/malformed``).
+
+With ``shared_view`` both actors write one transcript: the checker's turn opens with a user
+message asking for the verdict, the critique goes back to the solver as a user message
+(self-play: one model, roles by prompt). Otherwise the checker's view is its own prompt:
+the problem and the solver's transcript as text.
+
+Per-episode metrics (averaged by the trainer): ``checker/accuracy``, ``checker/rejected``,
+``team/first_correct``, ``team/final_correct``, and for the critique's effect
+``critique/wrong_first`` (rejected a wrong first answer) and ``critique/wrong_to_right`` (that
+rejection, then a correct second answer); their ratio is the critique-turns-wrong-right rate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentrl_jax.envs.base import StepResult
+from agentrl_jax.envs.multi_actor import ActorTurn, MultiActorEnvironment, MultiActorResult
+from agentrl_jax.envs.retool import ReToolEnv
+from agentrl_jax.rewards.boxed import find_boxed_spans
+
+SOLVER, CHECKER = "solver", "checker"
+CHECKER_SYSTEM_PROMPT = ("You check a solution to a math problem. Reply ACCEPT if its final answer is right, "
+                         "else REJECT: and one line saying what is wrong.")
+CHECK_REQUEST = "Checker: is the final answer above right? Reply ACCEPT, or REJECT: and one line saying why."
+DEMO_CRITIQUE = "REJECT: the final answer is wrong; run the program and read its output again."
+
+
+def checker_prompt(question: str, transcript: str) -> list[dict[str, str]]:
+    """The checker's own view: the problem and the solver's transcript as text."""
+    return [{"role": "system", "content": CHECKER_SYSTEM_PROMPT},
+            {"role": "user", "content": f"Problem: {question}\n\nSolution:\n{transcript}"}]
+
+
+def checker_demonstrations(solver_conversations: list[list[dict[str, str]]],
+                           tasks: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
+    """The checker's SFT conversations, one per solver demonstration (``tasks[i]``'s): its own
+    view of that transcript, answered ACCEPT when the demonstration's last boxed answer is the
+    task's, else a one-line critique (the demonstrations that guess are often wrong)."""
+    out = []
+    for conversation, task in zip(solver_conversations, tasks):
+        first = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
+        transcript = "".join(m["content"] for m in conversation[first:])
+        boxes = find_boxed_spans(transcript)
+        right = bool(boxes) and boxes[-1][2].strip() == str(task["answer"]).strip()
+        out.append(checker_prompt(str(task["question"]), transcript)
+                   + [{"role": "assistant", "content": "ACCEPT" if right else DEMO_CRITIQUE}])
+    return out
+
+
+def parse_verdict(text: str) -> tuple[bool, str, bool]:
+    """(accepted, critique, well_formed) of a checker reply: the first of ACCEPT / REJECT wins."""
+    upper = text.upper()
+    accept, reject = upper.find("ACCEPT"), upper.find("REJECT")
+    if reject >= 0 and (accept < 0 or reject < accept):
+        critique = text[reject + len("REJECT"):].lstrip(" :").strip().splitlines()
+        return False, (critique[0] if critique else "").strip(), True
+    return True, "", accept >= 0
+
+
+class SolverCheckerEnv(MultiActorEnvironment):
+    """The solver's ReTool episode, read and judged by a checker (module docstring)."""
+
+    actors = (SOLVER, CHECKER)
+
+    def __init__(self, solver: ReToolEnv, *, retries: int = 1, role_reward: float = 1.0, shared_view: bool = False):
+        self.solver, self.retries, self.role_reward, self.shared_view = solver, retries, role_reward, shared_view
+        self.stop_strings = {SOLVER: solver.stop_strings, CHECKER: ("\n",)}
+
+    async def reset(self, task: dict[str, Any]) -> ActorTurn:
+        self.task = task
+        self.first: StepResult | None = None  # the solver's first graded answer
+        self.verdict: tuple[bool, str, bool] | None = None
+        self.tries = 0
+        return ActorTurn(SOLVER, messages=await self.solver.reset(task))
+
+    async def step(self, actor: str, action_text: str) -> MultiActorResult:
+        if actor == CHECKER:
+            return self._checked(action_text)
+        step = await self.solver.step(action_text)
+        if not step.done:
+            return MultiActorResult(ActorTurn(SOLVER, text=step.observation_text))
+        self.tries += 1
+        if self.first is None:
+            self.first = step
+            return MultiActorResult(self._check_turn())
+        return self._finish(step)
+
+    def _check_turn(self) -> ActorTurn:
+        if self.shared_view:
+            return ActorTurn(CHECKER, messages=[{"role": "user", "content": CHECK_REQUEST}])
+        return ActorTurn(CHECKER, messages=checker_prompt(str(self.task["question"]), self.solver.response))
+
+    def _checked(self, reply: str) -> MultiActorResult:
+        self.verdict = parse_verdict(reply)
+        accepted, critique, _ = self.verdict
+        if accepted or self.tries > self.retries:
+            return self._finish(self.first)
+        self.solver.turns = 0  # the new try has the solver's turn limit of its own
+        note = f"A checker rejected your answer: {critique or 'it is wrong'}. Try once more."
+        return MultiActorResult(ActorTurn(SOLVER, messages=[{"role": "user", "content": note}]))
+
+    def _finish(self, final: StepResult) -> MultiActorResult:
+        """Team and role rewards, from the first answer, the verdict and the final answer."""
+        first_correct, final_correct = bool(self.first.correct), bool(final.correct)
+        accepted, _, well_formed = self.verdict or (True, "", False)
+        right = well_formed and accepted == first_correct
+        team = float(final_correct)
+        wrong_first = float(not first_correct and not accepted)
+        return MultiActorResult(
+            None, done=True, correct=final_correct, finish_reason=final.finish_reason or "answer",
+            rewards={SOLVER: team, CHECKER: team + self.role_reward * float(right)},
+            reward_components={SOLVER: {"team": team}, CHECKER: {"team": team, "verdict": float(right)}},
+            metrics={"checker/accuracy": float(right), "checker/rejected": float(not accepted),
+                     "checker/malformed": float(not well_formed), "team/first_correct": float(first_correct),
+                     "team/final_correct": team, "critique/wrong_first": wrong_first,
+                     "critique/wrong_to_right": wrong_first * team})
+
+    def cut_short(self, finish_reason: str) -> MultiActorResult:
+        """A context overflow: the team's answer is wrong (a checker that never spoke is not right)."""
+        wrong = StepResult("", 0.0, True, finish_reason=finish_reason, correct=False)
+        self.first = self.first or wrong
+        result = self._finish(wrong)
+        result.finish_reason = finish_reason
+        return result
+
+    async def close(self) -> None:
+        await self.solver.close()

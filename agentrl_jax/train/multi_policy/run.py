@@ -1,0 +1,255 @@
+"""``train_multi(config)``: several policies trained on one multi-actor episode (docs/multi_policy.md).
+
+    tasks, one tokenizer, the sandbox pool and verifier        shared by the run
+    per policy: its Config, devices (sub-mesh), model, engine   train/multi_policy/policy.py
+                + driver, train state, roles, step functions
+    resume: every policy at the newest step all of them saved
+    start evaluation (team pass@1, the solver's own, the checker's accuracy)
+    each step:
+      collect: G episodes per prompt; each turn decoded by    train/multi_policy/team.py, envs/multi_actor.py
+               the acting policy's engine, tokens tagged by actor
+      split:   each policy's rows (its actors' tokens trained)  team.policy_trajectories
+      train:   each policy's build batch / logprobs / update    train/rl/loop.py train_step
+               (its own advantages, groups per actor), at once
+               on disjoint sub-meshes or one after the other
+      push:    each policy's new params to its own engine
+      log, checkpoint every policy (same step, same data position)
+    final evaluation; per-policy checkpoint and HF export; results.json
+
+Rollouts are synchronous (every trained token sampled by the version it trains: staleness 0
+per policy); the asynchronous pipeline of the single-policy run is not wired here yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from agentrl_jax.config import Config, ConfigError
+from agentrl_jax.envs.multi_actor import MultiActorLoop
+from agentrl_jax.models.tokenizer import Tokenizer
+from agentrl_jax.rewards.verifier import MathVerifier
+from agentrl_jax.train import lora, setup
+from agentrl_jax.train.metrics import MetricsWriter
+from agentrl_jax.train.episodes import rollout_metrics
+from agentrl_jax.train.multi_policy.policy import (
+    Policy,
+    build_policy,
+    checkpoint_dir,
+    cold_start,
+    finish_build,
+    model_assets,
+    restore,
+)
+from agentrl_jax.train.multi_policy.team import (
+    collect_team,
+    demonstrations,
+    evaluate_team,
+    policy_trajectories,
+    prefixed,
+    team_env_factory,
+    team_metrics,
+)
+from agentrl_jax.train.rl import stages
+from agentrl_jax.train.rl.loop import train_step
+
+logger = logging.getLogger(__name__)
+
+
+def train_multi(config: Config, *, make_env: Any = None) -> dict[str, Any]:
+    """Run the configured multi-policy job; returns the results dict also written to results.json.
+
+    ``make_env``: refused (a custom single-actor environment; the run plays ``multi_policy.episode``).
+    """
+    if make_env is not None:
+        raise ConfigError("train(make_env=...): a custom environment is for a single-policy run; "
+                          "multi_policy.policies plays multi_policy.episode")
+    return asyncio.run(train_multi_async(config))
+
+
+async def train_multi_async(config: Config) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    out = Path(config.output_dir).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    train_tasks, eval_tasks, _ = setup.load_task_data(config)
+    corpus = [t["question"] for t in train_tasks]
+    assets = [model_assets(config, spec, corpus) for spec in config.multi_policy.policies]
+    tokenizer = shared_tokenizer(config, [tokenizer_dir for _, _, tokenizer_dir in assets])
+    if not config.checkpoint.resume:
+        _start_over(config, out)
+    placement = config.multi_policy.placement(len(jax.devices()))
+    policies = [build_policy(own, spec, devices, model_dir, tokenizer, out=out)
+                for (own, model_dir, _), spec, devices in zip(assets, config.multi_policy.policies, placement)]
+    start_step = resume_step(config, policies)
+    writer = MetricsWriter(out / "metrics", total_steps=config.total_steps,
+                           purge_step=start_step + 1 if start_step else None)
+    v = config.environment.verifier
+    async with contextlib.AsyncExitStack() as stack:
+        for policy in policies:
+            await stack.enter_async_context(policy.driver)
+        verifier = stack.enter_context(MathVerifier(num_workers=v.workers, timeout_s=v.timeout_s,
+                                                    memory_mb=v.memory_mb))
+        pool = await stack.enter_async_context(setup.make_sandbox(config))
+        results = await _Team(config, out, policies, tokenizer, writer, train_tasks, eval_tasks).run(
+            team_env_factory(config, pool, verifier, count_tokens=lambda s: len(tokenizer.encode(s))), start_step)
+    for policy in policies:
+        policy.checkpointer.wait_until_finished()
+        policy.checkpointer.close()
+    writer.close()
+    results["total_seconds"] = time.perf_counter() - t_start
+    _write_outputs(config, out, policies, tokenizer, results)
+    return results
+
+
+def shared_tokenizer(config: Config, tokenizer_dirs: list[str]) -> Tokenizer:
+    """The one tokenizer every policy reads and writes the views with; policies whose
+    tokenizers differ are one error line."""
+    tokenizers = [Tokenizer(d, chat_template_kwargs=config.model.chat_template_kwargs) for d in tokenizer_dirs]
+    vocab = tokenizers[0].hf.get_vocab()
+    for spec, tok in zip(config.multi_policy.policies[1:], tokenizers[1:]):
+        if tok.hf.get_vocab() != vocab:
+            raise ConfigError(f"multi_policy.policies[{spec.name}]: its tokenizer differs from "
+                              f"{config.multi_policy.policies[0].name!r}'s; the policies of a run share one "
+                              "(their turns are one token space)")
+    return tokenizers[0]
+
+
+def resume_step(config: Config, policies: list[Policy]) -> int:
+    """The step to resume from: the newest one every policy saved (0: start over)."""
+    if not config.checkpoint.resume:
+        return 0
+    saved = [set(p.checkpointer.all_steps()) for p in policies]
+    common = set.intersection(*saved) if saved else set()
+    if not common and any(saved):
+        raise ConfigError("checkpoint.resume: the policies have no checkpoint step in common ("
+                          + ", ".join(f"{p.name}: {sorted(s)}" for p, s in zip(policies, saved))
+                          + "); set checkpoint.resume=false to start over")
+    step = max(common, default=0)
+    if step > config.total_steps:
+        raise ConfigError(f"total_steps: {config.total_steps} is below the step of the checkpoint to resume ({step})")
+    return step
+
+
+class _Team:
+    """The run on built policies: resume, the evaluations, the steps, the checkpoints."""
+
+    def __init__(self, config, out, policies, tokenizer, writer, train_tasks, eval_tasks):
+        self.config, self.out, self.policies, self.tokenizer, self.writer = config, out, policies, tokenizer, writer
+        self.train_tasks, self.eval_tasks = train_tasks, eval_tasks
+        self.actor_policy = {a: p.name for p in policies for a in p.spec.actors}
+        r = config.rollout
+        self.loop = MultiActorLoop({p.name: p.driver for p in policies}, self.actor_policy, tokenizer,
+                                   max_new_tokens_per_turn=r.max_new_tokens_per_turn,
+                                   max_total_tokens=r.max_sequence_length)
+        self.concurrent = config.multi_policy.concurrent(len(jax.devices()))
+
+    async def run(self, env_factory, start_step: int) -> dict[str, Any]:
+        from agentrl_jax.data import BatchIterator
+
+        c = self.config
+        results: dict[str, Any] = {"config": c.name, "seed": c.seed, "schedule": "concurrent" if self.concurrent
+                                   else "time_shared"}
+        data = BatchIterator(self.train_tasks, batch_size=c.data.prompts_per_step, seed=c.data.shuffle_seed)
+        if not start_step and any(p.config.sft.steps for p in self.policies):
+            demos = demonstrations(c, self.train_tasks)
+            for policy in (p for p in self.policies if p.config.sft.steps):
+                await cold_start(policy, self.tokenizer, [d for a in policy.spec.actors for d in demos.get(a, [])],
+                                 self.out)
+        for policy in self.policies:
+            if start_step:
+                restored = await restore(policy, start_step)
+                data.set_state(restored.data_state)
+                results.update(json.loads(restored.extra.get("results", "{}")))
+            finish_build(policy, self.tokenizer, start_step=start_step, train_tasks=self.train_tasks,
+                         eval_tasks=self.eval_tasks, writer=self.writer)
+        missing = sorted(set(env_factory().actors) - set(self.actor_policy))
+        if missing:
+            raise ConfigError(f"multi_policy.policies: no policy plays the episode's actors {missing}")
+        if not start_step:
+            results["start"] = await evaluate_team(c, self.loop, env_factory, self.eval_tasks)
+            self.writer.write(0, prefixed("eval", results["start"]))
+        t0 = time.perf_counter()
+        for step in range(start_step, c.total_steps):
+            await self.step(env_factory, step, next(data))
+            if c.eval.every_steps and (step + 1) % c.eval.every_steps == 0 and step + 1 < c.total_steps:
+                ev = await evaluate_team(c, self.loop, env_factory, self.eval_tasks)
+                self.writer.write(step + 1, prefixed("eval", ev))
+            if step + 1 < c.total_steps and c.checkpoint.every_steps and (step + 1) % c.checkpoint.every_steps == 0:
+                self.save(step + 1, data.get_state(), results)
+        results["rl_seconds"] = time.perf_counter() - t0
+        results["end"] = await evaluate_team(c, self.loop, env_factory, self.eval_tasks)
+        self.writer.write(c.total_steps, prefixed("eval", results["end"]))
+        if start_step < c.total_steps:
+            self.save(c.total_steps, data.get_state(), results)
+        return results
+
+    async def step(self, env_factory, step: int, tasks: list[dict]) -> dict[str, float]:
+        """collect -> each policy's train step (at once, or one after the other) -> push weights."""
+        t0 = time.perf_counter()
+        episodes = await collect_team(self.config, self.loop, env_factory, tasks, step)
+        t_rollout = time.perf_counter() - t0
+        rows = {p.name: policy_trajectories(episodes, p.spec.actors) for p in self.policies}
+
+        def train(policy: Policy):
+            t = time.perf_counter()
+            state, metrics, _ = train_step(policy.rl, policy.state, policy.version, step, rows[policy.name], None)
+            return state, {**metrics, "time/update": time.perf_counter() - t}
+
+        if self.concurrent:
+            trained = await asyncio.gather(*(asyncio.to_thread(train, p) for p in self.policies))
+        else:
+            trained = [await asyncio.to_thread(train, p) for p in self.policies]
+        t1 = time.perf_counter()
+        metrics = team_metrics(episodes)
+        for policy, (state, policy_metrics) in zip(self.policies, trained):
+            policy.state = state
+            policy.version = await stages.push_weights(policy.driver, lambda p: p, state.params, policy.version)
+            policy.rl.old_policy.on_version(policy.version, state.params)
+            if rows[policy.name]:  # rewards, lengths, ... of its own rows
+                policy_metrics.update(rollout_metrics(rows[policy.name]))
+            metrics.update(prefixed(policy.name, policy_metrics))
+        now = time.perf_counter()
+        metrics.update({"time/rollout": t_rollout, "time/train": t1 - t0 - t_rollout, "time/step": now - t0,
+                        "throughput/trajectories_per_s": len(episodes) / max(now - t0, 1e-9)})
+        self.writer.write(step + 1, metrics)
+        return metrics
+
+    def save(self, step: int, data_state, results: dict[str, Any]) -> None:
+        for policy in self.policies:
+            stages.save(policy.checkpointer, policy.config, policy.rl.roles, policy.state, policy.version, step,
+                        data_state=data_state, extra={"results": json.dumps(results)})
+
+
+def _start_over(config: Config, out: Path) -> None:
+    """Without resume: what an earlier run left (metrics, checkpoints, exports, results) goes,
+    so the outputs are this run's alone; a scratch model's assets stay (made from the seed)."""
+    paths = [out / "metrics", out / "export", out / "results.json"]
+    paths += [checkpoint_dir(spec, out) for spec in config.multi_policy.policies]
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path)
+            logger.warning("starting over: removed %s of an earlier run (resume with checkpoint.resume=true)", path)
+        elif path.exists():
+            path.unlink()
+
+
+def _write_outputs(config: Config, out: Path, policies: list[Policy], tokenizer: Tokenizer,
+                   results: dict[str, Any]) -> None:
+    """Each policy's HF export (``checkpoint.export_hf``: ``export/<policy>``) and results.json."""
+    if config.checkpoint.export_hf:
+        for policy in policies:
+            for directory in lora.export(policy.state.params, policy.model_config, out / "export" / policy.name,
+                                         base_model=policy.config.model.path):
+                tokenizer.hf.save_pretrained(directory)
+    if jax.process_index() == 0:
+        (out / "results.json.tmp").write_text(json.dumps(results, indent=2))
+        os.replace(out / "results.json.tmp", out / "results.json")

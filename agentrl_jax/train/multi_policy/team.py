@@ -1,0 +1,85 @@
+"""The team's episodes: the multi-actor environment of a run, collecting a step's episodes,
+splitting them into each policy's trajectories, their metrics, and the held-out evaluation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from agentrl_jax.config import Config, ConfigError
+from agentrl_jax.envs.base import Trajectory
+from agentrl_jax.envs.multi_actor import MultiActorEnvironment, MultiActorEpisode, MultiActorLoop
+from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv
+from agentrl_jax.envs.solver_checker import CHECKER, SOLVER, SolverCheckerEnv, checker_demonstrations
+from agentrl_jax.rollout.sampling import SamplingParams
+
+
+def team_env_factory(config: Config, pool: Any, verifier: Any,
+                     count_tokens: Callable[[str], int]) -> Callable[[], MultiActorEnvironment]:
+    """A zero-argument constructor of the run's multi-actor episode (``multi_policy.episode``)."""
+    mp, settings = config.multi_policy, ReToolConfig.from_config(config)
+    return lambda: SolverCheckerEnv(ReToolEnv(pool, verifier, settings, count_tokens=count_tokens),
+                                    retries=mp.critique_retries, role_reward=mp.role_reward,
+                                    shared_view=mp.shared_view)
+
+
+def demonstrations(config: Config, tasks: list[dict]) -> dict[str, list[list[dict[str, str]]]]:
+    """SFT conversations per actor: the environment's solver demonstrations, and the checker's
+    verdicts on them (``envs.solver_checker.checker_demonstrations``)."""
+    solver = config.environment.make_demonstrations(config, tasks)
+    if solver is None:
+        raise ConfigError(f"sft.steps: environment.name={config.environment.name!r} writes no demonstrations for "
+                          "the solver-checker episode; set sft.steps=0")
+    return {SOLVER: solver, CHECKER: checker_demonstrations(solver, tasks[:len(solver)])}
+
+
+async def collect_team(config: Config, loop: MultiActorLoop, env_factory: Callable[[], MultiActorEnvironment],
+                       tasks: Sequence[dict], step: int, *, num_samples: int | None = None,
+                       temperature: float | None = None) -> list[MultiActorEpisode]:
+    """``num_samples`` (default ``algorithm.group_size``) episodes per task, all in flight at
+    once; sampling seeds from (seed, step, task), as the single-policy collect draws them."""
+    r = config.rollout
+    groups = await asyncio.gather(*[
+        loop.run_group(env_factory, task, num_samples or config.algorithm.group_size, SamplingParams(
+            temperature=r.temperature if temperature is None else temperature, top_k=r.top_k, top_p=r.top_p,
+            seed=hash((config.seed, step, i)) & 0x7FFFFFFF), group_id=i)
+        for i, task in enumerate(tasks)])
+    return [episode for group in groups for episode in group]
+
+
+def policy_trajectories(episodes: Sequence[MultiActorEpisode], actors: Sequence[str]) -> list[Trajectory]:
+    """The trajectories of a policy that plays ``actors``: one row per episode and actor that
+    acted, in episode order (group ids are per actor: ``MultiActorLoop``)."""
+    return [e.trajectories[a] for e in episodes for a in actors if a in e.trajectories]
+
+
+def team_metrics(episodes: Sequence[MultiActorEpisode], prefix: str = "") -> dict[str, float]:
+    """The episodes' own metrics averaged (checker accuracy, first / final correct, ...), and
+    ``critique/wrong_to_right_rate``: of the wrong first answers the checker rejected, the
+    fraction whose second try was correct (absent when there were none)."""
+    results = [e.result for e in episodes if not e.result.masked]
+    keys = sorted({k for r in results for k in r.metrics})
+    out = {f"{prefix}{k}": float(np.mean([r.metrics.get(k, 0.0) for r in results])) for k in keys}
+    sums = {k: sum(r.metrics.get(k, 0.0) for r in results) for k in ("critique/wrong_first", "critique/wrong_to_right")}
+    if sums["critique/wrong_first"]:
+        out[f"{prefix}critique/wrong_to_right_rate"] = sums["critique/wrong_to_right"] / sums["critique/wrong_first"]
+    out[f"{prefix}team/masked_episodes"] = float(len(episodes) - len(results))
+    return out
+
+
+async def evaluate_team(config: Config, loop: MultiActorLoop, env_factory: Callable[[], MultiActorEnvironment],
+                        tasks: Sequence[dict]) -> dict[str, float]:
+    """Held-out: ``eval.samples_per_task`` episodes of the first ``eval.num_tasks`` tasks at
+    ``eval.temperature``. ``team/final_correct`` is the team's pass@1; ``team/first_correct``
+    the solver's own (its answer before any critique)."""
+    e = config.eval
+    episodes = await collect_team(config, loop, env_factory, list(tasks[:e.num_tasks]), -1,
+                                  num_samples=e.samples_per_task, temperature=e.temperature)
+    return {"num_tasks": float(min(e.num_tasks, len(tasks))), **team_metrics(episodes)}
+
+
+def prefixed(name: str, metrics: Mapping[str, float]) -> dict[str, float]:
+    return {f"{name}/{k}": v for k, v in metrics.items()}

@@ -1,0 +1,24 @@
+"""`bench/multi_policy_speed.py`'s summary on metrics written here: trajectories/s and s/step over
+the steps after the warm-up, from the rows the multi-policy run writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from repo_scripts import load_script
+
+
+def test_the_summary_times_the_steps_after_the_warmup(tmp_path):
+    bench = load_script("bench/multi_policy_speed.py")
+    (tmp_path / "metrics").mkdir()
+    # (time/step, trajectories/s): 8 episodes a step
+    steps = [(10.0, 0.8), (2.0, 4.0), (4.0, 2.0)]
+    rows = [{"step": 0, "eval/team/final_correct": 0.0}]
+    rows += [{"step": i, "time/step": t, "throughput/trajectories_per_s": r} for i, (t, r) in enumerate(steps, 1)]
+    (tmp_path / "metrics" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "results.json").write_text(json.dumps({"rl_seconds": 17.0, "schedule": "concurrent"}))
+    summary = bench.summarize(tmp_path, warmup=1)
+    assert summary["steps_timed"] == 2 and summary["seconds_per_step"] == pytest.approx(3.0)
+    assert summary["trajectories_per_s"] == pytest.approx(16 / 6)
+    assert (summary["rl_seconds"], summary["schedule"]) == (17.0, "concurrent")

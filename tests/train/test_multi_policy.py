@@ -1,0 +1,129 @@
+"""Multi-policy pieces without a model: the config (``multi_policy.policies``), each policy's
+rows out of multi-actor episodes, and its advantages (groups per actor, never across roles)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from agentrl_jax.config import Config, ConfigError, from_dict, to_dict
+from agentrl_jax.config.policies import MultiPolicyConfig, PolicyConfig, policy_config
+from agentrl_jax.envs.base import Trajectory
+from agentrl_jax.envs.multi_actor import MultiActorEpisode, MultiActorResult
+from agentrl_jax.train.multi_policy.team import policy_trajectories, team_metrics
+from agentrl_jax.train.rl.stages import build_step_batch
+
+ACTORS = ("solver", "checker")
+
+
+def with_policies(*policies, **kw) -> Config:
+    return dataclasses.replace(Config(), multi_policy=MultiPolicyConfig(policies=tuple(policies), **kw))
+
+
+def test_no_policies_is_the_single_policy_config_and_policies_round_trip():
+    assert not Config().multi_policy.enabled
+    config = with_policies(PolicyConfig(name="solver", actors=("solver",), devices=(0, 1)),
+                           PolicyConfig(name="checker", actors=("checker",), overrides=("optimizer.learning_rate=1e-3",)))
+    assert from_dict(to_dict(config)) == config
+    own = policy_config(config, config.multi_policy.policies[1])
+    assert own.optimizer.learning_rate == 1e-3 and not own.multi_policy.enabled
+    assert own.output_dir == f"{config.output_dir}/policies/checker"
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(overrides=("data.prompts_per_step=2",)),
+     "multi_policy.policies[p].overrides: 'data.prompts_per_step=2': a policy sets only"),
+    (dict(overrides=("optimizer.learning_rat=1",)),
+     "multi_policy.policies[p]: override 'optimizer.learning_rat': unknown key"),
+    (dict(overrides=("algorithm.minibatches=3",)),
+     "multi_policy.policies[p]: algorithm.minibatches (3) must divide"),
+    (dict(actors=()), "multi_policy.policies[p].actors: must name at least one actor"),
+    (dict(devices=(0, 1), share=0.5), "multi_policy.policies[p].share: 0.5 must be in [0, 1], and not given with"),
+])
+def test_each_policy_is_validated_as_a_single_policy_config_in_one_line(fields, message):
+    with pytest.raises(ConfigError) as e:
+        with_policies(PolicyConfig(**{"name": "p", "actors": ("a",), **fields}))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_one_actor_one_policy_and_what_the_run_does_not_do_are_errors():
+    with pytest.raises(ConfigError, match="each actor is played by one policy; \\['a'\\]"):
+        with_policies(PolicyConfig(name="p", actors=("a",)), PolicyConfig(name="q", actors=("a",)))
+    with pytest.raises(ConfigError, match="^async_rl.enabled: is not supported with multi_policy"):
+        dataclasses.replace(with_policies(PolicyConfig(name="p", actors=("a",))),
+                            async_rl=dataclasses.replace(Config().async_rl, enabled=True, max_staleness=0))
+    with pytest.raises(ConfigError, match=r"^multi_policy.policies\[p\].sft.steps: SFT of a policy is supported"):
+        with_policies(PolicyConfig(name="p", actors=("a",), overrides=("sft.steps=5", "algorithm.kl_coef=0.1")))
+    with_policies(PolicyConfig(name="p", actors=("a",), overrides=("sft.steps=5",)))  # no KL, own views: fine
+
+
+def test_placement_by_devices_or_share_decides_concurrent_or_time_shared():
+    halves = with_policies(PolicyConfig(name="s", actors=("s",), share=0.5),
+                           PolicyConfig(name="c", actors=("c",), share=0.5)).multi_policy
+    assert halves.placement(8) == [(0, 1, 2, 3), (4, 5, 6, 7)] and halves.concurrent(8)
+    with pytest.raises(ConfigError, match="share: no device left"):
+        halves.placement(1)
+    shared = with_policies(PolicyConfig(name="s", actors=("s",)), PolicyConfig(name="c", actors=("c",))).multi_policy
+    assert shared.placement(2) == [(0, 1), (0, 1)] and not shared.concurrent(2)
+    forced = dataclasses.replace(shared, schedule="concurrent")
+    with pytest.raises(ConfigError, match="'concurrent' needs every policy on devices of its own"):
+        forced.concurrent(2)
+
+
+def row(actor_index: int, tokens: int, reward: float, group: int) -> Trajectory:
+    """A two-token prompt and ``tokens`` sampled tokens."""
+    ids = np.arange(2 + tokens, dtype=np.int32)
+    mask = np.r_[np.zeros(2), np.ones(tokens)].astype(np.int8)
+    return Trajectory(prompt_token_ids=ids[:2], token_ids=ids, loss_mask=mask,
+                      rollout_logprobs=-mask.astype(np.float32), params_versions=np.where(mask > 0, 0, -1),
+                      reward=reward, group_id=group * len(ACTORS) + actor_index,
+                      task_metadata={"actor": ACTORS[actor_index]})
+
+
+def episodes(rewards: list[list[tuple[float, float]]]) -> list[MultiActorEpisode]:
+    """Episodes of tasks (outer list) x samples; (solver, checker) reward each."""
+    out = []
+    for task, samples in enumerate(rewards):
+        for solver, checker in samples:
+            result = MultiActorResult(None, done=True, rewards={"solver": solver, "checker": checker},
+                                      metrics={"critique/wrong_first": 1.0, "critique/wrong_to_right": solver})
+            out.append(MultiActorEpisode(ACTORS, {}, result, {"solver": row(0, 3, solver, task),
+                                                              "checker": row(1, 2, checker, task)}))
+    return out
+
+
+def grpo_reference(rewards: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """(r - group mean) / (unbiased group std + 1e-6), 0 for an all-equal group (NumPy)."""
+    out = np.zeros_like(rewards)
+    for g in np.unique(groups):
+        r = rewards[groups == g]
+        out[groups == g] = 0.0 if np.all(r == r[0]) else (r - r.mean()) / (r.std(ddof=1) + 1e-6)
+    return out
+
+
+@pytest.mark.parametrize("self_play", [False, True])
+def test_each_policy_gets_its_actors_rows_and_advantages_per_actor_group(self_play):
+    config = dataclasses.replace(Config(), algorithm=dataclasses.replace(Config().algorithm, group_size=3,
+                                                                         minibatches=1),
+                                 data=dataclasses.replace(Config().data, prompts_per_step=2))
+    eps = episodes([[(1.0, 2.0), (0.0, 1.0), (0.0, 0.0)], [(1.0, 1.0), (1.0, 1.0), (0.0, 2.0)]])
+    policies = {"team": ACTORS} if self_play else {"solver": ("solver",), "checker": ("checker",)}
+    for actors in policies.values():
+        rows = policy_trajectories(eps, actors)
+        assert [t.task_metadata["actor"] for t in rows] == [a for _ in eps for a in actors]
+        batch = build_step_batch(config, rows, pad_token_id=0)
+        rewards = np.asarray([t.reward for t in rows], np.float32)
+        expected = grpo_reference(rewards, np.asarray([t.group_id for t in rows]))
+        sampled = batch.loss_mask[:len(rows)] > 0
+        got = np.asarray(batch.advantages)[:len(rows)]
+        for i in range(len(rows)):  # one advantage per row, on its sampled tokens
+            np.testing.assert_allclose(got[i][sampled[i]], expected[i], rtol=1e-5, atol=1e-6)
+    if self_play:  # the checker's 2.0 never enters the solver's baseline: groups per actor
+        assert len({t.group_id for t in policy_trajectories(eps, ACTORS)}) == 4
+
+
+def test_team_metrics_average_the_episodes_and_rate_the_critiques():
+    metrics = team_metrics(episodes([[(1.0, 0.0), (0.0, 0.0), (0.0, 0.0), (1.0, 0.0)]]))
+    assert metrics["critique/wrong_to_right_rate"] == 0.5 and metrics["team/masked_episodes"] == 0.0
