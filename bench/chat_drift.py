@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(len(p) for p in prompts)
     # One engine and one compiled forward serve every model: they share the architecture.
     engine = Engine(base, mesh=mesh, max_concurrent_decodes=len(prompts), max_target_length=longest + args.max_new_tokens,
-                    max_prefill_length=longest)
+                    max_prefill_length=longest, cache_dtype=None)
     log_softmax = make_log_softmax(graphdef)
     base_answers = asyncio.run(greedy(engine, base_params, tokenizer, prompts, args.max_new_tokens))
     report = {"base": base_path, "prompts": list(PROMPTS), "max_new_tokens": args.max_new_tokens,

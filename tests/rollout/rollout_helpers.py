@@ -22,9 +22,11 @@ TINY = DecoderConfig(
     tie_word_embeddings=False,
     rope_theta=10000.0,
 )
-# attend_granule=16: decode attention windows of 16, 32, 48 or 64 entries, so the tests cross them
+# attend_granule=16: decode attention windows of 16, 32, 48 or 64 entries, so the tests cross them;
+# cache_dtype=None: the KV cache in the model's compute dtype (float32: exact comparisons with the trainer)
 ENGINE_KW = dict(
-    max_concurrent_decodes=4, max_target_length=64, max_prefill_length=32, min_prefill_bucket=16, attend_granule=16
+    max_concurrent_decodes=4, max_target_length=64, max_prefill_length=32, min_prefill_bucket=16, attend_granule=16,
+    cache_dtype=None,
 )
 
 

@@ -296,7 +296,7 @@ def test_model_judge_decodes_with_its_params_through_the_driver_and_restores(tok
     _, policy_params = split_params(policy)
     _, judge_params = split_params(tiny_model(tokenizer.vocab_size, seed=1))
     engine = Engine(policy, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=4,
-                    max_target_length=192, max_prefill_length=64, min_prefill_bucket=16)
+                    max_target_length=192, max_prefill_length=64, min_prefill_bucket=16, cache_dtype=None)
     episodes = [make_trajectory(tokenizer, "What is 12*34?", ["\\boxed{418}"], [], correct=False)] * 2
     template = "Problem: {problem}\n{trajectory}\nOutcome: {outcome}"
     ids = tokenizer.apply_chat([{"role": "user", "content": judge_prompt(template, episodes[0])}])
