@@ -70,7 +70,7 @@ def make_log_softmax(graphdef):
     def log_softmax(params, ids, lengths):
         model = nnx.merge(graphdef, params)
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-        hidden, _ = model(ids, positions, lengths=lengths)
+        hidden = model(ids, positions, lengths=lengths)
         table, layout = model.output_embedding()
         logits = output_logits(hidden.reshape(-1, hidden.shape[-1]), table, layout)
         return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(*ids.shape, -1)

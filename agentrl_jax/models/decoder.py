@@ -139,7 +139,7 @@ class Decoder(nnx.Module):
         attention_mask: jax.Array | None = None,
         lengths: jax.Array | None = None,
         max_segments: int | None = None,
-    ) -> tuple[jax.Array, None]:
+    ) -> jax.Array:
         """Final hidden states of ``[B, T]`` tokens: causal attention within each row,
         restricted to equal ``segment_ids`` (packed rows) and to real keys (``attention_mask`` 1).
 
@@ -157,8 +157,8 @@ class Decoder(nnx.Module):
             followed by padding) runs the mask-free ``lengths`` path on any backend.
 
         Returns:
-          ``(hidden [B, T, D] in the compute dtype, None)``; the rollout engine keeps its
-          KV cache in its own forward (`models.decode`), so the second item is always None.
+          ``hidden [B, T, D]`` in the compute dtype (the rollout engine keeps its KV cache in
+          its own forward, `models.decode`).
         """
         cfg = self.config
         chex.assert_rank(input_ids, 2)
@@ -185,8 +185,7 @@ class Decoder(nnx.Module):
         )
         body = remat_layer(lambda h, w: (block(h, w), None), self.remat)
         hidden, _ = jax.lax.scan(body, hidden, layer_weights)
-        hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
-        return hidden, None
+        return rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
 
     def _attention_inputs(self, B, T, segment_ids, attention_mask, lengths, max_segments) -> dict[str, Any]:
         """Which attention every layer runs, as `_decoder_block`'s keyword arguments: mask-free

@@ -104,13 +104,13 @@ def forward_logprobs(
     """
     model = nnx.merge(graphdef, merged_params(params))  # LoRA: W + scale * A B (models/lora.py)
     if packed:
-        hidden, _ = model(
+        hidden = model(
             batch["input_ids"], batch["positions"], segment_ids=batch["segment_ids"],
             max_segments=max_segments or None,
         )
     else:
         lengths = jnp.sum(batch["segment_ids"] > 0, axis=1).astype(jnp.int32)
-        hidden, _ = model(batch["input_ids"], batch["positions"], lengths=lengths)
+        hidden = model(batch["input_ids"], batch["positions"], lengths=lengths)
     table, layout = model.output_embedding()
     return token_logprobs(
         hidden,

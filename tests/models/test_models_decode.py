@@ -28,7 +28,7 @@ def model(request):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _full(graphdef, params, ids, positions):
-    return apply(graphdef, params, ids, positions)[0]
+    return apply(graphdef, params, ids, positions)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attend_len"))

@@ -32,7 +32,7 @@ def _trained_lora(model, lora, seed=1):
 def _logits(graphdef, params, ids=IDS):
     model = nnx.merge(graphdef, params)
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-    hidden, _ = model(jnp.asarray(ids, jnp.int32), positions)
+    hidden = model(jnp.asarray(ids, jnp.int32), positions)
     return np.asarray(model.logits(hidden))
 
 

@@ -53,7 +53,7 @@ def teacher_forced(model, tokens, pad_to: int = 64):
     graphdef, params = nnx.split(model)
     if graphdef not in _FORWARD:
         _FORWARD[graphdef] = jax.jit(
-            lambda p, ids: nnx.merge(graphdef, p)(ids, jnp.arange(ids.shape[1])[None])[0]
+            lambda p, ids: nnx.merge(graphdef, p)(ids, jnp.arange(ids.shape[1])[None])
         )
     padded = np.zeros((1, max(pad_to, tokens.size)), np.int32)
     padded[0, : tokens.size] = tokens

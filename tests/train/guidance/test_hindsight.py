@@ -82,7 +82,7 @@ def make_trajectory(tokenizer, question, sampled_chunks, observations, *, reward
 def reference_logprobs(model, ids):
     """log softmax(logits[k])[ids[k+1]] for one sequence, by a plain forward + NumPy."""
     x = jnp.asarray(np.asarray(ids, np.int32)[None])
-    hidden, _ = model(x, jnp.arange(x.shape[1])[None])
+    hidden = model(x, jnp.arange(x.shape[1])[None])
     logits = np.asarray(model.logits(hidden)[0], np.float64)
     logits -= logits.max(-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
