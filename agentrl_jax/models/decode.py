@@ -194,7 +194,7 @@ def forward(
       ``(hidden [B, T, D] in dtype, new cache)``; with ``token_index``, hidden ``[N, D]``
       (padding: meaningless).
     """
-    B, T = _check_arguments(tokens, positions, cache, write_index, plan, attend_len=attend_len, page_table=page_table,
+    _, T = _check_arguments(tokens, positions, cache, write_index, plan, attend_len=attend_len, page_table=page_table,
                             write_len=write_len, token_index=token_index, row_tokens=row_tokens)
     compact = token_index is not None
     if compact:

@@ -124,7 +124,7 @@ class EngineConfig:
     device_stop_ids: int = STOP_IDS
     device_stop_sequences: tuple[int, int] = STOP_SEQUENCES
     decode_kernel_programs: int | None = None
-    decode_kernel: DecodeKernel = DecodeKernel()
+    decode_kernel: DecodeKernel = dataclasses.field(default_factory=DecodeKernel)
     decode_compiler_options: dict[str, Any] | None = None
     max_target_length: int = _ROLLOUT.max_sequence_length
     max_prefill_length: int = _ROLLOUT.max_prompt_length
