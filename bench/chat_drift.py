@@ -70,7 +70,7 @@ def make_log_softmax(graphdef):
     def log_softmax(params, ids, lengths):
         model = nnx.merge(graphdef, params)
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-        hidden, _ = model(ids, positions, lengths=lengths)
+        hidden = model(ids, positions, lengths=lengths)
         table, layout = model.output_embedding()
         logits = output_logits(hidden.reshape(-1, hidden.shape[-1]), table, layout)
         return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(*ids.shape, -1)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     longest = max(len(p) for p in prompts)
     # One engine and one compiled forward serve every model: they share the architecture.
     engine = Engine(base, mesh=mesh, max_concurrent_decodes=len(prompts), max_target_length=longest + args.max_new_tokens,
-                    max_prefill_length=longest)
+                    max_prefill_length=longest, cache_dtype=None)
     log_softmax = make_log_softmax(graphdef)
     base_answers = asyncio.run(greedy(engine, base_params, tokenizer, prompts, args.max_new_tokens))
     report = {"base": base_path, "prompts": list(PROMPTS), "max_new_tokens": args.max_new_tokens,

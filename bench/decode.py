@@ -99,7 +99,8 @@ def compiler_options(text: str) -> dict | None:
 
 
 def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int, attention: str,
-                profile: bool = False, page_size: int = 32, max_length: int = 0, options: str = "") -> list[dict]:
+                profile: bool = False, page_size: int = 32, max_length: int = 0, options: str = "",
+                kernel: str = "") -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -120,16 +121,14 @@ def _jax_worker(size: str, batches: list[int], prompt: int, gen: int, steps: int
                             max_target_length=max_length or prompt + gen + 1,
                             max_prefill_length=prompt, cache_dtype=dtype, page_size=page_size,
                             decode_attention=None if attention == "default" else attention,
-                            decode_compiler_options=compiler_options(options))
+                            decode_compiler_options=compiler_options(options), decode_kernel=parse_kernel(kernel))
             row["impl"] = f"agentrl_jax ({engine.decode_attention} attention, pages of {page_size})"
             row["compiler_options"] = engine.decode_compiler_options
             if options:
                 row["impl"] += f" options {options}: {engine.decode_compiler_options or 'none'}"
             if engine.decode_attention == "pallas":
-                from agentrl_jax.models import decode
-
-                row["impl"] += (f" {decode.PALLAS_METHOD} b{decode.PALLAS_BLOCK} w{decode.PALLAS_WARPS} "
-                                f"s{decode.PALLAS_STAGES} p{decode.PALLAS_MIN_PROGRAMS} qkv/{decode.PALLAS_QKV_SPLITS}")
+                k = engine.decode_kernel
+                row["impl"] += f" {k.method} b{k.block_k} w{k.warps} s{k.stages} p{k.min_programs} qkv/{k.qkv_splits}"
             if os.environ.get("XLA_FLAGS"):
                 row["impl"] += f" XLA_FLAGS={os.environ['XLA_FLAGS']}"
             params = engine.load_params(model)
@@ -181,16 +180,24 @@ def _fill(engine, params, tokens, sampler, batch):
     return jax.block_until_ready(state)
 
 
-def _set_kernel(text: str) -> None:
-    from agentrl_jax.models import decode
+def parse_kernel(text: str):
+    """``--kernel`` (one setting, ``key=value,...``) as `models.decode.DecodeKernel` (`Engine(decode_kernel=)`),
+    the keys not named keeping the engine's defaults."""
+    import dataclasses
 
+    from agentrl_jax.models.decode import DecodeKernel
+
+    keys = [f.name for f in dataclasses.fields(DecodeKernel)]
+    settings = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
-        name = "PALLAS_" + {"warps": "WARPS", "stages": "STAGES", "block_k": "BLOCK"}.get(key, key.upper())
-        if not value or not hasattr(decode, name):
-            raise SystemExit(f"--kernel: {item!r} is not key=value with a key of method, block_k, warps, stages, "
-                             "min_programs, qkv_splits")
-        setattr(decode, name, value if key == "method" else int(value))
+        if not value or key not in keys or (key != "method" and not value.isdigit()):
+            raise SystemExit(f"--kernel: {item!r} is not key=value with a key of {', '.join(keys)} (integers but method)")
+        settings[key] = value if key == "method" else int(value)
+    try:
+        return DecodeKernel(**settings)
+    except ValueError as e:
+        raise SystemExit(f"--kernel: {e}") from e
 
 
 def _profile(run, state, dispatches: int, steps: int, top: int = 40) -> list[tuple[str, float, int]]:
@@ -362,7 +369,7 @@ def main(argv=None) -> None:
                              "budget costs only page-table width")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--kernel", default="", help="override the Pallas kernel's settings, e.g. "
-                        "method=dot,block_k=32,warps=4,stages=3,min_programs=1024 (models/decode.py PALLAS_*); "
+                        "method=dot,block_k=32,warps=4,stages=3,min_programs=1024 (models/decode.py DecodeKernel); "
                         "several settings separated by ';' run one after the other ('' = the defaults)")
     parser.add_argument("--compiler-options", default="",
                         help="Engine(decode_compiler_options=): 'name=value,...', 'none' (XLA's defaults) or 'default' "
@@ -381,8 +388,8 @@ def main(argv=None) -> None:
     if args.gen % args.steps_per_dispatch:
         parser.error(f"--gen {args.gen} must be a multiple of --steps-per-dispatch {args.steps_per_dispatch}")
     kernels = args.kernel.split(";")
-    for kernel in kernels:  # checks the values here; each worker sets its own in its own process
-        _set_kernel(kernel)
+    for kernel in kernels:  # checks the values here; each worker runs its own
+        parse_kernel(kernel)
     option_sets = args.compiler_options.split(";")
     for options in option_sets:
         compiler_options(options)
@@ -390,7 +397,7 @@ def main(argv=None) -> None:
         size, batches = args.sizes, _ints(args.batches)
         if args.worker == "jax":
             rows = _jax_worker(size, batches, args.prompt, args.gen, args.steps_per_dispatch, args.decode_attention,
-                               args.profile, args.page_size, args.max_length, args.compiler_options)
+                               args.profile, args.page_size, args.max_length, args.compiler_options, args.kernel)
         else:
             rows = _hf_worker(size, batches, args.prompt, args.gen, args.hf_cache)
         for row in rows:

@@ -194,12 +194,13 @@ def main(argv=None) -> None:
           f"KV={args.kv_heads} G={args.group} K={args.head_dim} S={args.cache} context={args.context} {dtype.__name__}"
           f"{f'; ragged rows, context x [1 - {args.ragged}, 1 + {args.ragged}]' if args.ragged else ''}"
           f"{f'; pages of {args.page_size}' if args.page_size else ''}")
-    from agentrl_jax.models import decode as decode_module
+    from agentrl_jax.models.decode import DecodeKernel, kernel_block
 
-    default = dict(method=decode_module.PALLAS_METHOD, block_k=decode_module.PALLAS_BLOCK,
-                   warps=decode_module.PALLAS_WARPS, stages=decode_module.PALLAS_STAGES, min_programs=512)
+    engine = DecodeKernel()  # the engine's settings
+    default = dict(method=engine.method, block_k=engine.block_k, warps=engine.warps, stages=engine.stages,
+                   min_programs=engine.min_programs)
     if args.page_size:
-        default["block_k"] = decode_module.kernel_block(args.cache, args.page_size)
+        default["block_k"] = kernel_block(args.cache, args.page_size, engine.block_k)
     settings = sweep_settings(args.page_size) if args.sweep else [default]
     if args.min_programs:
         settings = [dict(default, min_programs=int(m)) for m in args.min_programs.split(",")]

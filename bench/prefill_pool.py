@@ -33,7 +33,8 @@ def time_prefill(num_pages: int, calls: int) -> dict:
                            num_layers=4, num_heads=8, num_kv_heads=8, head_dim=32, qk_norm=True)
     model = Decoder(config, rngs=nnx.Rngs(0))
     engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=16,
-                    max_target_length=16384, max_prefill_length=64, page_size=32, num_pages=num_pages)
+                    max_target_length=16384, max_prefill_length=64, page_size=32, num_pages=num_pages,
+                    cache_dtype=None)
     params, state = engine.load_params(model), engine.init_decode_state()
     times = []
     for i in range(calls + 2):  # the first two compile and settle

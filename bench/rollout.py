@@ -429,10 +429,6 @@ def main(argv=None) -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on CPU: a < 1 min smoke run")
     parser.add_argument("--json", help="also write the result to this JSON file")
     args = parser.parse_args(argv)
-    if args.kernel:
-        from decode import _set_kernel
-
-        _set_kernel(args.kernel)
     if not 0 <= args.length_spread < 1:
         parser.error(f"--length-spread={args.length_spread} must be in [0, 1)")
     if args.no_untimed and not (args.warmup and args.timed_passes > 0):
@@ -442,7 +438,7 @@ def main(argv=None) -> None:
         args.turn_tokens, args.observation, args.steps_per_dispatch, args.page_size = 16, 4, 4, 8
 
     import jax
-    from decode import compiler_options, qwen3_model
+    from decode import compiler_options, parse_kernel, qwen3_model
 
     from agentrl_jax.rollout import Driver
     from agentrl_jax.rollout.jetstream import DensePrefixEngine  # the runs use JetStream's dense prefill too
@@ -465,7 +461,7 @@ def main(argv=None) -> None:
                      max_target_length=args.max_length or longest, max_prefill_length=max(min(prompt, 2048), 16),
                      cache_dtype=dtype, page_size=args.page_size, kv_cache_memory_fraction=args.kv_fraction,
                      prefill_row_tokens=args.row_tokens, decode_compiler_options=compiler_options(args.compiler_options),
-                     **({"prefill_compaction": False} if args.no_compaction else {}))  # (older trees: no such argument)
+                     decode_kernel=parse_kernel(args.kernel), **({"prefill_compaction": False} if args.no_compaction else {}))  # (older trees: no such argument)
     engine = DensePrefixEngine(model, max_concurrent_decodes=slots, decode_batch=lanes,
                     device_stop_ids=max(len(_stop_ids(args, vocab)), 1),
                     decode_kernel_programs=args.kernel_programs or None, **engine_kw)

@@ -17,7 +17,7 @@ def engine_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list
 
     longest = max(len(p) for p in prompts)
     engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=len(prompts),
-                    max_target_length=longest + new_tokens, max_prefill_length=longest, page_size=16)
+                    max_target_length=longest + new_tokens, max_prefill_length=longest, page_size=16, cache_dtype=None)
 
     async def generate():
         async with Driver(engine, model, steps_per_dispatch=8) as driver:

@@ -34,5 +34,5 @@ def tiny_agent_engine(vocab_size: int, *, slots: int, max_target_length: int, ma
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=slots,
                     max_target_length=max_target_length, max_prefill_length=max_prefill_length,
-                    min_prefill_bucket=min_prefill_bucket)
+                    min_prefill_bucket=min_prefill_bucket, cache_dtype=None)
     return engine, split_params(model)[1]

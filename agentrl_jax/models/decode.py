@@ -6,8 +6,9 @@ RMSNorm, attention, ``wo``, RMSNorm, SwiGLU, with the same numerics (float32 RMS
 statistics, float32 attention logits and softmax, the same RoPE), so decoding reproduces the
 trainer's forward. It differs in layout (`decode_params`: one weight dict per layer, layers
 unrolled, QKV and gate/up fused, one cache buffer per layer; every matmul a plain 2-D one) and
-in its attention step, which also projects QKV and writes the cache. `forward` picks that
-step's strategy once per call, before the layers run:
+in its attention step, which also projects QKV and writes the cache. The caller chooses that
+step once, as an `AttentionPlan` (the engine builds one per program kind), and `forward` asks
+the plan for this call's strategy before the layers run:
 
 - `DenseAttention` (``attention="xla"``, a dense cache): QK-norm and RoPE as one XLA pass over
   the ``[B, T, KV, G + 2, K]`` projection, a per-row scatter into the cache, and an einsum
@@ -22,7 +23,7 @@ step's strategy once per call, before the layers run:
   ``token_index`` the paged prefill runs compacted: every layer's token-wise work on the rows'
   real tokens only, the attention and cache write on the rows.
 - `PallasDecodeAttention` (``attention="pallas"``, one token per row, the engine's decode
-  step on GPU): the QKV projection as `PALLAS_QKV_SPLITS` float32 partial products, then one
+  step on GPU): the QKV projection as `DecodeKernel.qkv_splits` float32 partial products, then one
   kernel per layer (`decode_attention.decode_attention`) sums them, adds the bias, applies
   QK-norm and RoPE, writes the new key/value and attends over each row's own filled entries:
   no window, no scatter, no separate normalization or split-K reduction kernels.
@@ -49,7 +50,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from agentrl_jax.models.cache_attention import DenseAttention, PagedAttention, ShardSpecs
 from agentrl_jax.models.config import DecoderConfig
-from agentrl_jax.models.decode_attention import decode_attention
+from agentrl_jax.models.decode_attention import METHODS, decode_attention
 from agentrl_jax.models.decode_params import (  # noqa: F401 (the rollout engine imports its layout from here)
     DecodeParams,
     LayerCache,
@@ -60,34 +61,102 @@ from agentrl_jax.models.layers import rms_norm, rope_frequencies
 
 ATTENTION_IMPLS = ("xla", "pallas", "pallas_tpu")
 PREFILL_ATTENTION_IMPLS = ("xla", "pallas")  # "pallas": the GPU kernel of `models.prefill_attention`
-PALLAS_BLOCK = 32  # cache entries per kernel iteration (paged: see `kernel_block`)
-PALLAS_METHOD = "dot"
-PALLAS_WARPS = 4
-PALLAS_STAGES = 3
-PALLAS_QKV_SPLITS = 4  # the QKV projection as 4 partial products over slices of D, summed in the kernel
-PALLAS_MIN_PROGRAMS = 512  # fewer (row, kv head) programs than this: split rows into chunks
 
 
-# long: its signature and argument docs; the body checks them, picks the attention, runs the layers.
+@dataclasses.dataclass(frozen=True)
+class DecodeKernel:
+    """The GPU decode kernel's settings (`PallasDecodeAttention`, `decode_attention.decode_attention`);
+    `bench/decode.py --kernel` tunes them, an engine takes them as `EngineConfig.decode_kernel`.
+
+    Attributes:
+      block_k: cache entries per kernel iteration (paged: see `kernel_block`).
+      method: "dot" or "vector" (`decode_attention`).
+      warps, stages: Triton's ``num_warps`` and ``num_stages``.
+      qkv_splits: the QKV projection as this many float32 partial products over slices of D,
+        summed in the kernel (1 where it does not divide D).
+      min_programs: fewer (row, kv head) programs than this: split rows into chunks (`kernel_chunks`).
+    """
+
+    block_k: int = 32
+    method: str = "dot"
+    warps: int = 4
+    stages: int = 3
+    qkv_splits: int = 4
+    min_programs: int = 512
+
+    def __post_init__(self):
+        for name in ("block_k", "warps", "stages", "qkv_splits", "min_programs"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"DecodeKernel: {name} must be an int >= 1, got {getattr(self, name)!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"DecodeKernel: method must be one of {METHODS}, got {self.method!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """What `forward`'s attention step is, chosen once by its caller (the engine, per program kind):
+    the architecture, the compute dtype, the decode and prefill attentions, the GPU kernel's
+    settings and, on a mesh of several devices, the mesh and the cache buffers' ``PartitionSpec``
+    (the kernel, or with a page table the paged cache write and attention, then run per shard,
+    `jax.shard_map`: rows and kv heads are independent and every row's pages lie in its own shard
+    of the pool).
+
+    Attributes:
+      attention: "xla" (einsums), "pallas" (GPU kernel; one token per row) or "pallas_tpu" (the
+        XLA paged write, then the TPU kernel of `tpu_decode_attention`; one token per row, a
+        paged cache).
+      prefill_attention: with a page table and ``write_len`` (the engine's prefill), "xla"
+        (`paged_xla_attend_and_write`: a gathered window and einsums) or "pallas" (the same
+        scatter, then `prefill_attention.prefill_attention` reads each row's own entries).
+      kernel: the "pallas" attention's `DecodeKernel`.
+    """
+
+    config: DecoderConfig
+    dtype: Any
+    attention: str = "xla"
+    prefill_attention: str = "xla"
+    kernel: DecodeKernel = DecodeKernel()
+    mesh: Mesh | None = None
+    cache_spec: PartitionSpec | None = None
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_IMPLS:
+            raise ValueError(f"forward: attention must be one of {ATTENTION_IMPLS}, got {self.attention!r}")
+        if self.prefill_attention not in PREFILL_ATTENTION_IMPLS:
+            raise ValueError(f"forward: prefill_attention must be one of {PREFILL_ATTENTION_IMPLS}, "
+                             f"got {self.prefill_attention!r}")
+
+    def strategy(self, write_pos, positions, *, attend_len, write_index, page_table, write_len, token_index):
+        """This call's attention step: `PallasDecodeAttention`, `DenseAttention` or `PagedAttention`."""
+        config, dtype = self.config, self.dtype
+        inv_freq = rope_frequencies(config)
+        multi = self.mesh is not None and self.mesh.size > 1
+        specs = ShardSpecs.of(self.mesh, self.cache_spec, token_index is not None) if multi else None
+        if self.attention == "pallas":
+            return PallasDecodeAttention.build(config, dtype, inv_freq, write_pos, positions, page_table, self.kernel,
+                                               specs)
+        if page_table is None:
+            return DenseAttention(config, dtype, inv_freq, attend_len, write_pos, positions)
+        return PagedAttention.build(
+            config, dtype, inv_freq, attend_len, write_pos, positions, page_table, specs, attention=self.attention,
+            prefill_attention=self.prefill_attention, write_index=write_index, write_len=write_len,
+            token_index=token_index,
+        )
+
+
 def forward(
     params: DecodeParams,
     tokens: jax.Array,
     positions: jax.Array,
     cache: LayerCache,
     write_index: jax.Array,
+    plan: AttentionPlan,
     *,
-    config: DecoderConfig,
     attend_len: int,
-    dtype: Any,
-    attention: str = "xla",
-    cache_spec: PartitionSpec | None = None,
-    mesh: Mesh | None = None,
     page_table: jax.Array | None = None,
     write_len: jax.Array | None = None,
-    prefill_attention: str = "xla",
     token_index: jax.Array | None = None,
     row_tokens: int | None = None,
-    kernel_programs: int | None = None,
 ) -> tuple[jax.Array, LayerCache]:
     """Final hidden states of ``[B, T]`` new tokens and the cache with their keys/values.
 
@@ -98,31 +167,18 @@ def forward(
       cache: `LayerCache` with buffers ``[B, KV, S, K]``.
       write_index: ``[B]`` int32; row b's tokens go to entries ``[write_index[b],
         write_index[b] + T)`` (entries past S are dropped).
-      config: the architecture.
+      plan: the `AttentionPlan`: architecture, compute dtype, attention (a kernel takes T = 1),
+        the kernel's settings, the mesh.
       attend_len: W, static; queries read cache entries ``[0, W)`` only, so every row must
         have ``write_index[b] + T <= W`` for its result to be exact (``W <= S``).
-      dtype: compute dtype.
-      attention: "xla" (einsums), "pallas" (GPU kernel; T must be 1) or "pallas_tpu" (the
-        XLA paged write, then the TPU kernel of `tpu_decode_attention`; T must be 1 and the
-        cache paged).
-      cache_spec, mesh: on a mesh of several devices, the cache buffers' ``PartitionSpec``
-        and the mesh: the kernel ("pallas") or, with a page table, the paged cache write and
-        attention run per shard (`jax.shard_map`), rows and kv heads being independent and
-        every row's pages lying in its own shard of the pool.
       page_table: ``[B, T]`` int32 local page ids: the cache buffers are then pools of pages
         ``[N, KV, P, K]`` and row b's entry t lives at entry ``t % P`` of page
         ``page_table[b, t // P]`` (`paged_xla_attend_and_write`); ``attend_len <= T * P``.
-      kernel_programs: with the "pallas" attention, the fewest (row, kv head, chunk) programs
-        the kernel runs per shard: each row's entries are split into chunks to reach it
-        (`kernel_chunks`; default `PALLAS_MIN_PROGRAMS`).
       write_len: ``[B]`` int32, with a page table: row b's real tokens; the keys/values of its
         padding tokens (``t >= write_len[b]``) are not written anywhere, and the real ones,
         which the caller guarantees land on distinct entries, are scattered as unique indices.
         The padding tokens' hidden states are then meaningless.
-      prefill_attention: with a page table and ``write_len`` (the engine's prefill), "xla"
-        (`paged_xla_attend_and_write`: a gathered window and einsums) or "pallas" (the same
-        scatter, then `prefill_attention.prefill_attention` reads each row's own entries).
-      token_index: with a page table and ``write_len`` (and ``attention="xla"``), compact the
+      token_index: with a page table and ``write_len`` (and the "xla" attention), compact the
         paged prefill to its real tokens: ``tokens`` and ``positions`` are then ``[N]``, the
         real tokens (and padding up to N) of B rows of T = ``row_tokens`` entries, and
         ``token_index [N]`` int32 is where each sits in those rows (flat ``b * T + t``, local to
@@ -138,27 +194,15 @@ def forward(
       ``(hidden [B, T, D] in dtype, new cache)``; with ``token_index``, hidden ``[N, D]``
       (padding: meaningless).
     """
-    B, T = _check_arguments(
-        tokens, positions, cache, write_index, attend_len=attend_len, attention=attention, page_table=page_table,
-        write_len=write_len, prefill_attention=prefill_attention, token_index=token_index, row_tokens=row_tokens,
-    )
+    _, T = _check_arguments(tokens, positions, cache, write_index, plan, attend_len=attend_len, page_table=page_table,
+                            write_len=write_len, token_index=token_index, row_tokens=row_tokens)
     compact = token_index is not None
     if compact:
         tokens, positions = tokens[None], positions[None]  # the token-wise parts: one row of the N tokens
     write_pos = write_index[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-    inv_freq = rope_frequencies(config)
-    specs = ShardSpecs.of(mesh, cache_spec, compact) if mesh is not None and mesh.size > 1 else None
-    if attention == "pallas":
-        attend_and_write = PallasDecodeAttention.build(
-            config, dtype, inv_freq, write_pos, positions, page_table, kernel_programs, specs)
-    elif page_table is None:
-        attend_and_write = DenseAttention(config, dtype, inv_freq, attend_len, write_pos, positions)
-    else:
-        attend_and_write = PagedAttention.build(
-            config, dtype, inv_freq, attend_len, write_pos, positions, page_table, specs, attention=attention,
-            prefill_attention=prefill_attention, write_index=write_index, write_len=write_len,
-            token_index=token_index,
-        )
+    attend_and_write = plan.strategy(write_pos, positions, attend_len=attend_len, write_index=write_index,
+                                     page_table=page_table, write_len=write_len, token_index=token_index)
+    config, dtype = plan.config, plan.dtype
     block = functools.partial(_decoder_block, config=config, dtype=dtype, attend_and_write=attend_and_write)
     hidden = jnp.take(params.embed, tokens, axis=0).astype(dtype)
     new_k, new_v = [], []
@@ -170,11 +214,11 @@ def forward(
     return hidden[0] if compact else hidden, LayerCache(k=tuple(new_k), v=tuple(new_v))
 
 
-def _check_arguments(tokens, positions, cache, write_index, *, attend_len, attention, page_table, write_len,
-                     prefill_attention, token_index, row_tokens) -> tuple[int, int]:
+def _check_arguments(tokens, positions, cache, write_index, plan, *, attend_len, page_table, write_len, token_index,
+                     row_tokens) -> tuple[int, int]:
     """`forward`'s argument rules, one error line each: ``(B, T)`` of the rows."""
     if token_index is not None:
-        if page_table is None or write_len is None or attention != "xla":
+        if page_table is None or write_len is None or plan.attention != "xla":
             raise ValueError("forward: token_index (the compacted paged prefill) needs a page_table, write_len "
                              "and attention='xla'")
         if row_tokens is None or row_tokens < 1:
@@ -189,15 +233,11 @@ def _check_arguments(tokens, positions, cache, write_index, *, attend_len, atten
         chex.assert_equal_shape([tokens, positions])
         B, T = tokens.shape
     chex.assert_shape(write_index, (B,))
-    if attention not in ATTENTION_IMPLS:
-        raise ValueError(f"forward: attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
-    if attention != "xla" and T != 1:
-        raise ValueError(f"forward: the {attention} decode attention takes one token per row, got T={T}")
-    if attention == "pallas_tpu" and page_table is None:
+    if plan.attention != "xla" and T != 1:
+        raise ValueError(f"forward: the {plan.attention} decode attention takes one token per row, got T={T}")
+    if plan.attention == "pallas_tpu" and page_table is None:
         raise ValueError("forward: the pallas_tpu decode attention reads a paged cache; pass a page_table")
-    if prefill_attention not in PREFILL_ATTENTION_IMPLS:
-        raise ValueError(f"forward: prefill_attention must be one of {PREFILL_ATTENTION_IMPLS}, got {prefill_attention!r}")
-    if prefill_attention == "pallas" and (page_table is None or write_len is None or attention != "xla"):
+    if plan.prefill_attention == "pallas" and (page_table is None or write_len is None or plan.attention != "xla"):
         raise ValueError("forward: prefill_attention='pallas' needs a page_table and write_len (the paged prefill)")
     capacity = cache.max_len if page_table is None else page_table.shape[1] * cache.k[0].shape[2]
     if not 0 < attend_len <= capacity:
@@ -239,17 +279,17 @@ class PallasDecodeAttention:
 
     config: DecoderConfig
     kernel: Callable  # (page_table, write_pos [B], positions [B], partials, bias, norms, k, v) -> (out, k, v)
+    qkv_splits: int
     page_table: jax.Array | None
     write_pos: jax.Array  # [B]
     positions: jax.Array  # [B]
 
     @classmethod
-    def build(cls, config, dtype, inv_freq, write_pos, positions, page_table, kernel_programs,
+    def build(cls, config, dtype, inv_freq, write_pos, positions, page_table, settings: DecodeKernel,
               specs) -> PallasDecodeAttention:
         def kernel(table, *args):
             return pallas_attend_and_write(
-                *args, inv_freq=inv_freq, eps=config.rms_norm_eps, dtype=dtype, page_table=table,
-                min_programs=kernel_programs,
+                *args, inv_freq=inv_freq, eps=config.rms_norm_eps, dtype=dtype, page_table=table, settings=settings,
             )
 
         if specs is not None:  # rows and kv heads are independent (a row's pages are in its shard): per shard
@@ -257,13 +297,13 @@ class PallasDecodeAttention:
             kernel = specs.shard_map(kernel, (specs.table, specs.per_row, specs.per_row,
                                               PartitionSpec(None, specs.cache[0], heads), PartitionSpec(heads),
                                               PartitionSpec(), specs.cache, specs.cache))
-        return cls(config, kernel, page_table, write_pos[:, 0], positions[:, 0])
+        return cls(config, kernel, settings.qkv_splits, page_table, write_pos[:, 0], positions[:, 0])
 
     def __call__(self, x, w, k_cache, v_cache):
         config = self.config
         B, _, D = x.shape
         KV, R = config.num_kv_heads, config.num_heads // config.num_kv_heads + 2
-        splits = PALLAS_QKV_SPLITS if D % PALLAS_QKV_SPLITS == 0 else 1
+        splits = self.qkv_splits if D % self.qkv_splits == 0 else 1
         # [P, B, KV, G + 2, K] partial products over P slices of D, float32
         partials = jnp.einsum(
             "bpd,pdn->pbn", x.reshape(B, splits, D // splits), w["wqkv"].reshape(splits, D // splits, -1),
@@ -274,11 +314,11 @@ class PallasDecodeAttention:
         return self.kernel(self.page_table, self.write_pos, self.positions, partials, bias, norms, k_cache, v_cache)
 
 
-def kernel_block(length: int, page_size: int | None = None, preferred: int | None = None) -> int:
-    """The kernel's block (cache entries per loop iteration): ``preferred`` (`PALLAS_BLOCK`),
+def kernel_block(length: int, page_size: int | None = None, preferred: int = DecodeKernel.block_k) -> int:
+    """The kernel's block (cache entries per loop iteration): ``preferred`` (`DecodeKernel.block_k`),
     halved until it divides the cache ``length`` and, with pages, is part of a page or whole
     pages (the kernel then gathers a block over several pages rather than shrinking it)."""
-    block = PALLAS_BLOCK if preferred is None else preferred
+    block = preferred
     while block > 1 and (length % block or (page_size and page_size % block and block % page_size)):
         block //= 2
     return block
@@ -292,7 +332,7 @@ def kernel_chunks(programs: int, blocks: int, min_programs: int) -> int:
 
 def pallas_attend_and_write(
     positions, rope_positions, partials, bias, norms, k_cache, v_cache, *, inv_freq, eps, dtype,
-    min_programs: int | None = None, page_table=None,
+    settings: DecodeKernel = DecodeKernel(), page_table=None,
 ):
     """One token per row through `decode_attention.decode_attention`: the QKV split-K sum, bias,
     QK-norm, RoPE, the cache write and attention in one kernel.
@@ -306,10 +346,11 @@ def pallas_attend_and_write(
       k_cache, v_cache: ``[B, KV, S, K]``.
       inv_freq: ``[K / 2]`` RoPE inverse frequencies; eps: the QK-norm epsilon; dtype: the
         compute dtype.
-      min_programs: split each row's entries into the fewest chunks that give at least
+      settings: the kernel's `DecodeKernel`: its block, method, warps and stages, and
+        ``min_programs``: split each row's entries into the fewest chunks that give at least
         this many (row, kv head, chunk) programs (`kernel_chunks`).
       page_table: ``[B, Tp]`` page ids: the caches are then pools ``[N, KV, P, K]`` (see
-        `paged_xla_attend_and_write`); the kernel's block is `kernel_block`'s.
+        `paged_xla_attend_and_write`); the kernel's block is then `kernel_block`'s.
 
     Returns:
       ``(out [B, 1, KV, G, K], k_cache, v_cache)``.
@@ -317,18 +358,18 @@ def pallas_attend_and_write(
     _, B, KV, _, _ = partials.shape
     if page_table is None:
         S, page_size = k_cache.shape[2], None
-        if S % PALLAS_BLOCK:
-            raise ValueError(f"pallas decode attention: the cache length {S} must be a multiple of {PALLAS_BLOCK}")
+        if S % settings.block_k:
+            raise ValueError(f"pallas decode attention: the cache length {S} must be a multiple of {settings.block_k}")
     else:
         page_size = k_cache.shape[2]
         S = page_table.shape[1] * page_size
-    block = kernel_block(S, page_size)
-    min_programs = PALLAS_MIN_PROGRAMS if min_programs is None else min_programs
-    chunks = kernel_chunks(B * KV, S // block, min_programs)
+    block = kernel_block(S, page_size, settings.block_k)
+    chunks = kernel_chunks(B * KV, S // block, settings.min_programs)
     q_norm, k_norm = (x.astype(dtype) for x in norms) if norms else (None, None)
     out, k_cache, v_cache = decode_attention(
         partials, positions, k_cache, v_cache, bias=bias, rope_positions=rope_positions,
         inv_freq=jnp.asarray(inv_freq, jnp.float32), q_norm=q_norm, k_norm=k_norm, eps=eps, dtype=dtype,
-        page_table=page_table, block_k=block, chunks=chunks, method=PALLAS_METHOD, num_warps=PALLAS_WARPS, num_stages=PALLAS_STAGES,
+        page_table=page_table, block_k=block, chunks=chunks, method=settings.method, num_warps=settings.warps,
+        num_stages=settings.stages,
     )
     return out[:, None], k_cache, v_cache

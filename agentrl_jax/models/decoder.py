@@ -143,7 +143,7 @@ class Decoder(nnx.Module):
         max_segments: int | None = None,
         adapters: dict[str, dict[str, jax.Array]] | None = None,
         adapter_scale: float = 1.0,
-    ) -> tuple[jax.Array, None]:
+    ) -> jax.Array:
         """Final hidden states of ``[B, T]`` tokens: causal attention within each row,
         restricted to equal ``segment_ids`` (packed rows) and to real keys (``attention_mask`` 1).
 
@@ -165,8 +165,8 @@ class Decoder(nnx.Module):
           adapter_scale: ``alpha / r``.
 
         Returns:
-          ``(hidden [B, T, D] in the compute dtype, None)``; the rollout engine keeps its
-          KV cache in its own forward (`models.decode`), so the second item is always None.
+          ``hidden [B, T, D]`` in the compute dtype (the rollout engine keeps its KV cache in
+          its own forward, `models.decode`).
         """
         cfg = self.config
         chex.assert_rank(input_ids, 2)
@@ -194,8 +194,7 @@ class Decoder(nnx.Module):
         # The adapters are sliced per layer with the weights; None adds no scanned input.
         body = remat_layer(lambda h, w: (block(h, *w, lora_scale=adapter_scale), None), self.remat)
         hidden, _ = jax.lax.scan(body, hidden, (layer_weights, adapters))
-        hidden = rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
-        return hidden, None
+        return rms_norm(hidden, self.final_norm[...], cfg.rms_norm_eps)
 
     def _attention_inputs(self, B, T, segment_ids, attention_mask, lengths, max_segments) -> dict[str, Any]:
         """Which attention every layer runs, as `_decoder_block`'s keyword arguments: mask-free

@@ -40,7 +40,7 @@ class ValueModel(nnx.Module):
         self.value_bias = nnx.Param(jnp.zeros((), jnp.float32), logical_axes=())
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, **decoder_kwargs: Any) -> jax.Array:
-        hidden, _ = self.trunk(input_ids, positions, **decoder_kwargs)
+        hidden = self.trunk(input_ids, positions, **decoder_kwargs)
         head = self.value_head[...].astype(hidden.dtype)
         values = jnp.einsum("btd,d->bt", hidden, head, preferred_element_type=jnp.float32)
         return values + self.value_bias[...]

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from agentrl_jax.models import Decoder
 from agentrl_jax.models.decode import PREFILL_ATTENTION_IMPLS as PREFILL_ATTENTION
-from agentrl_jax.models.decode import forward
+from agentrl_jax.models.decode import AttentionPlan, forward
 from agentrl_jax.models.tpu_decode_attention import tpu_kernel_fits
 from agentrl_jax.rollout.pages import TRASH_PAGE
 from agentrl_jax.rollout.result_tokens import ResultTokens
@@ -36,21 +36,17 @@ DECODE_ATTENTION = ("xla", "pallas", "pallas_tpu")
 KERNEL_ATTENTION = ("pallas", "pallas_tpu")  # the kernels read each slot up to its own length: no window
 
 
-def decode_step(params, state: DecodeState, *, config, attend_len, dtype, attention, cache_spec, mesh, max_length,
-                truncation=True, shards=1, kernel_programs=None):
+def decode_step(params, state: DecodeState, *, plan: AttentionPlan, attend_len, max_length, truncation=True,
+                shards=1):
     """One token for every slot: ``(new state, (tokens, valid, generated, log_prob, truncated))``, each [S];
-    ``truncation``: compile the top-k / top-p sampling path (`sampling.sample`). With fewer lanes than
-    slots, `lane_decode_step` (``shards``: the data shards the slots and lanes are split over).
-    ``kernel_programs``: the GPU decode kernel's fewest programs per shard (`models.decode.forward`)."""
+    ``plan``: the decode attention (`models.decode.forward`); ``truncation``: compile the top-k / top-p
+    sampling path (`sampling.sample`). With fewer lanes than slots, `lane_decode_step` (``shards``: the
+    data shards the slots and lanes are split over)."""
     if state.num_lanes < state.lengths.shape[0]:
-        return lane_decode_step(params, state, config=config, attend_len=attend_len, dtype=dtype, attention=attention,
-                                cache_spec=cache_spec, mesh=mesh, max_length=max_length, truncation=truncation,
-                                shards=shards, kernel_programs=kernel_programs)
-    hidden, cache = forward(
-        params, state.last_tokens[:, None], state.lengths[:, None], state.cache, state.lengths,
-        config=config, attend_len=attend_len, dtype=dtype, attention=attention,
-        cache_spec=cache_spec, mesh=mesh, page_table=state.page_table, kernel_programs=kernel_programs,
-    )
+        return lane_decode_step(params, state, plan=plan, attend_len=attend_len, max_length=max_length,
+                                truncation=truncation, shards=shards)
+    hidden, cache = forward(params, state.last_tokens[:, None], state.lengths[:, None], state.cache, state.lengths,
+                            plan, attend_len=attend_len, page_table=state.page_table)
     tokens, log_prob, truncated = sample_next_token(params, hidden[:, -1], state.keys, state.generated,
                                                     state.sampling, truncation=truncation)
     valid = state.active & (state.lengths < max_length)
@@ -93,8 +89,8 @@ def assign_lanes(lane_slot: jax.Array, active: jax.Array, order: jax.Array, *, s
                                order.reshape(shards, slots), bases).reshape(B)
 
 
-def lane_decode_step(params, state: DecodeState, *, config, attend_len, dtype, attention, cache_spec, mesh,
-                     max_length, truncation=True, shards=1, kernel_programs=None):
+def lane_decode_step(params, state: DecodeState, *, plan: AttentionPlan, attend_len, max_length, truncation=True,
+                     shards=1):
     """One token for each of B < S lanes (see the module docstring); results per slot, each [S].
 
     A lane's slot is fed, written and sampled exactly as `decode_step` would (same key, same
@@ -113,11 +109,8 @@ def lane_decode_step(params, state: DecodeState, *, config, attend_len, dtype, a
 
     lengths = jnp.where(live, lanes(state.lengths), 0)
     table = jnp.where(live[:, None], lanes(state.page_table), TRASH_PAGE)  # an idle lane writes the trash page
-    hidden, cache = forward(
-        params, lanes(state.last_tokens)[:, None], lengths[:, None], state.cache, lengths,
-        config=config, attend_len=attend_len, dtype=dtype, attention=attention,
-        cache_spec=cache_spec, mesh=mesh, page_table=table, kernel_programs=kernel_programs,
-    )
+    hidden, cache = forward(params, lanes(state.last_tokens)[:, None], lengths[:, None], state.cache, lengths, plan,
+                            attend_len=attend_len, page_table=table)
     tokens, log_prob, truncated = sample_next_token(params, hidden[:, -1], lanes(state.keys), lanes(state.generated),
                                                     jax.tree.map(lanes, state.sampling), truncation=truncation)
     limit = jnp.minimum(lanes(state.limits), max_length)

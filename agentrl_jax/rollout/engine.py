@@ -56,8 +56,7 @@ from jax.profiler import TraceAnnotation
 from jax.sharding import Mesh
 
 from agentrl_jax.models import Decoder, split_params
-from agentrl_jax.models import decode as model_decode
-from agentrl_jax.models.decode import DecodeParams
+from agentrl_jax.models.decode import AttentionPlan, DecodeParams
 from agentrl_jax.rollout.compile_cache import use_compilation_cache
 from agentrl_jax.rollout.decode_step import (
     KERNEL_ATTENTION,
@@ -137,11 +136,10 @@ class Engine(PagedPrefillAPI):
         self._admissions = 0  # admission counter: ready slots take free decode lanes in this order
         self.device_stop_ids = cfg.device_stop_ids
         self.device_stop_sequences = cfg.device_stop_sequences
-        decode_kernel_programs = cfg.decode_kernel_programs
-        if decode_kernel_programs is None:
-            # read at construction, so bench/decode.py's --kernel override reaches it
-            decode_kernel_programs = model_decode.PALLAS_MIN_PROGRAMS * (2 if self.decode_batch < self._slots else 1)
-        self.decode_kernel_programs = decode_kernel_programs
+        self.decode_kernel_programs = cfg.decode_kernel_programs
+        if self.decode_kernel_programs is None:
+            self.decode_kernel_programs = cfg.decode_kernel.min_programs * (2 if self.decode_batch < self._slots else 1)
+        self.decode_kernel = dataclasses.replace(cfg.decode_kernel, min_programs=self.decode_kernel_programs)
         self.decode_compiler_options = decode_compiler_options(cfg.decode_compiler_options, self._mesh)
         self._budget = (cfg.num_pages, cfg.kv_cache_bytes, cfg.kv_cache_memory_fraction)
         # Weights are stored in the compute dtype: `models.decode.forward` casts every weight to it
@@ -154,6 +152,8 @@ class Engine(PagedPrefillAPI):
         self.decode_param_shardings = self._weights.decode_param_shardings
         self.memory_plan: MemoryPlan | None = None
         self.pages: KVPages | None = None  # the page pool's one owner, made with each decode state
+        self.decode_plan: AttentionPlan | None = None  # the decode and prefill attentions, made with the pool's plan
+        self.prefill_plan: AttentionPlan | None = None
         self.state_shardings: DecodeState | None = None
         self._generate_fns: dict[tuple[int | None, int, bool], Any] = {}  # (steps, window, truncation)
         self._paged_prefill_fns: dict[tuple, Any] = {}
@@ -218,6 +218,12 @@ class Engine(PagedPrefillAPI):
             lanes=self.decode_batch, stop_ids=self.device_stop_ids, stop_seqs=self.device_stop_sequences,
         )
         self._init_state = jax.jit(make, out_shardings=self.state_shardings)
+        # the programs' attentions, chosen once: they run per shard of the cache's sharding, known from here
+        cache_spec = self.state_shardings.cache.k[0].spec
+        self.decode_plan = AttentionPlan(self.config, self._dtype, self.decode_attention, kernel=self.decode_kernel,
+                                         mesh=self._mesh, cache_spec=cache_spec)
+        self.prefill_plan = AttentionPlan(self.config, self._dtype, prefill_attention=self.prefill_attention,
+                                          mesh=self._mesh, cache_spec=cache_spec)
         self._deactivate = jax.jit(
             lambda state, slots: state.replace(active=state.active.at[slots].set(False, mode="drop")),
             donate_argnums=(0,), out_shardings=self.state_shardings,
@@ -330,12 +336,8 @@ class Engine(PagedPrefillAPI):
         top-p sampling path (`sampling.sample`), for dispatches in which a live slot truncates."""
         key = (num_steps, attend_len, truncation)
         if key not in self._generate_fns:
-            step = functools.partial(
-                generate_steps, num_steps=num_steps, config=self.config, attend_len=attend_len, dtype=self._dtype,
-                truncation=truncation, attention=self.decode_attention, cache_spec=self.state_shardings.cache.k[0].spec,
-                mesh=self._mesh, max_length=self.max_target_length, shards=self.num_shards,
-                kernel_programs=self.decode_kernel_programs,
-            )
+            step = functools.partial(generate_steps, num_steps=num_steps, plan=self.decode_plan, attend_len=attend_len,
+                                     max_length=self.max_target_length, truncation=truncation, shards=self.num_shards)
             self._generate_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None),
                                               compiler_options=self.decode_compiler_options or None)
         return self._generate_fns[key]

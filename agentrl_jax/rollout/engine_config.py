@@ -1,9 +1,11 @@
 """The rollout engine's settings: `EngineConfig`, checked when it is made.
 
 `EngineConfig.from_rollout` is the one mapping from the config file's rollout section
-(`config.rollout.RolloutConfig`) onto it; tests and benchmarks that build an engine
-directly pass the fields they set (`Engine(model, max_concurrent_decodes=4, ...)`) and get
-these defaults for the rest.
+(`config.rollout.RolloutConfig`) onto it, and the fields that section also sets take their
+defaults from it (one set of defaults: ``EngineConfig() == EngineConfig.from_rollout(RolloutConfig())``);
+the rest are the engine's own. Tests and benchmarks that build an engine directly pass the
+fields they set (`Engine(model, max_concurrent_decodes=4, ...)`) and get these defaults for
+the rest.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from agentrl_jax.config.rollout import RolloutConfig
+from agentrl_jax.models.decode import DecodeKernel
 from agentrl_jax.rollout.state import STOP_IDS, STOP_SEQUENCES
 
 DEFAULT_MEMORY_FRACTION = 0.8  # of the free device memory, for the KV pool, when nothing else is set
@@ -26,6 +29,7 @@ DEFAULT_MEMORY_FRACTION = 0.8  # of the free device memory, for the KV pool, whe
 # (`jax.jit(compiler_options=)`), so the trainer's and the prefill's programs keep XLA's own choice.
 GPU_DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_ROLLOUT = RolloutConfig()  # the rollout section's defaults, the engine's for the fields the section sets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +57,14 @@ class EngineConfig:
         entries into chunks until it runs at least this many (row, kv head, chunk) programs
         per device (a float32 combine joins the chunks). More programs spread rows of ragged
         lengths, and the few rows left at the end of a batch, over the SMs; with rows of one
-        length they only add the combine. Default `models.decode.PALLAS_MIN_PROGRAMS` (512),
+        length they only add the combine. Default ``decode_kernel.min_programs`` (512),
         twice that with decode lanes (B < S), whose rows are a mix of lengths and drain to a
         few at the end of a batch (docs/benchmarks.md, "Decode kernel chunks": faster on the
         multi-turn workload with lanes, in the batch's tail; slower on a batch of equal
         lengths).
+      decode_kernel: the GPU decode kernel's settings (`models.decode.DecodeKernel`: block,
+        method, warps, stages, QKV splits; its ``min_programs`` is ``decode_kernel_programs``'s
+        default). `bench/decode.py --kernel` tunes them.
       decode_compiler_options: XLA options (``jax.jit(compiler_options=)``) for the decode
         dispatch programs only, e.g. ``{"xla_gpu_enable_triton_gemm": False}``. Default:
         `GPU_DECODE_COMPILER_OPTIONS` on GPU meshes (cuBLAS for the decode step's skinny weight
@@ -75,7 +82,7 @@ class EngineConfig:
         results for less compute, at up to five compiled programs per row bucket instead of one.
         Default: on for GPU and TPU meshes, where a prefill call's cost is its layers' compute;
         off on CPU, where compiling the extra programs costs more than the compute they save.
-      cache_dtype: dtype of the KV cache (default: the model's compute dtype).
+      cache_dtype: dtype of the KV cache; None: the model's compute dtype.
       attend_granule: the "xla" decode attention reads a window of the first W entries of
         every slot, W rounded up from the longest live slot (+ the dispatch's steps) in
         steps of at least this many entries (`attend_bucket`); each W compiles once.
@@ -93,7 +100,13 @@ class EngineConfig:
         window of pages; einsums) or "pallas" (the Pallas GPU kernel of
         `models.prefill_attention`, run per shard, which reads each row's own entries through
         its page table; interpreted off GPU). Default: "pallas" where the GPU decode default is.
-      page_size: P, tokens per KV page.
+      page_size: P, tokens per KV page. Any size >= 1 works with the "xla" attentions; the
+        kernels ask for theirs (`decode_step.choose_decode_attention`: the GPU kernel a power of
+        two >= 16, the TPU kernel whole sublane tiles) and a run's config a power of two
+        (`RolloutConfig.validate`), which every kernel default fits. The engine's page
+        arithmetic takes any size, and the paged tests use pages of 3 and 5 so that page
+        boundaries fall at offsets that powers of two would line up (inside prompts, prefill
+        pieces and a group's shared prefix).
       num_pages: usable pages over all shards (overrides the byte budget; tests).
       kv_cache_bytes: pool bytes per device.
       kv_cache_memory_fraction: pool bytes as this fraction of the free memory of the
@@ -106,22 +119,23 @@ class EngineConfig:
         and decode programs instead of compiling them again.
     """
 
-    max_concurrent_decodes: int = 8
+    max_concurrent_decodes: int = _ROLLOUT.max_concurrent
     decode_batch: int | None = None
     device_stop_ids: int = STOP_IDS
     device_stop_sequences: tuple[int, int] = STOP_SEQUENCES
     decode_kernel_programs: int | None = None
+    decode_kernel: DecodeKernel = dataclasses.field(default_factory=DecodeKernel)
     decode_compiler_options: dict[str, Any] | None = None
-    max_target_length: int = 1024
-    max_prefill_length: int = 512
+    max_target_length: int = _ROLLOUT.max_sequence_length
+    max_prefill_length: int = _ROLLOUT.max_prompt_length
     min_prefill_bucket: int = 16
     prefill_row_tokens: int = 64
     prefill_compaction: bool | None = None
-    cache_dtype: Any = None
+    cache_dtype: Any = _DTYPES[_ROLLOUT.cache_dtype]
     attend_granule: int = 256
     decode_attention: str | None = None
     prefill_attention: str | None = None
-    page_size: int = 32
+    page_size: int = _ROLLOUT.page_size
     num_pages: int | None = None
     kv_cache_bytes: int | None = None
     kv_cache_memory_fraction: float | None = None

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from agentrl_jax.models.decode import forward
+from agentrl_jax.models.decode import AttentionPlan, forward
 from agentrl_jax.rollout.pages import TRASH_PAGE, pages_for
 from agentrl_jax.rollout.result_tokens import ResultTokens
 from agentrl_jax.rollout.sampling import SamplingParams, SlotSampling, sample_next_token
@@ -342,23 +342,22 @@ class AdmissionArrays:
 
 
 def prefill_insert_step(params, state: DecodeState, tokens, tables, starts, lengths, compact, adm: AdmissionArrays,
-                        *, config, dtype, page_size, row_tokens, cache_spec, mesh, attention="xla", truncation=True):
+                        *, plan: AttentionPlan, page_size, row_tokens, truncation=True):
     """Traced body of `Engine.prefill_insert`: write the rows' KV, sample, fill slots (the page
-    copies follow in `copy_pages`); ``attention``: `forward`'s ``prefill_attention``;
-    ``truncation``: compile the top-k / top-p sampling path (`sampling.sample`).
+    copies follow in `copy_pages`); ``plan``: `forward`'s attention, its ``prefill_attention`` the
+    prefill's; ``truncation``: compile the top-k / top-p sampling path (`sampling.sample`).
 
     ``compact``: None, ``tokens`` being the rows ``[R, C]`` (every token of every row computed),
     or ``(positions [N], token_index [N])`` of `CompactTokens`, ``tokens`` being their ``[N]``
     tokens. ``adm.token [M]``: each admission's hidden state among the call's, flat (``[R * C]``
     or ``[N]``)."""
-    kw = dict(config=config, attend_len=tables.shape[1] * page_size, dtype=dtype, page_table=tables,
-              cache_spec=cache_spec, mesh=mesh, write_len=lengths, prefill_attention=attention)
+    kw = dict(attend_len=tables.shape[1] * page_size, page_table=tables, write_len=lengths)
     if compact is None:
         positions = starts[:, None] + jnp.arange(row_tokens, dtype=jnp.int32)[None]
-        hidden, cache = forward(params, tokens, positions, state.cache, starts, **kw)
+        hidden, cache = forward(params, tokens, positions, state.cache, starts, plan, **kw)
     else:
         positions, token_index = compact
-        hidden, cache = forward(params, tokens, positions, state.cache, starts, token_index=token_index,
+        hidden, cache = forward(params, tokens, positions, state.cache, starts, plan, token_index=token_index,
                                 row_tokens=row_tokens, **kw)
     sampled, log_prob, truncated = sample_next_token(params, hidden.reshape(-1, hidden.shape[-1])[adm.token], adm.key,
                                                      adm.generated, adm.sampling, truncation=truncation)

@@ -149,11 +149,8 @@ class PagedPrefillAPI:
             truncation = any(a.sampling.truncates for a in packed.admitted)
         key = (packed.tables.shape, packed.computed_tokens, packed.adm_token.shape[0], truncation)
         if key not in self._paged_prefill_fns:
-            step = functools.partial(
-                prefill_insert_step, config=self.config, dtype=self._dtype, page_size=self.page_size,
-                row_tokens=self.prefill_row_tokens, cache_spec=self.state_shardings.cache.k[0].spec, mesh=self._mesh,
-                attention=self.prefill_attention, truncation=truncation,
-            )
+            step = functools.partial(prefill_insert_step, plan=self.prefill_plan, page_size=self.page_size,
+                                     row_tokens=self.prefill_row_tokens, truncation=truncation)
             self._paged_prefill_fns[key] = jax.jit(step, donate_argnums=(1,), out_shardings=(self.state_shardings, None))
         by_row = NamedSharding(self._mesh, PartitionSpec(self._rows_spec))
         by_row2 = NamedSharding(self._mesh, PartitionSpec(self._rows_spec, None))

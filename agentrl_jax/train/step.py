@@ -105,13 +105,13 @@ def forward_logprobs(
     state, lora = decoder_inputs(params)  # LoRA: the adapters in the layers, or merged (models/lora.py)
     model = nnx.merge(graphdef, state)
     if packed:
-        hidden, _ = model(
+        hidden = model(
             batch["input_ids"], batch["positions"], segment_ids=batch["segment_ids"],
             max_segments=max_segments or None, **lora,
         )
     else:
         lengths = jnp.sum(batch["segment_ids"] > 0, axis=1).astype(jnp.int32)
-        hidden, _ = model(batch["input_ids"], batch["positions"], lengths=lengths, **lora)
+        hidden = model(batch["input_ids"], batch["positions"], lengths=lengths, **lora)
     table, layout = model.output_embedding()
     return token_logprobs(
         hidden,

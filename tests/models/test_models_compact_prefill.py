@@ -9,7 +9,7 @@ from flax import nnx
 from models_helpers import SMALL_QWEN3
 
 from agentrl_jax.models import Decoder, split_params
-from agentrl_jax.models.decode import forward
+from agentrl_jax.models.decode import AttentionPlan, forward
 from agentrl_jax.models.decode_params import LayerCache, to_decode_params
 
 pytestmark = pytest.mark.gpu  # also run on a CUDA GPU: see the `gpu` marker in pyproject.toml
@@ -50,9 +50,9 @@ def test_compacted_forward_equals_the_rows(attention):
     hidden states equal the uncompacted forward's (float32: ~1e-6 apart on CPU, checked to 1e-5)."""
     config, params, cache, tokens = setup()
     positions = STARTS[:, None] + np.arange(C, dtype=np.int32)[None]
-    run = jax.jit(forward, static_argnames=("config", "attend_len", "dtype", "prefill_attention", "row_tokens"))
-    kw = dict(config=config, attend_len=TP * P, dtype=jnp.float32, page_table=jnp.asarray(TABLE),
-              write_len=jnp.asarray(LENGTHS), prefill_attention=attention)
+    run = jax.jit(forward, static_argnames=("plan", "attend_len", "row_tokens"))
+    kw = dict(plan=AttentionPlan(config, jnp.float32, prefill_attention=attention), attend_len=TP * P,
+              page_table=jnp.asarray(TABLE), write_len=jnp.asarray(LENGTHS))
     rows_hidden, rows_cache = run(params, jnp.asarray(tokens), jnp.asarray(positions), cache, jnp.asarray(STARTS), **kw)
     order = np.random.default_rng(1).permutation(int(LENGTHS.sum()))
     c_tokens, c_positions, index, real = compact(tokens, positions, order, 16)
@@ -73,7 +73,7 @@ def test_compacted_forward_bad_arguments_name_them():
     positions = STARTS[:, None] + np.arange(C, dtype=np.int32)[None]
     c_tokens, c_positions, index, _ = compact(tokens, positions, np.arange(int(LENGTHS.sum())), 16)
     c_tokens, c_positions, index = map(jnp.asarray, (c_tokens, c_positions, index))
-    kw = dict(config=config, attend_len=TP * P, dtype=jnp.float32)
+    kw = dict(plan=AttentionPlan(config, jnp.float32), attend_len=TP * P)
     paged = dict(page_table=jnp.asarray(TABLE), write_len=jnp.asarray(LENGTHS))
     with pytest.raises(ValueError, match="token_index .* needs a page_table, write_len"):
         forward(params, c_tokens, c_positions, cache, jnp.asarray(STARTS), token_index=index, row_tokens=C, **kw)

@@ -12,7 +12,7 @@ from models_helpers import SMALL_QWEN3
 
 from agentrl_jax.models import Decoder, apply, decode_attention, split_params
 from agentrl_jax.models.cache_attention import grouped_attention
-from agentrl_jax.models.decode import forward
+from agentrl_jax.models.decode import AttentionPlan, forward
 from agentrl_jax.models.decode_params import LayerCache, to_decode_params
 
 pytestmark = pytest.mark.gpu  # also run on a CUDA GPU: see the `gpu` marker in pyproject.toml
@@ -28,12 +28,12 @@ def model(request):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _full(graphdef, params, ids, positions):
-    return apply(graphdef, params, ids, positions)[0]
+    return apply(graphdef, params, ids, positions)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "attend_len"))
 def _forward(params, ids, positions, cache, index, *, config, attend_len):
-    return forward(params, ids, positions, cache, index, config=config, attend_len=attend_len, dtype=jnp.float32)
+    return forward(params, ids, positions, cache, index, AttentionPlan(config, jnp.float32), attend_len=attend_len)
 
 
 def test_to_decode_params_layout(model):
@@ -236,7 +236,7 @@ def test_pallas_decode_step_matches_the_xla_path(model):
     tokens = rng.integers(0, cfg.vocab_size, (B, 1))
     outs = {}
     for attention in ("xla", "pallas"):
-        step = jax.jit(functools.partial(forward, config=cfg, attend_len=S, dtype=jnp.float32, attention=attention))
+        step = jax.jit(functools.partial(forward, plan=AttentionPlan(cfg, jnp.float32, attention), attend_len=S))
         outs[attention] = step(params, tokens, index[:, None] + 3, cache.map(jnp.copy), index)
     (h_xla, c_xla), (h_pallas, c_pallas) = outs["xla"], outs["pallas"]
     np.testing.assert_allclose(np.asarray(h_pallas), np.asarray(h_xla), atol=1e-5, rtol=1e-5)

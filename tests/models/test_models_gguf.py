@@ -62,7 +62,7 @@ def test_logits_match_transformers_gguf_loader(tiny_ggufs, name):
     ids = np.random.default_rng(0).integers(0, 300, (2, 13))
     positions = np.broadcast_to(np.arange(13), ids.shape)
     ours_model = load_hf_checkpoint(directory)
-    hidden, _ = ours_model(ids, positions)
+    hidden = ours_model(ids, positions)
     ours = np.asarray(ours_model.logits(hidden))
     for source in ({"pretrained_model_name_or_path": path.parent, "gguf_file": path.name},
                    {"pretrained_model_name_or_path": directory}):
@@ -83,7 +83,7 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path):
     directory = convert_gguf(path, tmp_path / "hf")
     ids = np.random.default_rng(1).integers(0, 300, (1, 40))
     ours_model = load_hf_checkpoint(directory)
-    hidden, _ = ours_model(ids, np.arange(40)[None])
+    hidden = ours_model(ids, np.arange(40)[None])
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = hf(input_ids=torch.tensor(ids)).logits.numpy()

@@ -56,7 +56,7 @@ def test_logits_match_transformers(smollm2):
     directory, hf, prompts = smollm2
     model = load_hf_checkpoint(directory)
     ids = np.asarray([prompts[0]])
-    hidden, _ = model(ids, np.arange(ids.shape[1])[None])
+    hidden = model(ids, np.arange(ids.shape[1])[None])
     ours = np.asarray(model.logits(hidden))
     with torch.no_grad():
         theirs = hf(input_ids=torch.tensor(ids)).logits.numpy()

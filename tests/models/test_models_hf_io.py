@@ -97,7 +97,7 @@ def test_bfloat16_export_and_load(tiny_checkpoints, tmp_path):
     # bf16 weights and compute stay close to transformers' bf16 forward.
     model = load_hf_checkpoint(out, dtype=jnp.bfloat16)
     ours = np.asarray(
-        jax.jit(lambda ids: model.logits(model(ids, jnp.arange(12)[None].repeat(2, 0))[0]))(IDS)
+        jax.jit(lambda ids: model.logits(model(ids, jnp.arange(12)[None].repeat(2, 0))))(IDS)
     )
     theirs = _hf_logits(out, torch.bfloat16)
     assert np.isfinite(theirs).all()

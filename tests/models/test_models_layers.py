@@ -146,13 +146,13 @@ def test_cudnn_packed_decoder_gradients_match_padded_rows():
     weights = jnp.asarray(np.random.default_rng(1).normal(size=(cfg.hidden_size,)), jnp.float32)
 
     def packed_loss(p):
-        hidden, _ = nnx.merge(graphdef, p)(jnp.asarray(packed_ids), jnp.asarray(positions),
+        hidden = nnx.merge(graphdef, p)(jnp.asarray(packed_ids), jnp.asarray(positions),
                                           segment_ids=jnp.asarray(segments), max_segments=8)
         return jnp.sum(jnp.where(jnp.asarray(segments)[..., None] > 0, hidden.astype(jnp.float32), 0) * weights)
 
     def padded_loss(p):
         pos = jnp.broadcast_to(jnp.arange(128), (3, 128))
-        hidden, _ = nnx.merge(graphdef, p)(jnp.asarray(padded_ids), pos, lengths=jnp.asarray(lengths, jnp.int32))
+        hidden = nnx.merge(graphdef, p)(jnp.asarray(padded_ids), pos, lengths=jnp.asarray(lengths, jnp.int32))
         real = jnp.arange(128)[None, :, None] < jnp.asarray(lengths)[:, None, None]
         return jnp.sum(jnp.where(real, hidden.astype(jnp.float32), 0) * weights)
 
@@ -178,7 +178,7 @@ def _hidden_sum_grad(graphdef, **kwargs):
     def loss(params, ids, segment_ids):
         extra = {"lengths": jnp.sum(segment_ids > 0, axis=1)} if "max_segments" not in kwargs else {
             "segment_ids": segment_ids, **kwargs}
-        hidden, _ = nnx.merge(graphdef, params)(ids, ids, **extra)
+        hidden = nnx.merge(graphdef, params)(ids, ids, **extra)
         return jnp.sum(jnp.where(segment_ids[..., None] > 0, hidden.astype(jnp.float32), 0))
 
     return jax.jit(jax.grad(loss))
@@ -277,7 +277,7 @@ def _value_and_grad(remat):
 
     def loss(params, graphdef):
         model = nnx.merge(graphdef, params)
-        return jnp.sum(model.logits(model(ids, positions)[0]) ** 2)
+        return jnp.sum(model.logits(model(ids, positions)) ** 2)
 
     graphdef, params = split_params(Decoder(CONFIG, remat=remat, rngs=nnx.Rngs(0)))
     return jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, graphdef)

@@ -127,7 +127,8 @@ def test_engine_computes_the_trainers_logits(tied):
     trainer's to the bit, and a tied table's input lookup is unchanged."""
     model = _model("compute", config=dataclasses.replace(TIED, tie_word_embeddings=tied))
     engine = Engine(model, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=2,
-                    max_target_length=32, max_prefill_length=16, min_prefill_bucket=16, attend_granule=16)
+                    max_target_length=32, max_prefill_length=16, min_prefill_bucket=16, attend_granule=16,
+                    cache_dtype=None)
     params = engine.load_params(model)
     table, layout = params.output_embedding()
     assert table.dtype == jnp.bfloat16

@@ -42,7 +42,7 @@ def _trained_lora(model, lora, seed=1):
 def _logits(graphdef, params, ids=IDS):
     model = nnx.merge(graphdef, params)
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-    hidden, _ = model(jnp.asarray(ids, jnp.int32), positions)
+    hidden = model(jnp.asarray(ids, jnp.int32), positions)
     return np.asarray(model.logits(hidden))
 
 
@@ -109,7 +109,7 @@ def test_in_layer_forward_equals_the_merged_forward(qwen3, targets):
     decoder = nnx.merge(graphdef, state)
     ids = jnp.asarray(IDS, jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-    hidden, _ = decoder(ids, positions, **keywords)
+    hidden = decoder(ids, positions, **keywords)
     in_layer, merged = np.asarray(decoder.logits(hidden)), _logits(graphdef, merged_params(params))
     np.testing.assert_allclose(in_layer, merged, rtol=1e-5, atol=2e-5)
     assert not np.allclose(in_layer, _logits(graphdef, params.base), atol=1e-3)  # the adapters act

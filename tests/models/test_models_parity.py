@@ -38,7 +38,7 @@ def _our_logits(model, ids, positions, **kwargs):
     @jax.jit
     def forward(params, ids, positions, kwargs):
         decoder = nnx.merge(graphdef, params)
-        hidden, _ = decoder(ids, positions, **kwargs)
+        hidden = decoder(ids, positions, **kwargs)
         return decoder.logits(hidden), hidden
 
     kwargs = {k: jnp.asarray(v) for k, v in kwargs.items()}

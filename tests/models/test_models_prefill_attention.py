@@ -13,7 +13,7 @@ from models_helpers import SMALL_QWEN3
 
 from agentrl_jax.models import Decoder, split_params
 from agentrl_jax.models.cache_attention import grouped_attention
-from agentrl_jax.models.decode import forward
+from agentrl_jax.models.decode import AttentionPlan, forward
 from agentrl_jax.models.decode_params import LayerCache, to_decode_params
 from agentrl_jax.models.prefill_attention import prefill_attention
 
@@ -102,8 +102,8 @@ def test_kernel_bad_inputs_name_the_argument():
 
 
 def _paged_forward(params, tokens, positions, cache, starts, table, lengths, *, config, attention):
-    return forward(params, tokens, positions, cache, starts, config=config, attend_len=table.shape[1] * 8,
-                   dtype=jnp.float32, page_table=table, write_len=lengths, prefill_attention=attention)
+    return forward(params, tokens, positions, cache, starts, AttentionPlan(config, jnp.float32, prefill_attention=attention),
+                   attend_len=table.shape[1] * 8, page_table=table, write_len=lengths)
 
 
 @pytest.mark.slow  # ~5 s interpreted; the engine's prefill test covers the default suite
@@ -132,7 +132,7 @@ def test_forward_with_the_kernel_equals_the_xla_paged_prefill():
     with pytest.raises(ValueError, match="prefill_attention must be one of"):
         _paged_forward(params, *args, config=config, attention="triton")
     with pytest.raises(ValueError, match="needs a page_table and write_len"):
-        forward(params, *args[:4], config=config, attend_len=8, dtype=jnp.float32, prefill_attention="pallas")
+        forward(params, *args[:4], AttentionPlan(config, jnp.float32, prefill_attention="pallas"), attend_len=8)
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ def test_scratch_checkpoint_loads_in_transformers_with_the_same_logits(tmp_path,
     with torch.no_grad():
         theirs = hf(input_ids=torch.tensor(ids)).logits.numpy()
     ours = load_hf_checkpoint(path)
-    hidden, _ = ours(ids, np.broadcast_to(np.arange(11), ids.shape))
+    hidden = ours(ids, np.broadcast_to(np.arange(11), ids.shape))
     np.testing.assert_allclose(np.asarray(ours.logits(hidden)), theirs, atol=1e-4, rtol=1e-4)
     # the init is the documented one: matrices N(0, 0.1^2), norms around 1
     state = dict(hf.named_parameters())

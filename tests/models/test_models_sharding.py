@@ -52,7 +52,7 @@ def _batch():
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(graphdef, params, ids, positions, segment_ids, mask):
-    return apply(graphdef, params, ids, positions, segment_ids=segment_ids, attention_mask=mask)[0]
+    return apply(graphdef, params, ids, positions, segment_ids=segment_ids, attention_mask=mask)
 
 
 @pytest.fixture(scope="module")

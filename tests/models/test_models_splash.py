@@ -70,7 +70,7 @@ def _decoder_grads(impl, **call):
     positions = jnp.broadcast_to(jnp.arange(256), (B, 256))
 
     def loss(p):
-        hidden, _ = nnx.merge(graphdef, p)(ids, positions, **call)
+        hidden = nnx.merge(graphdef, p)(ids, positions, **call)
         return jnp.sum(jnp.where(real[..., None], hidden, 0) * weights)
 
     return jax.jit(jax.value_and_grad(loss))(params)
@@ -162,7 +162,7 @@ def _row_loss(graphdef):
     weights = jnp.asarray(np.random.default_rng(3).normal(size=(CFG.hidden_size,)), jnp.float32)
 
     def loss(params):
-        hidden, _ = nnx.merge(graphdef, params)(ids, ids, segment_ids=segments, max_segments=4)
+        hidden = nnx.merge(graphdef, params)(ids, ids, segment_ids=segments, max_segments=4)
         return jnp.sum(jnp.where(segments[..., None] > 0, hidden, 0) * weights)
 
     return jax.jit(jax.grad(loss))

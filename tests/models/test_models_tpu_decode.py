@@ -12,7 +12,7 @@ from flax import nnx
 from models_helpers import SMALL_QWEN3
 
 from agentrl_jax.models import Decoder
-from agentrl_jax.models.decode import forward
+from agentrl_jax.models.decode import AttentionPlan, forward
 from agentrl_jax.models.decode_params import LayerCache, to_decode_params
 from agentrl_jax.models.tpu_decode_attention import (
     paged_decode_attention,
@@ -112,8 +112,8 @@ def test_kernel_shape_rules():
 
 def _decode_steps(cfg, params, cache, table, lengths, tokens, *, attention, steps=2, mesh=None, cache_spec=None):
     """``steps`` greedy decode steps from ``lengths`` (float32): hidden states and the final cache."""
-    step = jax.jit(functools.partial(forward, config=cfg, attend_len=table.shape[1] * P, dtype=jnp.float32,
-                                     attention=attention, mesh=mesh, cache_spec=cache_spec))
+    plan = AttentionPlan(cfg, jnp.float32, attention, mesh=mesh, cache_spec=cache_spec)
+    step = jax.jit(functools.partial(forward, plan=plan, attend_len=table.shape[1] * P))
     hiddens = []
     for _ in range(steps):
         hidden, cache = step(params, tokens, lengths[:, None], cache, lengths, page_table=table)
@@ -145,8 +145,8 @@ def test_forward_with_the_tpu_kernel_equals_the_xla_paged_path():
     for a, b in zip(got_cache.k + got_cache.v, want_cache.k + want_cache.v):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)  # later steps' keys: ulps apart
     with pytest.raises(ValueError, match="page_table"):
-        forward(params, tokens, lengths[:, None], cache, lengths, config=cfg, attend_len=8, dtype=jnp.float32,
-                attention="pallas_tpu")
+        forward(params, tokens, lengths[:, None], cache, lengths, AttentionPlan(cfg, jnp.float32, "pallas_tpu"),
+                attend_len=8)
 
 
 @pytest.mark.slow

@@ -22,9 +22,11 @@ TINY = DecoderConfig(
     tie_word_embeddings=False,
     rope_theta=10000.0,
 )
-# attend_granule=16: decode attention windows of 16, 32, 48 or 64 entries, so the tests cross them
+# attend_granule=16: decode attention windows of 16, 32, 48 or 64 entries, so the tests cross them;
+# cache_dtype=None: the KV cache in the model's compute dtype (float32: exact comparisons with the trainer)
 ENGINE_KW = dict(
-    max_concurrent_decodes=4, max_target_length=64, max_prefill_length=32, min_prefill_bucket=16, attend_granule=16
+    max_concurrent_decodes=4, max_target_length=64, max_prefill_length=32, min_prefill_bucket=16, attend_granule=16,
+    cache_dtype=None,
 )
 
 
@@ -51,7 +53,7 @@ def teacher_forced(model, tokens, pad_to: int = 64):
     graphdef, params = nnx.split(model)
     if graphdef not in _FORWARD:
         _FORWARD[graphdef] = jax.jit(
-            lambda p, ids: nnx.merge(graphdef, p)(ids, jnp.arange(ids.shape[1])[None])[0]
+            lambda p, ids: nnx.merge(graphdef, p)(ids, jnp.arange(ids.shape[1])[None])
         )
     padded = np.zeros((1, max(pad_to, tokens.size)), np.int32)
     padded[0, : tokens.size] = tokens

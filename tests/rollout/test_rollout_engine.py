@@ -363,7 +363,7 @@ def test_gpu_decode_weight_matmuls_run_on_cublas_by_default():
                                         num_heads=16, num_kv_heads=8, head_dim=128),
                     dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     mesh = make_mesh({"data": 1}, jax.devices()[:1])
-    kw = {"max_concurrent_decodes": 64, "max_target_length": 256, "max_prefill_length": 64}
+    kw = {"max_concurrent_decodes": 64, "max_target_length": 256, "max_prefill_length": 64, "cache_dtype": None}
 
     def compiled_text(options):
         engine = DensePrefixEngine(model, mesh=mesh, decode_compiler_options=options, **kw)
@@ -400,6 +400,7 @@ def test_engine_config_from_the_rollout_section_and_bad_settings_name_the_field(
     assert (default.decode_batch, default.kv_cache_bytes, default.kv_cache_memory_fraction,
             default.compilation_cache_dir, default.decode_compiler_options, default.cache_dtype) == (
         None, None, None, None, None, jnp.bfloat16)
+    assert EngineConfig() == default  # one set of defaults: the engine's are the section's
     with pytest.raises(ValueError, match="Engine: page_size must be >= 1, got 0"):
         EngineConfig(page_size=0)
     with pytest.raises(ValueError, match="Engine: device_stop_sequences"):

@@ -175,7 +175,7 @@ def test_the_decode_kernels_chunking_changes_no_token_or_logprob():
     """`Engine(decode_kernel_programs=)` only splits the GPU kernel's work (here interpreted): rows of
     ragged lengths, one program per (row, kv head) or each row's entries in 4 chunks (some empty), sample the same
     tokens with the same logprobs. The default is twice the kernel's with decode lanes."""
-    from agentrl_jax.models.decode import PALLAS_MIN_PROGRAMS, kernel_block, kernel_chunks
+    from agentrl_jax.models.decode import DecodeKernel, kernel_block, kernel_chunks
 
     tiny_model = make_model(head_dim=16)  # the Triton kernel's smallest head dim (on GPU; interpreted on CPU)
     rng = np.random.default_rng(0)
@@ -194,8 +194,12 @@ def test_the_decode_kernels_chunking_changes_no_token_or_logprob():
     assert runs[1][0] == runs[64][0]
     np.testing.assert_array_equal(runs[1][1], runs[64][1])
     np.testing.assert_allclose(runs[1][2], runs[64][2], atol=1e-5)  # the float32 combine reassociates (2e-6 seen)
-    assert one_device_engine(tiny_model).decode_kernel_programs == PALLAS_MIN_PROGRAMS
-    assert one_device_engine(tiny_model, decode_batch=2).decode_kernel_programs == 2 * PALLAS_MIN_PROGRAMS
+    default = DecodeKernel().min_programs
+    assert one_device_engine(tiny_model).decode_kernel_programs == default
+    assert one_device_engine(tiny_model, decode_batch=2).decode_kernel_programs == 2 * default
+    tuned = DecodeKernel(block_k=16, min_programs=64)  # the kernel's settings reach the engine's decode attention
+    lanes = one_device_engine(tiny_model, decode_batch=2, decode_kernel=tuned)
+    assert lanes.decode_kernel_programs == 128 and lanes.decode_kernel == DecodeKernel(block_k=16, min_programs=128)
     with pytest.raises(ValueError, match="decode_kernel_programs"):
         one_device_engine(tiny_model, decode_kernel_programs=0)
 

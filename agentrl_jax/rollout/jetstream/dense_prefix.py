@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from agentrl_jax.models.decode import DecodeParams, LayerCache, forward
+from agentrl_jax.models.decode import AttentionPlan, DecodeParams, LayerCache, forward
 from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.pages import TRASH_PAGE, OutOfPages, pages_for
 from agentrl_jax.rollout.result_tokens import ResultTokens
@@ -52,10 +52,8 @@ def prefill_step(params, old_cache, start, tokens, true_length, keys, generated,
     else:
         cache = _resize_row(old_cache, capacity)
     positions = start + jnp.arange(tokens.shape[0], dtype=jnp.int32)
-    hidden, cache = forward(
-        params, tokens[None], positions[None], cache, start[None],
-        config=config, attend_len=capacity, dtype=dtype,
-    )
+    hidden, cache = forward(params, tokens[None], positions[None], cache, start[None], AttentionPlan(config, dtype),
+                            attend_len=capacity)
     last = jax.lax.dynamic_index_in_dim(hidden[0], true_length - 1, keepdims=True)
     first, log_prob, truncated = sample_next_token(params, last, keys, generated, sampling, truncation=truncation)
     num_samples = keys.shape[0]

@@ -82,7 +82,7 @@ def make_trajectory(tokenizer, question, sampled_chunks, observations, *, reward
 def reference_logprobs(model, ids):
     """log softmax(logits[k])[ids[k+1]] for one sequence, by a plain forward + NumPy."""
     x = jnp.asarray(np.asarray(ids, np.int32)[None])
-    hidden, _ = model(x, jnp.arange(x.shape[1])[None])
+    hidden = model(x, jnp.arange(x.shape[1])[None])
     logits = np.asarray(model.logits(hidden)[0], np.float64)
     logits -= logits.max(-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
@@ -296,7 +296,7 @@ def test_model_judge_decodes_with_its_params_through_the_driver_and_restores(tok
     _, policy_params = split_params(policy)
     _, judge_params = split_params(tiny_model(tokenizer.vocab_size, seed=1))
     engine = Engine(policy, mesh=make_mesh({"data": 1}, jax.devices()[:1]), max_concurrent_decodes=4,
-                    max_target_length=192, max_prefill_length=64, min_prefill_bucket=16)
+                    max_target_length=192, max_prefill_length=64, min_prefill_bucket=16, cache_dtype=None)
     episodes = [make_trajectory(tokenizer, "What is 12*34?", ["\\boxed{418}"], [], correct=False)] * 2
     template = "Problem: {problem}\n{trajectory}\nOutcome: {outcome}"
     ids = tokenizer.apply_chat([{"role": "user", "content": judge_prompt(template, episodes[0])}])

@@ -52,7 +52,7 @@ def model(vocab: int, seed: int) -> Decoder:
 @functools.partial(jax.jit, static_argnums=0)
 def _logits(graphdef, params, ids):
     m = nnx.merge(graphdef, params)
-    hidden, _ = m(ids[None], jnp.arange(ids.shape[0])[None])
+    hidden = m(ids[None], jnp.arange(ids.shape[0])[None])
     return m.logits(hidden)[0]
 
 
