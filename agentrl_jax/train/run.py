@@ -4,21 +4,19 @@
    tasks, model assets (a configured HF checkpoint, or a scratch model + tokenizer);
 2. the policy on the mesh, the rollout engine and driver, the sandbox pool;
 3. optional SFT cold start, then an evaluation of the starting policy;
-4. the roles and everything the loop uses (``train/build.py``), then the RL loop
-   (``train/rl/loop.py``) with checkpoints, metrics and periodic evaluation;
+4. the roles (``train/build.py``), then the RL loop (``train/rl/loop.py``);
 5. a final evaluation; ``results.json`` and a printed table (start vs end).
 
 Lifecycle (docs/running.md, "Checkpoints and restarts"). Checkpoints are saved every
-``checkpoint.every_steps`` steps and on a preemption request; the last step is saved once, after the final evaluation,
-with the results in its extra. Resume (``checkpoint.resume`` and a checkpoint in
-``output_dir/checkpoints``): the train state, data position, params version and the start
-evaluation are restored, SFT is skipped, the metrics of steps after the checkpoint are
-dropped, and the frozen models (reference, teacher, judge) are rebuilt from the policy RL
-started from: the loaded checkpoint, or the post-SFT policy saved under
-``output_dir/init/sft_policy``. Resumed from the final checkpoint, the run only writes
-``results.json`` (and the export). Without a checkpoint the run starts over: what an
-earlier run left in ``output_dir`` is removed. So a run killed at any point and started
-again with the same command ends with the same outputs as one never interrupted.
+``checkpoint.every_steps`` steps, on a preemption request, and at the last step once, after the
+final evaluation, with the results. Resume (``checkpoint.resume`` and a checkpoint in
+``output_dir/checkpoints``) restores the train state, data position, params version and start
+evaluation, skips SFT, drops the metrics of steps after the checkpoint, and rebuilds the frozen
+models (reference, teacher, judge) from the policy RL started from: the loaded checkpoint, or the
+post-SFT policy under ``output_dir/init/sft_policy``. Resumed from the final checkpoint, the run
+only writes ``results.json`` (and the export). Without a checkpoint the run starts over (what an
+earlier run left in ``output_dir`` is removed). So a run killed at any point and started again
+with the same command ends with the same outputs as one never interrupted.
 """
 
 from __future__ import annotations
