@@ -21,22 +21,29 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_two_processes_run_two_rl_steps(tmp_path):
+def launch_two_processes(out, steps: int, overrides=()) -> list[tuple[str, str]]:
+    """``launch/tpu_pod.py`` on the tiny demo as two `jax.distributed` processes of 4 CPU devices
+    each, ``steps`` RL steps into ``out``; every process's (stdout, stderr), after both exited 0."""
     port = _free_port()
-    out = tmp_path / "run"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
     procs = []
     for pid in (0, 1):
         cmd = [sys.executable, str(ROOT / "launch" / "tpu_pod.py"), "--config", "configs/demo.py",
                "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid),
-               "--set", f"output_dir={out}", "--set", "total_steps=2", "--set", "checkpoint.resume=false"]
-        for item in TINY:
+               "--set", f"output_dir={out}", "--set", f"total_steps={steps}", "--set", "checkpoint.resume=false"]
+        for item in [*TINY, *overrides]:
             cmd += ["--set", item]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     outputs = [p.communicate(timeout=900) for p in procs]
     for p, (stdout, stderr) in zip(procs, outputs):
         assert p.returncode == 0, f"process failed:\n{stdout[-2000:]}\n{stderr[-6000:]}"
+    return outputs
+
+
+def test_two_processes_run_two_rl_steps(tmp_path):
+    out = tmp_path / "run"
+    launch_two_processes(out, 2)
     rows = [json.loads(line) for line in (out / "metrics" / "metrics.jsonl").read_text().splitlines()]
     steps = {r["step"]: r for r in rows if "loss" in r}
     assert sorted(steps) == [1, 2]

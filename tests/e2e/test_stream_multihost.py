@@ -9,35 +9,18 @@ them, and every process trains the same batch: the trainer compares a digest of 
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 
 import pytest
-from test_launch_e2e import ROOT, TINY
-from test_multihost import _free_port
+from test_multihost import launch_two_processes
 
 
 @pytest.mark.slow  # two processes, compiles in each: ~2 min on the 2-core CPU
 @pytest.mark.parametrize("mode", ["stream", "step"])
 def test_two_processes_run_async_rl_and_train_identical_batches(tmp_path, mode):
-    port = _free_port()
     out = tmp_path / "run"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    procs = []
-    for pid in (0, 1):
-        cmd = [sys.executable, str(ROOT / "launch" / "tpu_pod.py"), "--config", "configs/demo.py",
-               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(pid),
-               "--set", f"output_dir={out}", "--set", "total_steps=3", "--set", "checkpoint.resume=false"]
-        for item in TINY + ["sft.steps=0", "async_rl.enabled=true", f"async_rl.mode={mode}", "async_rl.max_staleness=1",
-                            "async_rl.old_logprobs=snapshot"]:
-            cmd += ["--set", item]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    outputs = [p.communicate(timeout=900) for p in procs]
-    for p, (stdout, stderr) in zip(procs, outputs):
-        assert p.returncode == 0, f"process failed:\n{stdout[-2000:]}\n{stderr[-6000:]}"
+    outputs = launch_two_processes(out, 3, ["sft.steps=0", "async_rl.enabled=true", f"async_rl.mode={mode}",
+                                            "async_rl.max_staleness=1", "async_rl.old_logprobs=snapshot"])
     digests = [re.findall(r"batch digest (\w+) \((\d+) trajectories", stderr) for _, stderr in outputs]
     assert len(digests[0]) == 3 and digests[0] == digests[1], digests  # the same batch, every step
     assert all(n == "8" for _, n in digests[0]) and len({d for d, _ in digests[0]}) == 3

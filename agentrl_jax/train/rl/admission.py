@@ -32,7 +32,38 @@ from typing import Any
 Collect = Callable[[int, list[dict]], Awaitable[tuple[list, dict[str, float]]]]
 
 
-class StepAdmission:
+class ProducerLoop:
+    """An asyncio producer task started by ``async with`` and cancelled, with the tasks it
+    started (``_pending()``), on exit; waiters block on ``_changed`` until ``_notify()``."""
+
+    _changed: asyncio.Condition
+    _producer: asyncio.Task
+
+    async def __aenter__(self):
+        self._changed = asyncio.Condition()
+        self._producer = asyncio.create_task(self._produce())
+        self._producer.add_done_callback(lambda _: asyncio.ensure_future(self._notify()))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._producer.cancel()
+        pending = self._pending()
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(self._producer, *pending, return_exceptions=True)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _produce(self) -> None:
+        raise NotImplementedError
+
+    def _pending(self) -> list[asyncio.Task]:
+        raise NotImplementedError
+
+
+class StepAdmission(ProducerLoop):
     """Starts each step's ``collect`` under the admission rule (see the module docstring).
 
     Args:
@@ -58,18 +89,8 @@ class StepAdmission:
         """The admission rule."""
         return self.finished >= step - self.start_step - self.max_staleness
 
-    async def __aenter__(self) -> StepAdmission:
-        self._changed = asyncio.Condition()
-        self._producer = asyncio.create_task(self._produce())
-        self._producer.add_done_callback(lambda _: asyncio.ensure_future(self._notify()))
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self._producer.cancel()
-        pending = list(self.batches.values())
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(self._producer, *pending, return_exceptions=True)
+    def _pending(self) -> list[asyncio.Task]:
+        return list(self.batches.values())
 
     async def batch(self, step: int) -> tuple[list, dict[str, float], float]:
         """Step ``step``'s (trajectories, sampling stats, rollout seconds), once rolled out."""
@@ -97,10 +118,6 @@ class StepAdmission:
     @property
     def in_flight(self) -> int:
         return len(self.batches)
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
 
     async def _produce(self) -> None:
         for step in range(self.start_step, self.total_steps):

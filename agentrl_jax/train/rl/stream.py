@@ -51,6 +51,7 @@ from agentrl_jax.config import Config
 from agentrl_jax.envs.agent_loop import AgentLoop
 from agentrl_jax.rollout.sampling import SamplingParams
 from agentrl_jax.train.episodes import informative
+from agentrl_jax.train.rl.admission import ProducerLoop
 
 # run_group(task, draw, position) -> (the group's trajectories, the share of its episodes' time spent
 # in tool calls); (draw, position) seed it
@@ -79,7 +80,7 @@ class StreamGroup:
     tool_share: float = 0.0
 
 
-class GroupStream:
+class GroupStream(ProducerLoop):
     """Keeps groups in flight and hands finished ones to the steps (see the module docstring).
 
     The loop's protocol is the step admission's: ``batch(step)`` after step - 1 finished,
@@ -149,17 +150,8 @@ class GroupStream:
 
     # ---- the loop's protocol
 
-    async def __aenter__(self) -> GroupStream:
-        self._changed = asyncio.Condition()
-        self._producer = asyncio.create_task(self._produce())
-        self._producer.add_done_callback(lambda _: asyncio.ensure_future(self._notify()))
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self._producer.cancel()
-        for task in self._tasks.values():
-            task.cancel()
-        await asyncio.gather(self._producer, *self._tasks.values(), return_exceptions=True)
+    def _pending(self) -> list[asyncio.Task]:
+        return list(self._tasks.values())
 
     async def batch(self, step: int) -> tuple[list, dict[str, float], float]:
         """The next batch's (trajectories, stream stats, rollout seconds: first start to last finish)."""
@@ -221,10 +213,6 @@ class GroupStream:
                 "stream/resume_skips_prompts": float(len(self.prompts))}
 
     # ---- the producer
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
 
     async def _produce(self) -> None:
         while True:
