@@ -171,6 +171,7 @@ def test_peft_export_loads_in_peft_with_our_logits_and_the_merged_export_in_tran
     ('model.lora.targets=["q","qkv"]', "model.lora.targets[1]: got 'qkv'; allowed values are"),
     ('model.lora.targets=["q","q"]', "model.lora.targets: names a projection twice: ['q', 'q']"),
     ("model.lora.targets=[]", "model.lora.targets: must name at least one projection"),
+    ("model.lora.impl=fused", "model.lora.impl: got 'fused'; allowed values are"),
 ])
 def test_lora_config_errors_name_the_field(override, message):
     from agentrl_jax.config import Config, ConfigError, apply_overrides

@@ -23,6 +23,7 @@ resumed run draws those prompts again (their in-flight rollouts are not saved).
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
@@ -32,7 +33,7 @@ from typing import Any
 Collect = Callable[[int, list[dict]], Awaitable[tuple[list, dict[str, float]]]]
 
 
-class ProducerLoop:
+class ProducerLoop(abc.ABC):
     """An asyncio producer task started by ``async with`` and cancelled, with the tasks it
     started (``_pending()``), on exit; waiters block on ``_changed`` until ``_notify()``."""
 
@@ -56,11 +57,13 @@ class ProducerLoop:
         async with self._changed:
             self._changed.notify_all()
 
+    @abc.abstractmethod
     async def _produce(self) -> None:
-        raise NotImplementedError
+        """Start the work (batches, groups) as the rule admits it."""
 
+    @abc.abstractmethod
     def _pending(self) -> list[asyncio.Task]:
-        raise NotImplementedError
+        """The tasks the producer started and that may still run."""
 
 
 class StepAdmission(ProducerLoop):
