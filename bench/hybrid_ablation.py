@@ -54,6 +54,8 @@ ARMS: dict[str, list[str]] = {
     "ppo1": ["algorithm.advantage=gae", "algorithm.group_size=1", "data.prompts_per_step=128"],
     "lora_r16": ["model.lora.rank=16", "optimizer.learning_rate=1e-4"],
 }
+#: the arithmetic protocol's seven arms (docs/hybrid.md), what a run without ``--arms`` runs
+PROTOCOL_ARMS = ("grpo", "hybrid_lam0.1", "hybrid_lam0.3", "hybrid_lam1", "opd_only", "placebo", "self_distill")
 SEEDS = (0, 1, 2, 3, 4)
 THRESHOLD = 0.5  # training accuracy, trailing mean over WINDOW steps
 WINDOW = 3
@@ -350,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                         help="an override for every run (e.g. model.path=FILE.gguf)")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    parser.add_argument("--arms", nargs="*", default=list(ARMS), choices=list(ARMS),
+    parser.add_argument("--arms", nargs="*", default=list(PROTOCOL_ARMS), choices=list(ARMS),
                         help="the arms to run (none: only every seed's SFT, e.g. to run a diagnostic on it first)")
     parser.add_argument("--steps", type=int, help="RL steps per arm (default: the config's, the protocol's budget)")
     parser.add_argument("--sft-steps", type=int, help="SFT steps (default: the config's)")
