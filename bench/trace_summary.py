@@ -161,7 +161,8 @@ def device_timelines(events: list[dict]) -> tuple[dict[str, list[tuple]], list[s
         return timelines, notes
     for e in events:  # the CPU backend: XLA:CPU thunks on the host's threads
         args = e.get("args", {})
-        if e.get("ph") == "X" and "device_ordinal" in args and "hlo_op" in args and not CONTROL_FLOW.match(args["hlo_op"]):
+        thunk = e.get("ph") == "X" and "device_ordinal" in args and "hlo_op" in args
+        if thunk and not CONTROL_FLOW.match(args["hlo_op"]):
             timelines.setdefault(f"CPU:{args['device_ordinal']}", []).append(
                 (e["ts"], e["ts"] + e["dur"], args["hlo_op"], args["hlo_op"]))
     if timelines:
@@ -175,7 +176,12 @@ def device_timelines(events: list[dict]) -> tuple[dict[str, list[tuple]], list[s
 
 
 def step_windows(events: list[dict]) -> list[Interval]:
-    return sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e.get("name") == STEP_NAME)
+    """The host's ``STEP_NAME`` annotations (a device's derived ``Steps`` line, which may carry the
+    same name, is left out: each step would count once per device)."""
+    device_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                   and DEVICE_PROCESS.search(e["args"]["name"])}
+    return sorted({(e["ts"], e["ts"] + e["dur"]) for e in events
+                   if e.get("ph") == "X" and e.get("name") == STEP_NAME and e.get("pid") not in device_pids})
 
 
 # -- the summary ------------------------------------------------------------------------------------
@@ -238,7 +244,8 @@ COLUMNS = ("span", "busy", "compute", *KINDS, "other coll.", "exposed", "idle") 
 def table(summaries: list[tuple[str, dict]]) -> str:
     """Markdown: a row per (trace, device, step) and a mean row per trace; then what each trace
     held and its longest-exposed collective ops."""
-    out = ["| trace | device | step | " + " | ".join(f"{'step' if c == 'span' else c} ms" for c in COLUMNS) + " | exposed / step |",
+    heads = [f"{'step' if c == 'span' else c} ms" for c in COLUMNS]
+    out = ["| trace | device | step | " + " | ".join(heads) + " | exposed / step |",
            "|---|---|---|" + "---|" * (len(COLUMNS) + 1)]
     for label, s in summaries:
         rows = s["rows"]
@@ -261,11 +268,14 @@ def find_traces(path: str) -> list[tuple[str, str]]:
     if os.path.isfile(path):
         return [(os.path.basename(path), path)]
     found = []
-    for run in sorted(glob.glob(os.path.join(path, "**", "plugins", "profile", "*"), recursive=True)):
+    runs = sorted(glob.glob(os.path.join(path, "**", "plugins", "profile", "*"), recursive=True))
+    for run in runs:
         files = glob.glob(os.path.join(run, "perfetto_trace.json.gz")) or sorted(
             glob.glob(os.path.join(run, "*.trace.json.gz")))
-        top = os.path.relpath(run.split(os.sep + "plugins" + os.sep)[0], path)
-        label = os.path.basename(os.path.abspath(path)) if top == "." else top
+        top = run.split(os.sep + "plugins" + os.sep)[0]
+        label = os.path.basename(os.path.abspath(path)) if os.path.samefile(top, path) else os.path.relpath(top, path)
+        if sum(r.startswith(top + os.sep) for r in runs) > 1:  # several runs into one folder: which is which
+            label += "@" + os.path.basename(run)
         found += [(label if len(files) == 1 else f"{label}/{os.path.basename(f)}", f) for f in files]
     return found
 

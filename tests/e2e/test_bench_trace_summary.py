@@ -72,14 +72,15 @@ def test_classification_rules(ts, name, hlo_op, kind):
 
 
 def _gpu_trace() -> dict:
-    """Two GPUs, two host steps of 100 us each; GPU 0 has a compute and a NCCL stream and an
-    ``XLA Ops`` line that re-states the time (and must be skipped)."""
+    """Two GPUs, two host steps of 100 us each; GPU 0 has two compute streams, a NCCL stream, and
+    ``XLA Ops`` and ``Steps`` lines that re-state the time (and must be skipped)."""
     meta = [
         {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
         {"ph": "M", "pid": 1, "tid": 13, "name": "thread_name", "args": {"name": "Stream #13(Kernel)"}},
         {"ph": "M", "pid": 1, "tid": 14, "name": "thread_name", "args": {"name": "Stream #14(Kernel)"}},
         {"ph": "M", "pid": 1, "tid": 20, "name": "thread_name", "args": {"name": "Stream #20(Kernel,Memcpy)"}},
         {"ph": "M", "pid": 1, "tid": 3735928559, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 1, "tid": 3735928560, "name": "thread_name", "args": {"name": "Steps"}},
         {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:1"}},
         {"ph": "M", "pid": 2, "tid": 13, "name": "thread_name", "args": {"name": "Stream #13(Kernel)"}},
         {"ph": "M", "pid": 701, "name": "process_name", "args": {"name": "/host:CPU"}},
@@ -100,6 +101,7 @@ def _gpu_trace() -> dict:
         x(1, 20, 90, 95, "MemcpyD2D", "copy.5"),
         x(1, 13, 95, 105, "loop_fusion", "fusion.6"),  # crosses into step 1: cut at 100
         x(1, 3735928559, 0, 100, "fusion.1", "fusion.1"),
+        x(1, 3735928560, 0, 100, "train_step"),  # a device's derived step line: not a second step 0
         x(1, 13, 120, 130, "loop_fusion", "fusion.1"),
         x(1, 20, 125, 140, "ncclDevKernel_AllGather_RING_LL", "all-gather-start.1"),
         x(2, 13, 0, 50, "loop_fusion", "fusion.1"),
@@ -113,6 +115,7 @@ def test_a_synthetic_gpu_trace_against_a_hand_computation(ts, tmp_path):
         json.dump(_gpu_trace(), f)
     s = ts.summarize(str(path))
     rows = {(r["device"], r["step"]): r for r in s["rows"]}
+    assert len(s["rows"]) == 4  # 2 GPUs x 2 host steps
     # GPU 0, step 0: compute [10,50] + [60,70] + [95,100] = 55; collectives [20,40], [45,65],
     # [80,90]; exposed [50,60] + [80,90] = 20; busy [10,70] + [80,100] = 80; idle 20
     ms = 1e-3
