@@ -1,4 +1,5 @@
-"""One device window on a 4-GPU host: training scaling, the multi-process GPU test, async disaggregated.
+"""One device window on a 4-GPU host: training scaling and its profile, the multi-process GPU test,
+async disaggregated.
 
     python bench/multigpu_window.py --deadline 570 --out $OUT/window1.tar.gz
     python bench/multigpu_window.py --deadline 570 --out $OUT/window2.tar.gz --parts procs4,async4,...
