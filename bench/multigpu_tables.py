@@ -4,7 +4,8 @@
 
 Reads env.json (commit, card, date, command), the training-scaling rows (train_*.jsonl), the
 multi-process test's `MULTIHOST_REPORT` lines and the async bench's tables from their logs,
-and summary.json (which parts ran, failed or were not run). Prints markdown.
+the profiled steps' rows and bench/trace_summary.py's table (prof4), and summary.json
+(which parts ran, failed or were not run). Prints markdown.
 """
 
 from __future__ import annotations
@@ -38,6 +39,18 @@ def train_section(folder: str) -> list[str]:
             out += [f"- {r['size']} on {r['gpus']} GPU{'s' if r['gpus'] > 1 else ''} failed: `{r['error']}` (whole output: "
                     f"`logs/{r['log'].split('/logs/', 1)[-1] if r.get('log') else '-'}`)" for r in rows if "error" in r]
     return out or ["(no training rows)"]
+
+
+def profile_section(folder: str) -> list[str]:
+    """prof4's timed rows (1 and 4 GPUs) and its trace summary as bench/trace_summary.py printed it."""
+    rows_path, log = os.path.join(folder, "prof4_rows.jsonl"), os.path.join(folder, "logs", "prof4_summary.log")
+    if not os.path.exists(rows_path) and not os.path.exists(log):
+        return ["(not profiled)"]
+    out = []
+    if os.path.exists(rows_path):
+        out += [train_table([json.loads(line) for line in _read(rows_path).splitlines() if line.strip()]), ""]
+    summary = _read(log).splitlines()[1:] if os.path.exists(log) else ["(no trace summary)"]  # (less its `$ cmd`)
+    return out + summary
 
 
 def _state(d: dict) -> str:
@@ -110,7 +123,8 @@ def render(folder: str) -> str:
              f"{' (uncommitted changes)' if env.get('dirty') else ''}, {env['date']}:", "",
              f"    {env['command']}", "", "### Training over several GPUs", "", *train_section(folder),
              "", "### Processes as hosts", "", *procs_section(folder), "", "### Async on several GPUs", "",
-             *async_section(folder), "", "### The window's parts", "", *parts_section(folder)]
+             *async_section(folder), "", "### Profile of the training step", "", *profile_section(folder), "",
+             "### The window's parts", "", *parts_section(folder)]
     return "\n".join(lines) + "\n"
 
 

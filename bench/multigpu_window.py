@@ -1,4 +1,5 @@
-"""One device window on a 4-GPU host: training scaling, the multi-process GPU test, async disaggregated.
+"""One device window on a 4-GPU host: training scaling and its profile, the multi-process GPU test,
+async disaggregated.
 
     python bench/multigpu_window.py --deadline 570 --out $OUT/window1.tar.gz
     python bench/multigpu_window.py --deadline 570 --out $OUT/window2.tar.gz --parts procs4,async4,...
@@ -17,6 +18,11 @@ disjoint GPUs (a on the first ones). The default order puts first what the docs 
                several GPUs failed in `train` (then it gives the same-attention baseline)
   train_hlo    1.7B's update compiled for 4 GPUs (no run): its matmuls over all or a quarter of
                the tokens, its collectives (train_scaling.py --hlo)
+  prof4        1.7B's FSDP update on 1 GPU, then on 4, each timed and then traced for 2 steps
+               (train_scaling.py --profile), and bench/trace_summary.py's table of the traces:
+               per GPU and step, compute, collectives by kind, exposed collectives, idle. The
+               traces stay in --work (scratch/prof4); the tar has the summary and each
+               perfetto_trace.json.gz under 5 MiB
 Before a stage starts, its estimate on H100s (from the runs in docs/benchmarks.md) is compared
 with the time left before ``--deadline`` seconds; a stage that does not fit is skipped, and the
 end prints the command that runs what was skipped. A process still running at the deadline is
@@ -29,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,7 +52,9 @@ DEFAULT_PARTS = ("train,procs2+async2,procs4,async4,train_xla,train_hlo,async2_l
 # two rounds (1 and 2 GPUs, then 4) per shape. procs2: the 2-GPU test measured 248 s for its four
 # runs. asyncN: ~14 s per synchronous and ~10 s per async step (2 x H200, 5 steps each) plus
 # ~80 s start, compile and warm-up per mode.
-ESTIMATE_S = {"train": 240, "train_xla": 150, "train_hlo": 60, "procs2": 270, "procs4": 300}
+# prof4: two train workers one after the other (~60 s each, as in train) plus writing and
+# reading their traces (not measured on a GPU yet: ~30 s each, a guess).
+ESTIMATE_S = {"train": 240, "train_xla": 150, "train_hlo": 60, "procs2": 270, "procs4": 300, "prof4": 200}
 ESTIMATE_S.update({f"async{n}{arm}": s for n in (2, 4) for arm, s in
                    (("", 300), ("_lat0", 190), ("_s2", 150), ("_s4", 150), ("_stream", 300))})
 RESERVE_S = 15  # the tables and the tar at the end
@@ -133,6 +142,8 @@ def part_steps(w: Window, name: str, gpus: list[str]) -> list[list[Proc]]:
         cmd = [PY, "bench/train_scaling.py", "--hlo", "--gpus", "4", "--layouts", "fsdp"]
         cmd += ["--tiny"] if w.args.dry_run else ["--sizes", "1.7b", "--gpu-ids", ",".join(gpus)]
         return [[(cmd, gpus, "train_hlo.log")]]
+    if name == "prof4":
+        return prof_steps(w, gpus)
     if name in ("procs2", "procs4"):
         # JAX_PLATFORMS=cpu: the test process itself must not take the GPUs its processes use
         return [[(["env", "JAX_PLATFORMS=cpu", PY, "-m", "pytest", "-p", "no:xdist", "-m", "gpu", "-s", "-q",
@@ -141,8 +152,28 @@ def part_steps(w: Window, name: str, gpus: list[str]) -> list[list[Proc]]:
     return async_steps(w, name, gpus)
 
 
+def prof_steps(w: Window, gpus: list[str]) -> list[list[Proc]]:
+    """1.7B on 1 GPU then 4, timed and traced; the traces' summary; the small traces into the tar."""
+    traces, kept = os.path.join(w.scratch, "prof4"), os.path.join(w.stage_dir, "prof4_traces")
+    rows = os.path.join(w.stage_dir, "prof4_rows.jsonl")
+    for folder in (traces, kept):  # an earlier window's (same --work): its traces would be summed in
+        shutil.rmtree(folder, ignore_errors=True)
+    if os.path.exists(rows):  # (and its rows, appended to)
+        os.remove(rows)
+    cmd = [PY, "bench/train_scaling.py", "--layouts", "fsdp", "--gpus", "1,4", "--attention", "cudnn", "--steps", "4",
+           "--profile", traces, "--out", rows,
+           "--log-dir", os.path.join(w.stage_dir, "logs", "prof4_workers")]
+    cmd += ["--tiny"] if w.args.dry_run else ["--sizes", "1.7b", "--gpu-ids", ",".join(gpus)]
+    summary = [PY, "bench/trace_summary.py", traces, "--json", os.path.join(w.stage_dir, "prof4_summary.json")]
+    keep = ["bash", "-c", (f"mkdir -p {kept} && cd {traces} && find . -name '*.gz' -printf '%s bytes %p\\n' && "
+                           f"find . -name perfetto_trace.json.gz -size -5M -exec cp --parents {{}} {kept}/ \\;")]
+    return [[(cmd, gpus, "prof4_train.log")], [(summary, [], "prof4_summary.log")], [(keep, [], "prof4_keep.log")]]
+
+
 def gpus_of(name: str) -> int:
-    return 4 if name.startswith("train") else int(name.removeprefix("procs").removeprefix("async")[0])
+    if name.startswith("train"):
+        return 4
+    return int(name.removeprefix("procs").removeprefix("async").removeprefix("prof")[0])
 
 
 def run_proc(w: Window, proc: Proc) -> dict:

@@ -12,9 +12,16 @@ the baseline is measured in the same run on the same machine.
     python bench/train_scaling.py --sizes 4b --gpus 4 --layouts fsdp,tp2
     python bench/train_scaling.py --tiny        # CPU, fake devices: checks the script runs
     python bench/train_scaling.py --tiny --gpus 2 --hlo   # how the update splits the tokens (compile only)
+    python bench/train_scaling.py --sizes 1.7b --gpus 1,4 --profile /tmp/prof   # + a trace of 2 more steps
+    python bench/trace_summary.py /tmp/prof                     # where those steps' time goes, per GPU
 
 The update is traced under ``jax.set_mesh`` so the decoder's activation constraints apply
 (``--no-set-mesh``: as the trainer's jits are traced, sharding propagation alone).
+
+``--profile DIR``: after the timed steps each worker traces ``PROFILED_STEPS`` more with
+``jax.profiler`` (each in a ``train_step`` annotation, which bench/trace_summary.py splits the
+trace by) into DIR/<size>_<layout>_<n>gpu/; the timed steps are not traced, so the table's
+numbers are the same with or without it.
 
 Scaling efficiency = (tokens/s per GPU on n GPUs) / (tokens/s on 1 GPU; on the fewest GPUs
 measured where one GPU does not hold the model and its optimizer state). MFU counts model
@@ -35,7 +42,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.trace_summary import STEP_NAME  # noqa: E402
 from bench.train_step import SHAPES, device_peak, make_batch, model_flops_per_token  # noqa: E402
+
+PROFILED_STEPS = 2
 
 
 def _mesh_shape(layout: str, n: int) -> dict[str, int]:
@@ -50,7 +60,7 @@ def _mesh_shape(layout: str, n: int) -> dict[str, int]:
 
 
 def measure(size: str, layout: str, seq: int, tokens_per_gpu: int, steps: int, remat: str, attention: str,
-            chunk_size: int, lm_head_dtype: str, set_mesh: bool = True, hlo: bool = False) -> dict:
+            chunk_size: int, lm_head_dtype: str, set_mesh: bool = True, hlo: bool = False, profile: str = "") -> dict:
     """One (size, layout) measurement on every device this process sees.
 
     One body for the timing and for ``hlo`` (compile only): both need the same model, mesh,
@@ -129,6 +139,8 @@ def measure(size: str, layout: str, seq: int, tokens_per_gpu: int, steps: int, r
             state, metrics = step(state, batch, z)
             jax.block_until_ready(metrics["loss"])
             times.append(time.perf_counter() - t0)
+        loss = float(metrics["loss"])
+        traced = trace_steps(step, state, batch, z, profile) if profile else {}
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use", 0) for d in jax.devices()]
     step_s = float(np.median(times))
     name, peak = device_peak()
@@ -136,9 +148,31 @@ def measure(size: str, layout: str, seq: int, tokens_per_gpu: int, steps: int, r
     return {"size": size, "layout": layout, "gpus": n, "mesh": dict(mesh.shape), "rows": rows, "seq": seq,
             "device": name, "jax": jax.__version__, "step_s": step_s, "steps_s": times, "compile_s": compile_s,
             "tokens_per_s": rows * seq / step_s, "tokens_per_s_per_gpu": rows * seq / step_s / n,
-            "mfu": flops / step_s / n / peak if peak else None, "loss": float(metrics["loss"]),
+            "mfu": flops / step_s / n / peak if peak else None, "loss": loss,
             "peak_gib_max": max(peaks) / 2**30, "remat": remat, "attention": attention,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "set_mesh": set_mesh}
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "set_mesh": set_mesh, **traced}
+
+
+def trace_steps(step, state, batch, z, folder: str):
+    """``PROFILED_STEPS`` more steps under ``jax.profiler``, each in a ``STEP_NAME`` annotation
+    (``state`` is donated to them); the trace's folder, or why there is none: a profiler that does
+    not start must not lose the timed steps measured before it."""
+    import jax
+
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # Python calls would only bury the kernels (and the trace size)
+    try:
+        jax.profiler.start_trace(folder, create_perfetto_trace=True, profiler_options=options)
+        try:
+            for i in range(PROFILED_STEPS):
+                with jax.profiler.StepTraceAnnotation(STEP_NAME, step_num=i):
+                    state, metrics = step(state, batch, z)
+                    jax.block_until_ready((state, metrics))  # every kernel of the step inside its window
+        finally:
+            jax.profiler.stop_trace()
+    except Exception as e:  # noqa: BLE001 (the row says why; the timing stands)
+        return {"profile_error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return {"profile": folder, "profiled_steps": PROFILED_STEPS}
 
 
 def token_split(hlo_text: str, tokens: int, n: int) -> dict:
@@ -157,7 +191,8 @@ def _run_worker(size: str, layout: str, gpus: list[str], args) -> dict:
            "--seq", str(args.seq), "--tokens-per-gpu", str(args.tokens_per_gpu), "--steps", str(args.steps),
            "--remat", args.remat, "--attention", args.attention, "--chunk-size", str(args.chunk_size),
            "--lm-head-dtype", args.lm_head_dtype] + (["--no-set-mesh"] if args.no_set_mesh else []) + (
-               ["--hlo"] if args.hlo else [])
+               ["--hlo"] if args.hlo else []) + (
+               ["--profile", os.path.join(args.profile, f"{size}_{layout}_{len(gpus)}gpu")] if args.profile else [])
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=args.mem_fraction)
     if args.cpu_devices:  # CPU smoke run: n fake devices stand for n GPUs
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={len(gpus)}"
@@ -240,6 +275,9 @@ def main(argv=None) -> None:
     p.add_argument("--hlo", action="store_true",
                    help="compile only and print how the update splits the tokens over the devices, traced with "
                         "and without jax.set_mesh (CPU: --tiny)")
+    p.add_argument("--profile", default="", metavar="DIR",
+                   help=f"after the timed steps, trace {PROFILED_STEPS} more with jax.profiler into "
+                        "DIR/<size>_<layout>_<n>gpu/ (read them with bench/trace_summary.py DIR)")
     p.add_argument("--table", default="", help="print the table of the rows in this --out file and exit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -258,7 +296,8 @@ def main(argv=None) -> None:
         return
     if args.worker:
         result = measure(args.sizes, args.layouts, args.seq, args.tokens_per_gpu, args.steps, args.remat,
-                         args.attention, args.chunk_size, args.lm_head_dtype, set_mesh=not args.no_set_mesh)
+                         args.attention, args.chunk_size, args.lm_head_dtype, set_mesh=not args.no_set_mesh,
+                         profile=args.profile)
         print("RESULT " + json.dumps(result), flush=True)
         return
     counts = sorted({int(g) for g in args.gpus.split(",")})
@@ -283,6 +322,8 @@ def main(argv=None) -> None:
     print(f"\ndevice: {device}; {args.tokens_per_gpu} tokens per GPU, rows of {args.seq}; remat {args.remat}, "
           f"attention {args.attention}, lm head {args.lm_head_dtype}, chunks of {args.chunk_size}\n")
     print(table(rows))
+    if args.profile:
+        print(f"\ntraces in {args.profile}: python bench/trace_summary.py {args.profile}")
 
 
 if __name__ == "__main__":

@@ -115,3 +115,36 @@ def test_a_process_running_at_the_deadline_is_killed_with_what_it_started(window
     child = int(marker.read_text())
     time.sleep(0.5)
     assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split()[2] == "Z"
+
+
+def test_the_profile_part_needs_four_gpus_and_its_estimate(window, tmp_path, capsys):
+    window.main(["--deadline", "100", "--out", str(tmp_path / "w.tar.gz"), "--work", str(tmp_path / "work"),
+                 "--parts", "prof4"])
+    assert "prof4: skipped (needs 200 s" in capsys.readouterr().out
+    assert window.gpus_of("prof4") == 4
+
+
+@pytest.mark.slow  # two tiny workers and a summary: ~20 s on 2 shared cores
+def test_the_profile_part_dry_run_packs_the_summary_and_the_traces(window, tmp_path, capsys):
+    out = tmp_path / "w.tar.gz"
+    window.main(["--dry-run", "--deadline", "300", "--out", str(out), "--work", str(tmp_path / "work"),
+                 "--parts", "prof4"])
+    assert "prof4: ok" in capsys.readouterr().out
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+        tables_md = tar.extractfile("multigpu_window/tables.md").read().decode()
+    assert "multigpu_window/prof4_summary.json" in names
+    assert sum(n.endswith("perfetto_trace.json.gz") for n in names) == 2  # 1 and 4 fake devices
+    assert "| tiny_fsdp_4gpu | CPU:3 | 1 |" in tables_md and "| tiny | fsdp, remat" in tables_md
+
+
+def test_the_tables_show_the_profile(tables, tmp_path):
+    folder = tmp_path / "multigpu_window"
+    (folder / "logs").mkdir(parents=True)
+    (folder / "prof4_rows.jsonl").write_text(json.dumps(_row("1.7b", 1, 0.25)) + "\n" +
+                                             json.dumps(_row("1.7b", 4, 0.3125)) + "\n")
+    (folder / "logs" / "prof4_summary.log").write_text("$ python bench/trace_summary.py /tmp/x\n| trace | device |\n")
+    text = "\n".join(tables.profile_section(str(folder)))
+    assert "| 1.7b | fsdp, remat full | 4 | 8x4096 | 312 ms |" in text and "80.0%" in text
+    assert "| trace | device |" in text and "$ python" not in text
+    assert tables.profile_section(str(tmp_path)) == ["(not profiled)"]
