@@ -31,8 +31,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from hybrid_ablation import learning_curve, read_metrics, sign_flip_p  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script's statistics and readers
+from hybrid_ablation import learning_curve, read_metrics, sign_flip_p
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"demo": "configs/demo.py", "smollm2": "configs/smollm2_tools.py"}

@@ -54,7 +54,10 @@ def _trainer_loss(correction, logp, prox, behav, adv, mask):
         f"algorithm.eps_low={EPS_LOW}", f"algorithm.eps_high={EPS_HIGH}", "algorithm.entropy_coef=0",
         "algorithm.kl_coef=0", "algorithm.aggregation=token-mean", "algorithm.loss=ppo"])
     settings = loss_settings(config)
-    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+
+    def f32(x):
+        return jnp.asarray(x, jnp.float32)
+
     micro = {"loss_mask": f32(mask), "advantages": f32(adv), "old_logprobs": f32(prox),
              "rollout_logprobs": f32(behav)}
     normalizer = f32(mask.sum())
