@@ -4,8 +4,9 @@ started (so none trained) in both legs, the groups in flight at the save are the
 logged as lost, and the resumed run trains the remaining steps. At ``max_staleness=0`` nothing
 is in flight at a step's end, so the resumed run gives the uninterrupted run's updates bit for bit.
 
-The preemption is the real one: the environment sends this process SIGTERM during the first
-step's rollouts; the trainer's handler stops the run at the end of that step, with a checkpoint.
+The preemption is the real one: the environment sends this process SIGTERM at its first episode
+(the start evaluation's); the trainer's handler stops the run at the end of the first RL step,
+with a checkpoint.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def test_a_preempted_stream_resumes_without_training_a_prompt_twice_and_counts_t
     out = tmp_path / "run"
     first, resets = _leg(out, "async_rl.max_staleness=1", *RECOMPUTE, preempt=True)
     first_resets = _train_prompts(resets, out)
-    # stopped at the end of step 1 (the SIGTERM came during its rollouts), with a checkpoint
+    # stopped at the end of step 1 (the SIGTERM came before it ended), with a checkpoint
     assert sorted(first) == [1]
     assert not (out / "results.json").exists()
     draws = _saved_batches_served(out, 1)
