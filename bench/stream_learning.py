@@ -6,8 +6,8 @@ the SFT depends on the seed alone, so a seed's arms start from the same policy (
 a finished run (``results.json`` with an end evaluation) is skipped, so a stopped call
 continues where it stopped, and ``--deadline`` stops starting new ones.
 
-    # the demo on a many-core CPU host: 9 runs at once, each pinned to its own cores
-    JAX_PLATFORMS=cpu python bench/stream_learning.py --out runs/stream_learning --jobs 9
+    # the demo on a many-core CPU host (JAX_PLATFORMS=cpu unless set): 9 runs at once, each on its own cores
+    python bench/stream_learning.py --out runs/stream_learning --jobs 9
     # the SmolLM2-135M tool recipe on one GPU: runs share the card (memory split by --jobs)
     python bench/stream_learning.py --recipe smollm2 --out runs/stream_smollm2 --jobs 3 \\
         --set model.path=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -47,6 +47,8 @@ ARMS: dict[str, list[str]] = {
                           "algorithm.correction_level=token"],
 }
 DEFAULT_ARMS = {"demo": ["sync", "stream1", "stream2"], "smollm2": ["sync", "stream1"]}
+# the demo saves no checkpoint of its own: every 10 steps here, so a call cut by a time limit resumes
+RECIPE_SETS = {"demo": ["checkpoint.every_steps=10"], "smollm2": []}
 BASELINE = "sync"
 SEEDS = (0, 1, 2)
 # held-out columns of results.json["start" / "end"]; the stream's own per-step means from metrics.jsonl
@@ -75,6 +77,8 @@ def finished(run_dir: Path) -> bool:
 def child_env(recipe: str, jobs: int, cores: list[int] | None) -> dict[str, str]:
     """A run's environment: on the CPU its own cores and as many threads; on a GPU its share of the memory."""
     env = dict(os.environ)
+    if recipe == "demo":  # a CPU recipe: several processes would not share a GPU's default preallocation
+        env.setdefault("JAX_PLATFORMS", "cpu")
     if cores:  # XLA's CPU thread pool sizes itself from the affinity mask set by taskset
         env.update({"OMP_NUM_THREADS": str(len(cores)), "MKL_NUM_THREADS": str(len(cores))})
     if recipe == "smollm2":
@@ -105,12 +109,13 @@ def launch(run_dir: Path, config: str, overrides: list[str], env: dict[str, str]
 def run_all(out: Path, recipe: str, arms: list[str], seeds: list[int], budget: list[str], jobs: int,
             pin: bool, deadline: float | None) -> list[str]:
     """Every unfinished (arm, seed) run, ``jobs`` at a time, seeds first (a seed's arms run side by
-    side); with ``pin`` each job slot owns ``cpu_count // jobs`` cores. Returns the failed runs."""
+    side); with ``pin`` each job slot owns its share of this process's cores. Returns the failed runs."""
     config = RECIPES[recipe]
-    per_job = max((os.cpu_count() or 1) // jobs, 1)
+    usable = sorted(os.sched_getaffinity(0))
+    per_job = max(len(usable) // jobs, 1)
     slots: queue.Queue = queue.Queue()
     for i in range(jobs):
-        slots.put(list(range(i * per_job, (i + 1) * per_job)) if pin else None)
+        slots.put((usable[i * per_job: (i + 1) * per_job] or usable[-per_job:]) if pin else None)
     failed: list[str] = []
 
     def one(arm: str, seed: int) -> None:
@@ -231,8 +236,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report-only", action="store_true", help="only write the table and plot")
     args = parser.parse_args(argv)
     out, arms = args.out.absolute(), args.arms or DEFAULT_ARMS[args.recipe]
+    budget = [*RECIPE_SETS[args.recipe], *args.extra]
     if not args.report_only:
-        check_arms(RECIPES[args.recipe], arms, args.extra)
+        check_arms(RECIPES[args.recipe], arms, budget)
         if args.recipe == "smollm2":  # converted once here, not by every process side by side
             sys.path.insert(0, str(ROOT))
             from agentrl_jax.config import load_config
@@ -241,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
             hf_directory(load_config(str(ROOT / RECIPES["smollm2"]), args.extra).model.path)
         pin = args.recipe == "demo" and not args.no_pin and args.jobs > 1
         deadline = None if args.deadline is None else time.monotonic() + args.deadline
-        failed = run_all(out, args.recipe, arms, args.seeds, args.extra, args.jobs, pin, deadline)
+        failed = run_all(out, args.recipe, arms, args.seeds, budget, args.jobs, pin, deadline)
         if failed:
             print(f"FAILED: {' '.join(failed)} (logs: OUT/<arm>/seed<s>.log)", flush=True)
     summary = summarize(out, arms, args.seeds)
