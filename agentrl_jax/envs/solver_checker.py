@@ -56,12 +56,18 @@ def checker_demonstrations(solver_conversations: list[list[dict[str, str]]], tas
     already judging (from the scripted solver's mistakes, which are not the policy's), and the
     comparison would credit RL with it. After this SFT the checker's accuracy is a coin flip;
     RL, through its role reward, has to teach it to read the transcript.
+
+    Half of the transcripts (also drawn from ``seed``) are cut at a random character: in RL the
+    checker reads the solver policy's own transcripts, unfinished or garbled early on, and a
+    verdict format learned only after finished scripted ones does not carry over to those.
     """
     rng = np.random.default_rng(seed)
     out = []
     for conversation, task in zip(solver_conversations, tasks):
         first = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
         transcript = "".join(m["content"] for m in conversation[first:])
+        if rng.random() < 0.5:
+            transcript = transcript[:int(rng.integers(0, len(transcript) + 1))]
         verdict = "ACCEPT" if rng.random() < 0.5 else DEMO_CRITIQUE
         out.append(checker_prompt(str(task["question"]), transcript) + [{"role": "assistant", "content": verdict}])
     return out

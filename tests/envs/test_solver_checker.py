@@ -97,7 +97,10 @@ def test_checker_demonstrations_teach_the_verdict_format_with_labels_independent
     wrong = [{"role": "user", "content": "What is 12*34?"}, {"role": "assistant", "content": "I guess \\boxed{7}"}]
     solver, tasks = [right, wrong] * 300, [TASK] * 600
     demos = checker_demonstrations(solver, tasks, seed=0)
-    assert demos[0][1]["content"] == f"Problem: What is 12*34?\n\nSolution:\n{PROGRAM}408 so \\boxed{{408}}"
+    whole = f"Problem: What is 12*34?\n\nSolution:\n{PROGRAM}408 so \\boxed{{408}}"
+    shown = [d[1]["content"] for d in demos[0::2]]
+    assert all(whole.startswith(text) and text.startswith("Problem: What is 12*34?") for text in shown)
+    assert 0.4 < sum(text == whole for text in shown) / 300 < 0.65  # the rest cut short, as unfinished tries are
     verdicts = [parse_verdict(d[-1]["content"]) for d in demos]
     assert all(well_formed for _, _, well_formed in verdicts)  # the exact format the episode parses
     assert {d[-1]["content"] for d in demos} == {"ACCEPT", DEMO_CRITIQUE}
