@@ -228,7 +228,7 @@ def main() -> None:
     (out / "summary.md").write_text(table(summary) + "\n")
     plot(runs, out / "learning.png")
     print(table(summary))
-    print(f"wall seconds per run: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["wall_seconds"].items()))
+    print("wall seconds per run: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["wall_seconds"].items()))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,11 @@ from typing import Any
 import numpy as np
 
 from agentrl_jax.envs.base import StepResult
-from agentrl_jax.envs.multi_actor import ActorTurn, MultiActorEnvironment, MultiActorResult
+from agentrl_jax.envs.multi_actor import (
+    ActorTurn,
+    MultiActorEnvironment,
+    MultiActorResult,
+)
 from agentrl_jax.envs.retool import ReToolEnv
 
 SOLVER, CHECKER = "solver", "checker"
