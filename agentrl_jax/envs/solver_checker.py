@@ -26,10 +26,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from agentrl_jax.envs.base import StepResult
-from agentrl_jax.envs.multi_actor import ActorTurn, MultiActorEnvironment, MultiActorResult
+from agentrl_jax.envs.multi_actor import (
+    ActorTurn,
+    MultiActorEnvironment,
+    MultiActorResult,
+)
 from agentrl_jax.envs.retool import ReToolEnv
-from agentrl_jax.rewards.boxed import find_boxed_spans
 
 SOLVER, CHECKER = "solver", "checker"
 CHECKER_SYSTEM_PROMPT = ("You check a solution to a math problem. Reply ACCEPT if its final answer is right, "
@@ -44,19 +49,31 @@ def checker_prompt(question: str, transcript: str) -> list[dict[str, str]]:
             {"role": "user", "content": f"Problem: {question}\n\nSolution:\n{transcript}"}]
 
 
-def checker_demonstrations(solver_conversations: list[list[dict[str, str]]],
-                           tasks: list[dict[str, Any]]) -> list[list[dict[str, str]]]:
-    """The checker's SFT conversations, one per solver demonstration (``tasks[i]``'s): its own
-    view of that transcript, answered ACCEPT when the demonstration's last boxed answer is the
-    task's, else a one-line critique (the demonstrations that guess are often wrong)."""
+def checker_demonstrations(solver_conversations: list[list[dict[str, str]]], tasks: list[dict[str, Any]], *,
+                           seed: int) -> list[list[dict[str, str]]]:
+    """The checker's format-only SFT conversations, one per solver demonstration (``tasks[i]``'s):
+    its own view of that transcript answered ``ACCEPT`` or ``DEMO_CRITIQUE``, each with
+    probability 1/2 from ``seed``, independently of whether the transcript's answer is right.
+
+    The cold start teaches the verdict's format (one well-formed line that ``parse_verdict``
+    reads), never the judgment: a checker SFT'd on right/wrong labels would arrive at RL
+    already judging (from the scripted solver's mistakes, which are not the policy's), and the
+    comparison would credit RL with it. After this SFT the checker's accuracy is a coin flip;
+    RL, through its role reward, has to teach it to read the transcript.
+
+    Half of the transcripts (also drawn from ``seed``) are cut at a random character: in RL the
+    checker reads the solver policy's own transcripts, unfinished or garbled early on, and a
+    verdict format learned only after finished scripted ones does not carry over to those.
+    """
+    rng = np.random.default_rng(seed)
     out = []
     for conversation, task in zip(solver_conversations, tasks):
         first = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
         transcript = "".join(m["content"] for m in conversation[first:])
-        boxes = find_boxed_spans(transcript)
-        right = bool(boxes) and boxes[-1][2].strip() == str(task["answer"]).strip()
-        out.append(checker_prompt(str(task["question"]), transcript)
-                   + [{"role": "assistant", "content": "ACCEPT" if right else DEMO_CRITIQUE}])
+        if rng.random() < 0.5:
+            transcript = transcript[:int(rng.integers(0, len(transcript) + 1))]
+        verdict = "ACCEPT" if rng.random() < 0.5 else DEMO_CRITIQUE
+        out.append(checker_prompt(str(task["question"]), transcript) + [{"role": "assistant", "content": verdict}])
     return out
 
 

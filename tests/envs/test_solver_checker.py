@@ -90,13 +90,24 @@ def test_an_accept_or_no_tries_left_ends_at_the_first_answer(loop_thread, pool, 
     assert isinstance(final, MultiActorResult) and final.done and final.rewards == {SOLVER: 0.0, CHECKER: 1.0}
 
 
-def test_checker_demonstrations_judge_each_solver_demonstration_by_its_boxed_answer():
-    solver = [[{"role": "system", "content": "s"}, {"role": "user", "content": "What is 12*34?"},
-               {"role": "assistant", "content": f"{PROGRAM}"}, {"role": "tool", "content": "408"},
-               {"role": "assistant", "content": " so \\boxed{408}"}],
-              [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "I guess \\boxed{7}"}]]
-    demos = checker_demonstrations(solver, [TASK, {"question": "q2", "answer": "8"}])
-    assert [d[-1]["content"] for d in demos] == ["ACCEPT", DEMO_CRITIQUE]
-    assert demos[0][1]["content"] == f"Problem: What is 12*34?\n\nSolution:\n{PROGRAM}408 so \\boxed{{408}}"
+def test_checker_demonstrations_teach_the_verdict_format_with_labels_independent_of_correctness():
+    right = [{"role": "system", "content": "s"}, {"role": "user", "content": "What is 12*34?"},
+             {"role": "assistant", "content": f"{PROGRAM}"}, {"role": "tool", "content": "408"},
+             {"role": "assistant", "content": " so \\boxed{408}"}]
+    wrong = [{"role": "user", "content": "What is 12*34?"}, {"role": "assistant", "content": "I guess \\boxed{7}"}]
+    solver, tasks = [right, wrong] * 300, [TASK] * 600
+    demos = checker_demonstrations(solver, tasks, seed=0)
+    whole = f"Problem: What is 12*34?\n\nSolution:\n{PROGRAM}408 so \\boxed{{408}}"
+    shown = [d[1]["content"] for d in demos[0::2]]
+    assert all(whole.startswith(text) and text.startswith("Problem: What is 12*34?") for text in shown)
+    assert 0.4 < sum(text == whole for text in shown) / 300 < 0.65  # the rest cut short, as unfinished tries are
+    verdicts = [parse_verdict(d[-1]["content"]) for d in demos]
+    assert all(well_formed for _, _, well_formed in verdicts)  # the exact format the episode parses
+    assert {d[-1]["content"] for d in demos} == {"ACCEPT", DEMO_CRITIQUE}
+    accepted = [accepted for accepted, _, _ in verdicts]
+    # About half accepted, on right and on wrong transcripts alike: the label says nothing of the answer.
+    assert 0.42 < sum(accepted[0::2]) / 300 < 0.58 and 0.42 < sum(accepted[1::2]) / 300 < 0.58
+    assert [d[-1] for d in checker_demonstrations(solver, tasks, seed=0)] == [d[-1] for d in demos]
+    assert [d[-1] for d in checker_demonstrations(solver, tasks, seed=1)] != [d[-1] for d in demos]
     assert parse_verdict(DEMO_CRITIQUE)[:2] == (False, "the final answer is wrong; run the program and read its "
                                                        "output again.")

@@ -28,12 +28,13 @@ def team_env_factory(config: Config, pool: Any, verifier: Any,
 
 def demonstrations(config: Config, tasks: list[dict]) -> dict[str, list[list[dict[str, str]]]]:
     """SFT conversations per actor: the environment's solver demonstrations, and the checker's
-    verdicts on them (``envs.solver_checker.checker_demonstrations``)."""
+    format-only verdicts on them, labels drawn from the run's seed independently of the answers
+    (``envs.solver_checker.checker_demonstrations``)."""
     solver = config.environment.make_demonstrations(config, tasks)
     if solver is None:
         raise ConfigError(f"sft.steps: environment.name={config.environment.name!r} writes no demonstrations for "
                           "the solver-checker episode; set sft.steps=0")
-    return {SOLVER: solver, CHECKER: checker_demonstrations(solver, tasks[:len(solver)])}
+    return {SOLVER: solver, CHECKER: checker_demonstrations(solver, tasks[:len(solver)], seed=config.seed)}
 
 
 async def collect_team(config: Config, loop: MultiActorLoop, env_factory: Callable[[], MultiActorEnvironment],

@@ -1,0 +1,44 @@
+"""`bench/multi_policy_learning.py`'s reading of the runs: the sampled tokens so far at each
+held-out evaluation (both policies' for the team), and the solo arm's pass@1 read at the team's
+tokens, linear between its evaluations, flagged when its steps ran out first."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from repo_scripts import load_script
+
+
+def write_metrics(run_dir, rows):
+    (run_dir / "metrics").mkdir(parents=True)
+    (run_dir / "metrics" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+
+
+def test_the_solo_arm_is_read_at_the_teams_sampled_tokens(tmp_path):
+    bench = load_script("bench/multi_policy_learning.py")
+    write_metrics(tmp_path / "team", [
+        {"step": 0, "eval/team/final_correct": 0.1, "eval/team/first_correct": 0.1},
+        {"step": 1, "solver/rollout/sampled_tokens": 100.0, "checker/rollout/sampled_tokens": 20.0,
+         "checker/accuracy": 0.5, "checker/malformed": 0.0},
+        {"step": 2, "solver/rollout/sampled_tokens": 100.0, "checker/rollout/sampled_tokens": 20.0,
+         "checker/accuracy": 0.75, "checker/malformed": 0.0},
+        {"step": 2, "eval/team/final_correct": 0.4, "eval/team/first_correct": 0.3}])
+    write_metrics(tmp_path / "solo", [{"step": 0, "eval/pass_at_1": 0.1}]
+                  + [{"step": i, "rollout/sampled_tokens": 80.0} for i in range(1, 5)]
+                  + [{"step": 2, "eval/pass_at_1": 0.2}, {"step": 4, "eval/pass_at_1": 0.6}])
+    team, solo = bench.read_run(tmp_path / "team", "team"), bench.read_run(tmp_path / "solo", "solo")
+    assert team["sampled_tokens"] == 240.0 and [e["tokens"] for e in team["evals"]] == [0.0, 240.0]
+    assert [r["checker/accuracy"] for r in team["train"]] == [0.5, 0.75]
+    assert [(e["step"], e["tokens"]) for e in solo["evals"]] == [(0, 0.0), (2, 160.0), (4, 320.0)]
+    after_sft = {"checker/accuracy": 0.5, "checker/malformed": 0.0}
+    runs = {("team", 0): {**team, "after_sft": after_sft}, ("solo", 0): solo,
+            ("team", 1): {**team, "after_sft": after_sft}, ("solo", 1): solo}
+    summary = bench.summarize(runs, team_steps=2)
+    first = summary["per_seed"][0]
+    assert first["solo_at_team_tokens"] == pytest.approx(0.4)  # 240 tokens: halfway from 0.2 (160) to 0.6 (320)
+    assert first["solo_at_team_steps"] == pytest.approx(0.2) and not first["solo_short_of_team_tokens"]
+    assert (first["team_pass_at_1"], first["team_first_correct"]) == (0.4, 0.3)
+    assert bench.pass_at(solo["evals"], "tokens", 400.0) == (0.6, True)  # past its last evaluation
+    assert summary["stats"]["team_pass_at_1"] == {"mean": 0.4, "std": 0.0, "min": 0.4, "max": 0.4}
+    assert "| solo: at the team's sampled tokens | 0.400 |" in bench.table(summary)
