@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script's statistics and readers
 from hybrid_ablation import learning_curve, read_metrics, sign_flip_p
+from multi_policy_learning import core_sets
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"demo": "configs/demo.py", "smollm2": "configs/smollm2_tools.py"}
@@ -74,7 +74,7 @@ def finished(run_dir: Path) -> bool:
     return path.exists() and "end" in json.loads(path.read_text())
 
 
-def child_env(recipe: str, jobs: int, cores: list[int] | None) -> dict[str, str]:
+def child_env(recipe: str, jobs: int, cores: set[int] | None) -> dict[str, str]:
     """A run's environment: on the CPU its own cores and as many threads; on a GPU its share of the memory."""
     env = dict(os.environ)
     if recipe == "demo":  # a CPU recipe: several processes would not share a GPU's default preallocation
@@ -87,7 +87,7 @@ def child_env(recipe: str, jobs: int, cores: list[int] | None) -> dict[str, str]
     return env
 
 
-def launch(run_dir: Path, config: str, overrides: list[str], env: dict[str, str], cores: list[int] | None) -> int:
+def launch(run_dir: Path, config: str, overrides: list[str], env: dict[str, str], cores: set[int] | None) -> int:
     """One ``launch/tpu_pod.py`` process (resuming its own checkpoint, if a stopped call left one);
     its output goes to ``run_dir.log``; returns its exit code."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def launch(run_dir: Path, config: str, overrides: list[str], env: dict[str, str]
     for item in overrides:
         cmd += ["--set", item]
     if cores:
-        cmd = ["taskset", "-c", ",".join(map(str, cores)), *cmd]
+        cmd = ["taskset", "-c", ",".join(map(str, sorted(cores))), *cmd]
     print(f"[{time.strftime('%H:%M:%S')}] start {run_dir}", flush=True)
     t0 = time.perf_counter()
     with (run_dir.parent / f"{run_dir.name}.log").open("w") as log:
@@ -111,11 +111,7 @@ def run_all(out: Path, recipe: str, arms: list[str], seeds: list[int], budget: l
     """Every unfinished (arm, seed) run, ``jobs`` at a time, seeds first (a seed's arms run side by
     side); with ``pin`` each job slot owns its share of this process's cores. Returns the failed runs."""
     config = RECIPES[recipe]
-    usable = sorted(os.sched_getaffinity(0))
-    per_job = max(len(usable) // jobs, 1)
-    slots: queue.Queue = queue.Queue()
-    for i in range(jobs):
-        slots.put((usable[i * per_job: (i + 1) * per_job] or usable[-per_job:]) if pin else None)
+    slots = core_sets(jobs, max(len(os.sched_getaffinity(0)) // jobs, 1) if pin else 0)
     failed: list[str] = []
 
     def one(arm: str, seed: int) -> None:
