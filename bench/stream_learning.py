@@ -11,6 +11,9 @@ continues where it stopped, and ``--deadline`` stops starting new ones.
     # the SmolLM2-135M tool recipe on one GPU: runs share the card (memory split by --jobs)
     python bench/stream_learning.py --recipe smollm2 --out runs/stream_smollm2 --jobs 3 \\
         --set model.path=SmolLM2-135M-Instruct.Q4_1.gguf
+    # ... or 6 runs at once over 2 cards, 3 per card
+    python bench/stream_learning.py --recipe smollm2 --out runs/stream_smollm2 --jobs 6 --gpus 2 \\
+        --set model.path=SmolLM2-135M-Instruct.Q4_1.gguf
     python bench/stream_learning.py --out runs/stream_learning --report-only
 
 Writes ``OUT/<arm>/seed<s>.json`` (one run's summary), ``OUT/summary.json``, ``OUT/table.md``
@@ -28,6 +31,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from queue import Queue
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script's statistics and readers
@@ -74,16 +78,20 @@ def finished(run_dir: Path) -> bool:
     return path.exists() and "end" in json.loads(path.read_text())
 
 
-def child_env(recipe: str, jobs: int, cores: set[int] | None) -> dict[str, str]:
-    """A run's environment: on the CPU its own cores and as many threads; on a GPU its share of the memory."""
+def child_env(recipe: str, jobs: int, cores: set[int] | None, gpu: int | None = None,
+              gpus: int = 1) -> dict[str, str]:
+    """A run's environment: on the CPU its own cores and as many threads; on a GPU its card
+    (``gpu`` of the first ``gpus``, when spread over several) and its share of that card's memory."""
     env = dict(os.environ)
     if recipe == "demo":  # a CPU recipe: several processes would not share a GPU's default preallocation
         env.setdefault("JAX_PLATFORMS", "cpu")
     if cores:  # XLA's CPU thread pool sizes itself from the affinity mask set by taskset
         env.update({"OMP_NUM_THREADS": str(len(cores)), "MKL_NUM_THREADS": str(len(cores))})
     if recipe == "smollm2":
+        if gpus > 1:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(round(0.9 / jobs, 3)))
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(round(0.9 / -(-jobs // gpus), 3)))
     return env
 
 
@@ -107,24 +115,28 @@ def launch(run_dir: Path, config: str, overrides: list[str], env: dict[str, str]
 
 
 def run_all(out: Path, recipe: str, arms: list[str], seeds: list[int], budget: list[str], jobs: int,
-            pin: bool, deadline: float | None) -> list[str]:
+            pin: bool, deadline: float | None, gpus: int = 1) -> list[str]:
     """Every unfinished (arm, seed) run, ``jobs`` at a time, seeds first (a seed's arms run side by
-    side); with ``pin`` each job slot owns its share of this process's cores. Returns the failed runs."""
+    side); with ``pin`` each job slot owns its share of this process's cores, and slot ``i`` runs
+    on GPU ``i % gpus``. Returns the failed runs."""
     config = RECIPES[recipe]
-    slots = core_sets(jobs, max(len(os.sched_getaffinity(0)) // jobs, 1) if pin else 0)
+    cores = core_sets(jobs, max(len(os.sched_getaffinity(0)) // jobs, 1) if pin else 0)
+    slots: Queue = Queue()
+    for i in range(jobs):
+        slots.put((i, cores.get()))
     failed: list[str] = []
 
     def one(arm: str, seed: int) -> None:
         if deadline is not None and time.monotonic() > deadline:
             print(f"deadline: not started {arm}/seed{seed}", flush=True)
             return
-        cores = slots.get()
+        slot, cores = slots.get()
         try:
-            env = child_env(recipe, jobs, cores)
+            env = child_env(recipe, jobs, cores, slot % gpus, gpus)
             if launch(out / arm / f"seed{seed}", config, [f"seed={seed}", *budget, *ARMS[arm]], env, cores):
                 failed.append(f"{arm}/seed{seed}")
         finally:
-            slots.put(cores)
+            slots.put((slot, cores))
 
     todo = [(a, s) for s in seeds for a in arms if not finished(out / a / f"seed{s}")]
     with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -227,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                         help="an override for every run (e.g. model.path=FILE.gguf, total_steps=3)")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once (processes)")
+    parser.add_argument("--gpus", type=int, default=1, help="GPU recipe: spread the jobs over this many cards "
+                        "(job slot i on card i %% gpus, the memory split by the jobs per card)")
     parser.add_argument("--no-pin", action="store_true", help="CPU: do not give each job its own cores")
     parser.add_argument("--deadline", type=float, help="seconds from now after which no run starts")
     parser.add_argument("--report-only", action="store_true", help="only write the table and plot")
@@ -243,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
             hf_directory(load_config(str(ROOT / RECIPES["smollm2"]), args.extra).model.path)
         pin = args.recipe == "demo" and not args.no_pin and args.jobs > 1
         deadline = None if args.deadline is None else time.monotonic() + args.deadline
-        failed = run_all(out, args.recipe, arms, args.seeds, budget, args.jobs, pin, deadline)
+        failed = run_all(out, args.recipe, arms, args.seeds, budget, args.jobs, pin, deadline, args.gpus)
         if failed:
             print(f"FAILED: {' '.join(failed)} (logs: OUT/<arm>/seed<s>.log)", flush=True)
     summary = summarize(out, arms, args.seeds)

@@ -61,3 +61,13 @@ def test_summary_pairs_each_seed_with_the_synchronous_run(tmp_path):
     assert "-0.037 ± 0.015 (0/3 wins/losses, p 0.250)" in table
     bench.plot(summary, tmp_path / "learning.png")
     assert (tmp_path / "learning.png").stat().st_size > 0
+
+
+def test_gpu_jobs_spread_over_cards_with_the_memory_split_per_card(monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    envs = [bench.child_env("smollm2", 6, None, slot % 2, 2) for slot in range(6)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1"] * 3
+    assert {e["XLA_PYTHON_CLIENT_MEM_FRACTION"] for e in envs} == {"0.3"}  # 3 runs per card
+    one_card = bench.child_env("smollm2", 3, None, 0, 1)
+    assert "CUDA_VISIBLE_DEVICES" not in one_card and one_card["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.3"
