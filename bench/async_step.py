@@ -15,14 +15,16 @@ One run per mode and tool latency, each in its own process (JAX preallocates the
 - stream: the same with `mode=stream` (groups start one by one, steps take finished groups).
 Each mode runs at every median of `--tool-medians` (default 1 s and the 0 s reference).
 
-    python bench/async_step.py --size 1.7b --steps 6                           # 2 GPUs
+    python bench/async_step.py --size 1.7b --steps 16 --warmup 3 --max-staleness 4  # 2 GPUs
     python bench/async_step.py --size 1.7b --steps 6 --placement colocated     # 1 GPU
     python bench/async_step.py --size tiny --steps 3 --cpu 4                   # CPU smoke run
 
 With `--work-dir`, the rows of earlier calls on that directory (same device) join the
 report: `--tool-medians 1` and then `--tool-medians 0` give the whole comparison.
 
-Prints the device, per-step wall times after the warm-up steps, trajectories/s and sampled
+Prints the device, per-step wall times after the warm-up steps (for async and stream also
+without the first and last `--max-staleness` steps: the buffer's ramp and drain, see
+`steady_window`), trajectories/s and sampled
 tokens/s (per wall second of the steady steps), idle times, the ratios to sync at each
 latency, and each mode's tokens/s with tools over its tokens/s without.
 """
@@ -107,10 +109,24 @@ def run_one(args) -> None:
                                   "steps": steps}))
 
 
-def summarize(mode: str, steps: list[dict], warmup: int, tool_median: float = 1.0) -> dict:
+def steady_window(mode: str, steps: list[dict], warmup: int, max_staleness: int) -> list[dict]:
+    """The steps the means are over. After ``warmup`` (compiles); for the pipelined modes also
+    ``max_staleness`` steps less at each end: during the warm-up's long steps up to that many
+    steps' groups finish ahead (the ramp: the next steps train from a full buffer), and the last
+    that many steps train groups admitted before them while nothing new is admitted (the drain:
+    the engine idles). Both would count the trainer's speed as the pipeline's."""
+    edge = max_staleness if mode != "sync" else 0
+    steady = steps[warmup + edge:len(steps) - edge]
+    if not steady:
+        raise SystemExit(f"{mode}: no steady step to time: --steps {len(steps)} must exceed --warmup {warmup}"
+                         f" + 2 x max_staleness {edge} (the ramp and the drain)")
+    return steady
+
+
+def summarize(mode: str, steps: list[dict], warmup: int, tool_median: float = 1.0, max_staleness: int = 0) -> dict:
     import numpy as np
 
-    steady = steps[warmup:] or steps[-1:]
+    steady = steady_window(mode, steps, warmup, max_staleness)
     empty = [s.get("step") for s in steady if s.get("train/empty_batch")]
     if empty:  # a step that trained nothing would time a rollout only: not an RL step
         finishes = {k: v for k, v in steady[0].items() if k.startswith("rollout/finish/") and v}
@@ -178,7 +194,7 @@ def main() -> None:
                 raise SystemExit(f"{mode} run (tool median {median} s) failed")
             out = json.loads(line[-1][len("RESULT "):])
             device = out["device"]
-            results.append(summarize(mode, out["steps"], args.warmup, median))
+            results.append(summarize(mode, out["steps"], args.warmup, median, args.max_staleness))
     if earlier["device"] not in (None, device):
         raise SystemExit(f"{saved} holds rows measured on {earlier['device']}, not {device}: use another --work-dir")
     done = {(r["mode"], r["tool_median"]) for r in results}
@@ -193,7 +209,8 @@ def report(results: list[dict], device: str, args) -> str:
     lines = [f"\ndevice: {device}  shape: {args.size}  {args.prompts}x{args.group} episodes/step, {args.turns} turns x "
              f"{args.new_tokens} tokens, tool latency lognormal(median per row, sigma {args.tool_sigma}, cap "
              f"{args.tool_cap} s), placement {args.placement}, max_staleness {args.max_staleness}; means over steps "
-             f"{args.warmup + 1}..{args.steps}",
+             f"{args.warmup + 1}..{args.steps} (sync), {args.warmup + args.max_staleness + 1}.."
+             f"{args.steps - args.max_staleness} (async, stream: without the ramp and the drain)",
              "| mode | tool median s | s/step | rollout s | update s | trainer idle s | rollout idle s | traj/s | "
              "sampled tok/s | staleness | mixed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:

@@ -50,7 +50,7 @@ DEFAULT_PARTS = ("train,procs2+async2,procs4,async4,train_xla,train_hlo,async2_l
                  "async2_s4+async2_stream")
 # Seconds on H100s. train: per worker ~15 s compile (measured 13 s, 1.7B) + ~25 s start and init;
 # two rounds (1 and 2 GPUs, then 4) per shape. procs2: the 2-GPU test measured 248 s for its four
-# runs. asyncN: ~14 s per synchronous and ~10 s per async step (2 x H200, 5 steps each) plus
+# runs. asyncN: ~14 s per synchronous and ~10 s per async step (2 x H200, 8-16 steps each) plus
 # ~80 s start, compile and warm-up per mode.
 # prof4: two train workers one after the other (~60 s each, as in train) plus writing and
 # reading their traces (not measured on a GPU yet: ~30 s each, a guess).
@@ -113,10 +113,13 @@ def async_steps(w: Window, name: str, gpus: list[str]) -> list[list[Proc]]:
             os.symlink(os.path.join(w.scratch, f"assets_{size}", folder), os.path.join(work, folder))
     cmd = [PY, "bench/async_step.py", "--work-dir", work, "--tool-cap", "6"]
     if w.args.dry_run:
-        cmd += ["--size", "tiny", "--cpu", str(len(gpus)), "--steps", "3", "--warmup", "1", "--prompts", "2",
+        cmd += ["--size", "tiny", "--cpu", str(len(gpus)), "--steps", "4", "--warmup", "1", "--prompts", "2",
                 "--group", "2", "--turns", "2", "--new-tokens", "8", "--tool-median", "0.01"]
-    else:
-        cmd += ["--size", "1.7b", "--steps", "5", "--warmup", "2"]
+    else:  # 4 timed steps after the warm-up, and for async the ramp and the drain of max_staleness steps
+        extra = w.args.stream_args.split() if arm == "stream" else []
+        staleness = (int(arm[1:]) if arm[1:].isdigit() else
+                     int(extra[extra.index("--max-staleness") + 1]) if "--max-staleness" in extra else 1)
+        cmd += ["--size", "1.7b", "--steps", str(2 + 2 * staleness + 4), "--warmup", "2"]
     if arm == "lat0":
         cmd += ["--tool-median", "0"]
     elif arm == "stream":

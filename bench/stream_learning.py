@@ -31,8 +31,8 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from queue import Queue
 from pathlib import Path
+from queue import Queue
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling script's statistics and readers
 from hybrid_ablation import learning_curve, read_metrics, sign_flip_p

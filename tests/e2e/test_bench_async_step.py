@@ -53,3 +53,16 @@ def test_the_report_gives_each_modes_ratios_to_sync_and_to_its_tool_free_rate(be
     assert "stream / sync at tool median 1 s: traj/s 2.50x, sampled tok/s 3.00x" in text
     assert "stream: sampled tok/s at tool median 1 s / at 0 s: 0.75" in text
     assert "sync: sampled tok/s at tool median 1 s / at 0 s: 0.25" in text
+
+
+def test_the_pipelined_modes_are_timed_without_the_buffers_ramp_and_drain(bench):
+    # A stream at max_staleness 2: steps 2-3 train groups that finished during step 1's compile,
+    # steps 9-10 groups admitted before them; only 4..8 time the pipeline.
+    times = [30.0, 1.0, 1.0, 5.0, 5.0, 5.0, 5.0, 5.0, 1.0, 1.0]
+    steps = [{"step": i + 1, "time/step": t, "time/rollout": t, "time/update": 1.0, "rollout/trajectories": 10,
+              "rollout/sampled_tokens": 100} for i, t in enumerate(times)]
+    assert [s["step"] for s in bench.steady_window("stream", steps, 1, 2)] == [4, 5, 6, 7, 8]
+    assert bench.summarize("stream", steps, 1, max_staleness=2)["traj_per_s"] == 2.0
+    assert [s["step"] for s in bench.steady_window("sync", steps, 1, 2)] == list(range(2, 11))
+    with pytest.raises(SystemExit, match=r"--steps 10 must exceed --warmup 3 \+ 2 x max_staleness 4"):
+        bench.steady_window("async", steps, 3, 4)
