@@ -30,14 +30,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Two runs of one program in two processes do not compute alike on GPUs by default: XLA's
+# autotuner picks GEMM kernels by timing them in each process, and scatter-adds use atomics.
+# Measured: two single-process SmolLM2 runs of one seed (the same SFT) side by side on one
+# H200 disagree in their first SFT loss (1.406597 vs 1.406654). A comparison of process counts
+# needs the same math in every process.
+GPU_DETERMINISM = "--xla_gpu_deterministic_ops=true --xla_gpu_autotune_level=0"
+
+
 def process_env(platform: str, index: int, devices: int) -> dict[str, str]:
     """The environment of process ``index`` owning ``devices`` devices: fake CPU devices, or
     GPUs ``index * devices ...`` (CUDA_VISIBLE_DEVICES)."""
     env = dict(os.environ, JAX_PLATFORMS=platform)
     if platform == "cpu":
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    else:
-        env.pop("XLA_FLAGS", None)  # the test process's fake CPU device count
+    else:  # (not the test process's fake CPU device count)
+        env["XLA_FLAGS"] = GPU_DETERMINISM
         ids = visible_gpus()
         env["CUDA_VISIBLE_DEVICES"] = ",".join(ids[index * devices + i] for i in range(devices))
     return env

@@ -168,8 +168,7 @@ def test_process_counts_agree_on_gpus(tmp_path, processes):
     # tokens, step 2 did not (976 vs 977 train tokens). Likely cause, not profiled: each host's
     # engine decodes on one GPU where one process splits the slots over two, so the decode GEMMs
     # have other shapes and round the logits differently, and a sampled token flips. The states
-    # are printed, not bounded; a wrong batch order or seed fails step 1. Measured on 2 and 4
-    # H200s (a36512d, without the entropy term): the states already differ by 3.9e-3 after the
-    # SFT steps (likely Adam turning reduction-order differences of near-zero gradients into whole
-    # steps; not profiled).
+    # are printed, not bounded; a wrong batch order or seed fails step 1. On 2 H200s (94d0074)
+    # step 1 itself sampled other tokens (1100 vs 1097): the SFT'd states differed by 3.8e-3,
+    # because each process autotuned its own kernels (multihost_runs.GPU_DETERMINISM, since).
     check_counts(report, identical_steps=(1,), params_atol={})
