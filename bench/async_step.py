@@ -179,8 +179,7 @@ def main() -> None:
     # Rows of earlier invocations on the same --work-dir (same device) join the report, so the
     # comparison can be split over several calls (each mode at 1.7B takes minutes).
     saved = os.path.join(work, "results.json")
-    earlier = json.load(open(saved)) if os.path.exists(saved) else {"device": None, "rows": []}
-    results, device = [], "?"
+    rows = (json.load(open(saved)) if os.path.exists(saved) else {"device": None, "rows": []})
     for median in [float(m) for m in args.tool_medians.split(",")]:
         for mode in args.modes.split(","):
             cmd = [sys.executable, os.path.abspath(__file__), "--mode", mode, "--work-dir", work] + [
@@ -193,14 +192,20 @@ def main() -> None:
                 print(proc.stdout[-3000:], proc.stderr[-5000:])
                 raise SystemExit(f"{mode} run (tool median {median} s) failed")
             out = json.loads(line[-1][len("RESULT "):])
-            device = out["device"]
-            results.append(summarize(mode, out["steps"], args.warmup, median, args.max_staleness))
-    if earlier["device"] not in (None, device):
-        raise SystemExit(f"{saved} holds rows measured on {earlier['device']}, not {device}: use another --work-dir")
-    done = {(r["mode"], r["tool_median"]) for r in results}
-    results = [r for r in earlier["rows"] if (r["mode"], r["tool_median"]) not in done] + results
-    with open(saved, "w") as f:
-        json.dump({"device": device, "rows": results}, f)
+            if rows["device"] not in (None, out["device"]):
+                raise SystemExit(f"{saved} holds rows measured on {rows['device']}, not {out['device']}: "
+                                 "use another --work-dir")
+            row = summarize(mode, out["steps"], args.warmup, median, args.max_staleness)
+            # saved after every mode (a call cut by its time limit keeps the modes it finished), with
+            # the raw steps beside it, so a row can be read again over another window
+            rows = {"device": out["device"], "rows": [r for r in rows["rows"]
+                                                       if (r["mode"], r["tool_median"]) != (mode, median)] + [row]}
+            with open(saved, "w") as f:
+                json.dump(rows, f)
+            with open(os.path.join(work, f"steps_{mode}_{median:g}.json"), "w") as f:
+                json.dump(out["steps"], f)
+            print(f"{mode} at tool median {median:g} s: {row['traj_per_s']:.2f} traj/s", flush=True)
+    results, device = rows["rows"], rows["device"]
     print(report(results, device, args))
 
 
