@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -67,7 +68,10 @@ def summarize(out: Path, warmup: int) -> dict:
     seconds = sum(r["time/step"] for r in timed)
     episodes = sum(r["throughput/trajectories_per_s"] * r["time/step"] for r in timed)
     results = json.loads((out / "results.json").read_text())
+    # the median too: one step that compiles a new shape mid-run moves the mean of a few short steps
     return {"steps_timed": len(timed), "trajectories_per_s": episodes / seconds, "seconds_per_step": seconds / len(timed),
+            "median_seconds_per_step": statistics.median(r["time/step"] for r in timed),
+            "step_seconds": [round(r["time/step"], 4) for r in timed],
             "rl_seconds": results["rl_seconds"], "schedule": results["schedule"]}
 
 
@@ -82,10 +86,13 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = parser.parse_args()
     found = {mode: run_mode(mode, args) for mode in args.modes}
-    print("| mode | schedule | steps timed | trajectories/s | s/step | RL wall s |\n|---|---|---|---|---|---|")
+    print("| mode | schedule | steps timed | trajectories/s | s/step | median s/step | RL wall s |\n"
+          "|---|---|---|---|---|---|---|")
     for mode, r in found.items():
         print(f"| {mode} | {r['schedule']} | {r['steps_timed']} | {r['trajectories_per_s']:.2f} | "
-              f"{r['seconds_per_step']:.2f} | {r['rl_seconds']:.1f} |")
+              f"{r['seconds_per_step']:.3f} | {r['median_seconds_per_step']:.3f} | {r['rl_seconds']:.1f} |")
+    for mode, r in found.items():
+        print(f"{mode}: s per timed step {r['step_seconds']}")
     if len(found) == 2:
         print(f"concurrent / time-shared trajectories/s: "
               f"{found['concurrent']['trajectories_per_s'] / found['time_shared']['trajectories_per_s']:.2f}x")

@@ -21,4 +21,5 @@ def test_the_summary_times_the_steps_after_the_warmup(tmp_path):
     summary = bench.summarize(tmp_path, warmup=1)
     assert summary["steps_timed"] == 2 and summary["seconds_per_step"] == pytest.approx(3.0)
     assert summary["trajectories_per_s"] == pytest.approx(16 / 6)
+    assert summary["median_seconds_per_step"] == 3.0 and summary["step_seconds"] == [2.0, 4.0]
     assert (summary["rl_seconds"], summary["schedule"]) == (17.0, "concurrent")
