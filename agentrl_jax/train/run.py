@@ -45,7 +45,6 @@ from agentrl_jax.rewards.verifier import MathVerifier
 from agentrl_jax.rollout.driver import Driver
 from agentrl_jax.rollout.engine import Engine
 from agentrl_jax.rollout.engine_config import EngineConfig
-from agentrl_jax.rollout.sampling import SamplingParams
 from agentrl_jax.sharding import DEFAULT_RULES, make_mesh
 from agentrl_jax.train import lora, multi_policy, multihost, setup
 from agentrl_jax.train.build import (
@@ -203,11 +202,8 @@ class _Job:
                 roles.teacher.restore(self.checkpointer, start.step)  # a lagged teacher's snapshot / EMA
             if start.restored is not None and roles.critic is not None:
                 roles.critic.restore(self.checkpointer, start.step)  # params and optimizer state
-            if not finished and _warmup_wanted(r.warmup, self.engine_mesh):
-                # After the frozen models are placed: warm-up builds the KV pool, sized from the free memory.
-                # no rollout step compiles after this (evaluation samples without top-k / top-p)
-                truncation = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p).truncates
-                results["rollout_warmup"] = await driver.warmup(truncation=truncation)
+            if not finished and (warm := await setup.warm_up_rollout(c, driver, self.engine_mesh)) is not None:
+                results["rollout_warmup"] = warm
             del self.params, start.initial_params  # the frozen copies are made; the trained policy is the state
             rl = build_rl(c, roles=roles, state=start.state, tokenizer=self.tokenizer, driver=driver,
                           env_factory=env_factory, train_tasks=train_tasks, eval_tasks=eval_tasks, writer=self.writer,
@@ -268,12 +264,6 @@ class _Job:
                                      c.seed)
             await driver.update_params(self.engine_params(state.params), 0)
         return _Start(None, state, 0, 0, self.params, None)
-
-
-def _warmup_wanted(setting: str, engine_mesh) -> bool:
-    """``rollout.warmup``: "auto" warms up on accelerators only; a CPU run meets few of the shapes,
-    and compiling all of them would cost it more than it saves."""
-    return setting == "on" or (setting == "auto" and engine_mesh.devices.flat[0].platform != "cpu")
 
 
 @dataclasses.dataclass

@@ -198,3 +198,19 @@ def prepare_model_assets(config: Config, corpus: list[str]) -> tuple[str, str]:
         )
         save_scratch_checkpoint(model_dir, decoder, seed=config.seed)
     return str(model_dir), str(tok_dir)
+
+
+async def warm_up_rollout(config: Config, driver: Any, engine_mesh: Any) -> dict[str, Any] | None:
+    """``rollout.warmup``: compiles every rollout program of ``driver``'s engine before the first
+    rollout, so no step compiles mid-rollout; its report, or None where it does not run. "auto"
+    warms up on accelerators only: a CPU run meets few of the shapes, and compiling all of them
+    would cost it more than it saves. Call it after the frozen models are placed: the warm-up
+    builds the KV pool, sized from the free memory."""
+    from agentrl_jax.rollout.sampling import SamplingParams
+
+    r = config.rollout
+    if not (r.warmup == "on" or (r.warmup == "auto" and engine_mesh.devices.flat[0].platform != "cpu")):
+        return None
+    # evaluation samples without top-k / top-p: the truncating programs are the training rollout's
+    truncation = SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p).truncates
+    return await driver.warmup(truncation=truncation)
