@@ -35,9 +35,11 @@ _spec.loader.exec_module(_demo)
 
 POLICIES = (
     PolicyConfig(name="solver", actors=("solver",), share=0.5),
-    # One line in a fixed format: a short SFT is enough (the demo's 300 steps teach the solver's turns);
-    # its conversations (~240 tokens, the instruction spelled in short pieces) are longer than the solver's.
-    PolicyConfig(name="checker", actors=("checker",), share=0.5, overrides=("sft.steps=100", "sft.max_length=384")),
+    # One line in a fixed format: a short SFT is enough (the demo's 300 steps teach the solver's
+    # turns). Its conversations (~240 tokens: the instruction spelled in short pieces) are longer
+    # than the solver's, and SFT rows are padded to sft.max_length: a smaller batch.
+    PolicyConfig(name="checker", actors=("checker",), share=0.5,
+                 overrides=("sft.steps=40", "sft.batch_size=16", "sft.max_length=320")),
 )
 
 
