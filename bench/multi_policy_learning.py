@@ -3,9 +3,10 @@
 
 Arms, each run in its own process (JAX_PLATFORMS=cpu), ``--jobs`` at once, each pinned to
 ``--cores-per-job`` cores with single-threaded XLA:
-- team: configs/multi_policy_learning.py, the solver and the checker (two fake devices, a
-  policy each, trained at once), ``--steps`` steps;
-- solo: the same Config without the checker (the solver alone in the ReTool episode), run
+- team: ``--config`` (configs/multi_policy_arith.py: the demo's arithmetic tasks; or
+  configs/multi_policy_learning.py: the program tasks), the solver and the checker (two fake
+  devices, a policy each, trained at once), ``--steps`` steps;
+- solo: the same Config without the checker (the solver alone in the run's own episode), run
   ``--solo-factor`` times as many steps so that its sampled tokens pass the team's.
 Both evaluate on the held-out tasks every ``eval.every_steps`` steps and at the end.
 
@@ -15,8 +16,8 @@ tokens of the same seed (linear between the two evaluations around it), and, for
 at the team's number of steps. Writes one JSON per run (``<arm>_seed<s>.json``),
 ``summary.json``, ``summary.md`` (the table) and ``learning.png`` (mean curves, per-seed faint).
 
-    JAX_PLATFORMS=cpu python bench/multi_policy_learning.py --jobs 6 --cores-per-job 8 --out runs/mp_learning
-    python bench/multi_policy_learning.py --tiny --seeds 0 --jobs 2 --out /tmp/mp_learning   # < 1 min dry run
+    python bench/multi_policy_learning.py --steps 30 --jobs 2 --cores-per-job 1 --out runs/mp_arith
+    python bench/multi_policy_learning.py --tiny --seeds 0 --jobs 2 --out /tmp/mp_learning   # ~1 min dry run
 """
 
 from __future__ import annotations
@@ -35,14 +36,16 @@ from queue import Queue
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = "configs/multi_policy_learning.py"
+sys.path.insert(0, str(ROOT))  # the Config classes of this checkout (the parent reads the environment's name)
+CONFIG = "configs/multi_policy_arith.py"
 DEVICES = {"team": 2, "solo": 1}  # the team: a fake device per policy
 # A ~50K-parameter model, two steps of two prompts: the whole pipeline in seconds.
 TINY = ["model.scratch.hidden_size=32", "model.scratch.intermediate_size=64", "model.scratch.num_layers=1",
         "model.scratch.head_dim=16", "model.scratch.vocab_size=400", "rollout.max_new_tokens_per_turn=24",
-        "environment.num_train_tasks=64", "environment.num_eval_tasks=2", "environment.num_demonstrations=8",
-        "eval.num_tasks=2", "eval.samples_per_task=1", "eval.every_steps=1", "data.prompts_per_step=2",
+        "environment.num_train_tasks=64", "environment.num_eval_tasks=2", "eval.num_tasks=2", "eval.samples_per_task=1", "eval.every_steps=1", "data.prompts_per_step=2",
         "algorithm.group_size=2", "rollout.max_concurrent=8", "sft.steps=2", "sft.batch_size=4"]
+# ... and the scripted demonstrations of the program tasks (one per training task by default).
+TINY_ENV = {"retool_small": ["environment.num_demonstrations=8"]}
 # Held-out pass@1 of the final answer, per arm; the team's solver before any critique.
 PASS = {"team": "eval/team/final_correct", "solo": "eval/pass_at_1"}
 TEAM_TRAIN_KEYS = ["checker/accuracy", "checker/malformed", "checker/rejected", "critique/wrong_to_right_rate",
@@ -60,13 +63,18 @@ CHILD = (
 
 def run_overrides(arm: str, seed: int, args) -> list[str]:
     steps = args.steps if arm == "team" else math.ceil(args.steps * args.solo_factor)
-    tiny = TINY if args.tiny else []
+    tiny = [*TINY, *TINY_ENV.get(args.environment, [])] if args.tiny else []
     return [f"seed={seed}", f"total_steps={steps}", f"output_dir={Path(args.out).absolute() / arm / f'seed{seed}'}",
             *tiny, *args.set]
 
 
 def launch(arm: str, seed: int, args, cores: Queue) -> float:
-    """One run in a child process on cores taken from ``cores``; its wall seconds."""
+    """One run in a child process on cores taken from ``cores``; its wall seconds. A run that
+    finished before (its results.json is there) is not run again: its recorded wall seconds."""
+    done = Path(args.out) / arm / f"seed{seed}" / "results.json"
+    if done.exists():
+        record = Path(args.out) / f"{arm}_seed{seed}.json"
+        return json.loads(record.read_text())["wall_seconds"] if record.exists() else float("nan")
     mine = cores.get()
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=(
         f"--xla_force_host_platform_device_count={DEVICES[arm]} --xla_cpu_multi_thread_eigen=false "
@@ -75,7 +83,7 @@ def launch(arm: str, seed: int, args, cores: Queue) -> float:
     t0 = time.perf_counter()
     try:
         with open(log, "w") as f:
-            subprocess.run([sys.executable, "-c", CHILD, CONFIG, json.dumps(run_overrides(arm, seed, args)), arm],
+            subprocess.run([sys.executable, "-c", CHILD, args.config, json.dumps(run_overrides(arm, seed, args)), arm],
                            cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, check=True,
                            preexec_fn=(lambda: os.sched_setaffinity(0, mine)) if mine else None)
     except subprocess.CalledProcessError as e:
@@ -199,6 +207,7 @@ def core_sets(jobs: int, per_job: int) -> Queue:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=CONFIG, help="the team's Config (the solo arm: it without multi_policy)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=16, help="the team's RL steps")
     parser.add_argument("--solo-factor", type=float, default=2.0, help="the solo arm's steps, times --steps")
@@ -210,6 +219,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiny:
         args.steps = 2
+    from agentrl_jax.config import load_config
+
+    args.environment = load_config(args.config, args.set).environment.name
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cores = core_sets(args.jobs, args.cores_per_job)

@@ -1,6 +1,7 @@
 """A solver and a checker on the ReTool tasks: two actors, one episode (``envs/multi_actor.py``).
 
-    solver:  the ReTool episode (envs/retool.py): programs run in the sandbox, the
+    solver:  a ReTool episode (envs/retool.py, or a subclass: the arithmetic demo's
+             envs/arithmetic.py): programs run in the sandbox, the
              interpreter's output appended inline, until a \\boxed{} answer
     checker: reads the problem and the solver's transcript, answers ACCEPT or
              "REJECT: <one-line critique>"
@@ -40,7 +41,9 @@ SOLVER, CHECKER = "solver", "checker"
 CHECKER_SYSTEM_PROMPT = ("You check a solution to a math problem. Reply ACCEPT if its final answer is right, "
                          "else REJECT: and one line saying what is wrong.")
 CHECK_REQUEST = "Checker: is the final answer above right? Reply ACCEPT, or REJECT: and one line saying why."
-DEMO_CRITIQUE = "REJECT: the final answer is wrong; run the program and read its output again."
+# Short: a scratch tokenizer trained on the solver's demonstrations spells English nearly byte by
+# byte, and the verdict has to fit one turn (the demo's 32 new tokens).
+DEMO_CRITIQUE = "REJECT: the answer is wrong."
 
 
 def checker_prompt(question: str, transcript: str) -> list[dict[str, str]]:

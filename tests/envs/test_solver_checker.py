@@ -109,5 +109,4 @@ def test_checker_demonstrations_teach_the_verdict_format_with_labels_independent
     assert 0.42 < sum(accepted[0::2]) / 300 < 0.58 and 0.42 < sum(accepted[1::2]) / 300 < 0.58
     assert [d[-1] for d in checker_demonstrations(solver, tasks, seed=0)] == [d[-1] for d in demos]
     assert [d[-1] for d in checker_demonstrations(solver, tasks, seed=1)] != [d[-1] for d in demos]
-    assert parse_verdict(DEMO_CRITIQUE)[:2] == (False, "the final answer is wrong; run the program and read its "
-                                                       "output again.")
+    assert parse_verdict(DEMO_CRITIQUE)[:2] == (False, "the answer is wrong.")

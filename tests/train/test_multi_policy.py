@@ -4,11 +4,12 @@ rows out of multi-actor episodes, and its advantages (groups per actor, never ac
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from agentrl_jax.config import Config, ConfigError, from_dict, to_dict
+from agentrl_jax.config import Config, ConfigError, apply_overrides, from_dict, load_config, to_dict
 from agentrl_jax.config.policies import MultiPolicyConfig, PolicyConfig, policy_config
 from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.envs.multi_actor import MultiActorEpisode, MultiActorResult
@@ -16,6 +17,7 @@ from agentrl_jax.train.multi_policy.team import policy_trajectories, team_metric
 from agentrl_jax.train.rl.stages import build_step_batch
 
 ACTORS = ("solver", "checker")
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def with_policies(*policies, **kw) -> Config:
@@ -46,6 +48,19 @@ def test_each_policy_is_validated_as_a_single_policy_config_in_one_line(fields, 
     with pytest.raises(ConfigError) as e:
         with_policies(PolicyConfig(**{"name": "p", "actors": ("a",), **fields}))
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_the_arithmetic_team_config_is_the_demo_with_a_checker():
+    team = load_config(str(CONFIGS / "multi_policy_arith.py"))
+    solver, checker = (policy_config(team, p) for p in team.multi_policy.policies)
+    assert team.environment.name == "arithmetic" and team.multi_policy.placement(2) == [(0,), (1,)]
+    assert (checker.sft.steps, checker.sft.max_length) == (40, 320) and solver.sft == team.sft
+    # The solo arm (no multi_policy) is configs/demo.py but for the context the checker's prompts
+    # need, the evaluation every 10 steps (for the curves) and the names.
+    solo = dataclasses.replace(team, multi_policy=MultiPolicyConfig())
+    assert solo == apply_overrides(load_config(str(CONFIGS / "demo.py")), [
+        "name=multi_policy_arith", "output_dir=runs/multi_policy_arith", "rollout.max_prompt_length=256",
+        "rollout.max_sequence_length=384", "eval.every_steps=10", "logging.progress=false"])
 
 
 def test_one_actor_one_policy_and_what_the_run_does_not_do_are_errors():

@@ -35,6 +35,7 @@ from typing import Any
 import jax
 
 from agentrl_jax.config import Config, ConfigError
+from agentrl_jax.config.policies import policy_config
 from agentrl_jax.envs.multi_actor import MultiActorLoop
 from agentrl_jax.models.tokenizer import Tokenizer
 from agentrl_jax.rewards.verifier import MathVerifier
@@ -56,6 +57,7 @@ from agentrl_jax.train.multi_policy.team import (
     evaluate_team,
     policy_trajectories,
     prefixed,
+    scratch_corpus,
     team_env_factory,
     team_metrics,
 )
@@ -81,8 +83,10 @@ async def train_multi_async(config: Config) -> dict[str, Any]:
     out = Path(config.output_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
     train_tasks, eval_tasks, _ = setup.load_task_data(config)
-    corpus = [t["question"] for t in train_tasks]
-    assets = [model_assets(config, spec, corpus) for spec in config.multi_policy.policies]
+    demos = demonstrations(config, train_tasks) if any(
+        policy_config(config, spec).sft.steps for spec in config.multi_policy.policies) else {}
+    assets = [model_assets(config, spec, scratch_corpus(config, demos, train_tasks))
+              for spec in config.multi_policy.policies]
     tokenizer = shared_tokenizer(config, [tokenizer_dir for _, _, tokenizer_dir in assets])
     if not config.checkpoint.resume:
         _start_over(config, out)
@@ -99,7 +103,7 @@ async def train_multi_async(config: Config) -> dict[str, Any]:
         verifier = stack.enter_context(MathVerifier(num_workers=v.workers, timeout_s=v.timeout_s,
                                                     memory_mb=v.memory_mb))
         pool = await stack.enter_async_context(setup.make_sandbox(config))
-        results = await _Team(config, out, policies, tokenizer, writer, train_tasks, eval_tasks).run(
+        results = await _Team(config, out, policies, tokenizer, writer, train_tasks, eval_tasks, demos).run(
             team_env_factory(config, pool, verifier, count_tokens=lambda s: len(tokenizer.encode(s))), start_step)
     for policy in policies:
         policy.checkpointer.wait_until_finished()
@@ -142,9 +146,9 @@ def resume_step(config: Config, policies: list[Policy]) -> int:
 class _Team:
     """The run on built policies: resume, the evaluations, the steps, the checkpoints."""
 
-    def __init__(self, config, out, policies, tokenizer, writer, train_tasks, eval_tasks):
+    def __init__(self, config, out, policies, tokenizer, writer, train_tasks, eval_tasks, demos):
         self.config, self.out, self.policies, self.tokenizer, self.writer = config, out, policies, tokenizer, writer
-        self.train_tasks, self.eval_tasks = train_tasks, eval_tasks
+        self.train_tasks, self.eval_tasks, self.demos = train_tasks, eval_tasks, demos
         self.actor_policy = {a: p.name for p in policies for a in p.spec.actors}
         r = config.rollout
         self.loop = MultiActorLoop({p.name: p.driver for p in policies}, self.actor_policy, tokenizer,
@@ -159,11 +163,10 @@ class _Team:
         results: dict[str, Any] = {"config": c.name, "seed": c.seed, "schedule": "concurrent" if self.concurrent
                                    else "time_shared"}
         data = BatchIterator(self.train_tasks, batch_size=c.data.prompts_per_step, seed=c.data.shuffle_seed)
-        if not start_step and any(p.config.sft.steps for p in self.policies):
-            demos = demonstrations(c, self.train_tasks)
+        if not start_step:
             for policy in (p for p in self.policies if p.config.sft.steps):
-                await cold_start(policy, self.tokenizer, [d for a in policy.spec.actors for d in demos.get(a, [])],
-                                 self.out)
+                await cold_start(policy, self.tokenizer,
+                                 [d for a in policy.spec.actors for d in self.demos.get(a, [])], self.out)
         for policy in self.policies:
             if start_step:
                 restored = await restore(policy, start_step)

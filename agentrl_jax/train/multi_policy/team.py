@@ -12,17 +12,25 @@ import numpy as np
 from agentrl_jax.config import Config, ConfigError
 from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.envs.multi_actor import MultiActorEnvironment, MultiActorEpisode, MultiActorLoop
-from agentrl_jax.envs.retool import ReToolConfig, ReToolEnv
+from agentrl_jax.envs.retool import ReToolEnv
 from agentrl_jax.envs.solver_checker import CHECKER, SOLVER, SolverCheckerEnv, checker_demonstrations
 from agentrl_jax.rollout.sampling import SamplingParams
 
 
 def team_env_factory(config: Config, pool: Any, verifier: Any,
                      count_tokens: Callable[[str], int]) -> Callable[[], MultiActorEnvironment]:
-    """A zero-argument constructor of the run's multi-actor episode (``multi_policy.episode``)."""
-    mp, settings = config.multi_policy, ReToolConfig.from_config(config)
-    return lambda: SolverCheckerEnv(ReToolEnv(pool, verifier, settings, count_tokens=count_tokens),
-                                    retries=mp.critique_retries, role_reward=mp.role_reward,
+    """A zero-argument constructor of the run's multi-actor episode (``multi_policy.episode``):
+    the solver plays the run's own environment (``environment.*``: arithmetic, retool, ...,
+    as a single-policy run of the same Config would), which must be a ReTool-style episode
+    (its inline transcript is what the checker reads)."""
+    mp = config.multi_policy
+    solver_env = config.environment.make_env_factory(config, pool=pool, verifier=verifier, count_tokens=count_tokens)
+    kind = type(solver_env())
+    if not issubclass(kind, ReToolEnv):
+        raise ConfigError(f"environment: the solver-checker episode needs a ReTool-style solver (a ReToolEnv, inline "
+                          f"layout), but environment.name={config.environment.name!r} with layout "
+                          f"{config.environment.layout!r} plays {kind.__name__}")
+    return lambda: SolverCheckerEnv(solver_env(), retries=mp.critique_retries, role_reward=mp.role_reward,
                                     shared_view=mp.shared_view)
 
 
@@ -35,6 +43,16 @@ def demonstrations(config: Config, tasks: list[dict]) -> dict[str, list[list[dic
         raise ConfigError(f"sft.steps: environment.name={config.environment.name!r} writes no demonstrations for "
                           "the solver-checker episode; set sft.steps=0")
     return {SOLVER: solver, CHECKER: checker_demonstrations(solver, tasks[:len(solver)], seed=config.seed)}
+
+
+def scratch_corpus(config: Config, demos: Mapping[str, list[list[dict[str, str]]]],
+                   tasks: Sequence[dict]) -> list[str]:
+    """The texts a scratch tokenizer is trained on: what a single-policy run of the same Config
+    trains its own on (the solver's demonstrations with ``sft.steps``, else the questions), so
+    that a team and the solver trained alone start from one tokenizer and one initial model;
+    the checker reads its prompts in that token space."""
+    conversations = demos.get(SOLVER, []) if config.sft.steps else []
+    return [m["content"] for conv in conversations for m in conv] or [str(t["question"]) for t in tasks]
 
 
 async def collect_team(config: Config, loop: MultiActorLoop, env_factory: Callable[[], MultiActorEnvironment],
