@@ -50,8 +50,11 @@ def _exported(out: Path, name: str):
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 def test_two_policies_on_sub_meshes_train_and_resume_exactly(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    results = train(load_config("configs/multi_policy_demo.py", [f"output_dir={straight}", "total_steps=2", *SMOKE, *SFT]))
+    # rollout.warmup=on: CPU's "auto" skips it; every policy's engine compiles its programs up front
+    results = train(load_config("configs/multi_policy_demo.py", [f"output_dir={straight}", "total_steps=2",
+                                                                 "rollout.warmup=on", *SMOKE, *SFT]))
     assert results["schedule"] == "concurrent"
+    assert sorted(results["rollout_warmup"]) == ["checker", "solver"]
     for stage in ("start", "end"):
         assert 0.0 <= results[stage]["team/final_correct"] <= 1.0 and "checker/accuracy" in results[stage]
     rows = _rows(straight)
@@ -60,6 +63,8 @@ def test_two_policies_on_sub_meshes_train_and_resume_exactly(tmp_path):
         for name in ("solver", "checker"):  # each policy trained its own tokens, with its own optimizer
             assert row[f"{name}/train_tokens"] > 0 and row[f"{name}/update_norm"] > 0
         assert row["checker/learning_rate"] != row["solver/learning_rate"]  # the checker's own optimizer
+        for name in ("solver", "checker"):  # no rollout compiled a program its engine's warm-up did not
+            assert row[f"{name}/rollout/engine/compiled_programs"] == results["rollout_warmup"][name]["programs"]
     for name in ("solver", "checker"):
         sft = [json.loads(line) for line in (straight / "policies" / name / "sft_metrics" / "metrics.jsonl")
                .read_text().splitlines()]

@@ -177,6 +177,10 @@ class _Team:
         missing = sorted(set(env_factory().actors) - set(self.actor_policy))
         if missing:
             raise ConfigError(f"multi_policy.policies: no policy plays the episode's actors {missing}")
+        for policy in self.policies:  # after its frozen models are placed, as the single-policy run
+            warm = await setup.warm_up_rollout(policy.config, policy.driver, policy.mesh)
+            if warm is not None:
+                results.setdefault("rollout_warmup", {})[policy.name] = warm
         if not start_step:
             results["start"] = await evaluate_team(c, self.loop, env_factory, self.eval_tasks)
             self.writer.write(0, prefixed("eval", results["start"]))
@@ -219,6 +223,7 @@ class _Team:
             policy.rl.old_policy.on_version(policy.version, state.params)
             if rows[policy.name]:  # rewards, lengths, ... of its own rows
                 policy_metrics.update(rollout_metrics(rows[policy.name]))
+            policy_metrics.update({f"rollout/engine/{k}": float(v) for k, v in policy.driver.stats().items()})
             metrics.update(prefixed(policy.name, policy_metrics))
         now = time.perf_counter()
         metrics.update({"time/rollout": t_rollout, "time/train": t1 - t0 - t_rollout, "time/step": now - t0,
