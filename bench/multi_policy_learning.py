@@ -16,8 +16,9 @@ tokens of the same seed (linear between the two evaluations around it), and, for
 at the team's number of steps. Writes one JSON per run (``<arm>_seed<s>.json``),
 ``summary.json``, ``summary.md`` (the table) and ``learning.png`` (mean curves, per-seed faint).
 
-    python bench/multi_policy_learning.py --steps 30 --jobs 2 --cores-per-job 1 --out runs/mp_arith
-    python bench/multi_policy_learning.py --tiny --seeds 0 --jobs 2 --out /tmp/mp_learning   # ~1 min dry run
+    python bench/multi_policy_learning.py --steps 24 --solo-factor 3 --jobs 2 --cores-per-job 1 \
+        --set eval.every_steps=8 --out runs/mp_arith          # 2 cores, ~45 min
+    python bench/multi_policy_learning.py --tiny --seeds 0 --jobs 2 --out /tmp/mp_learning   # ~2 min dry run
 """
 
 from __future__ import annotations

@@ -126,7 +126,8 @@ def test_two_policies_decode_their_own_actors_and_train_exactly_their_own_tokens
 
     episode = loop_thread.run(main())
     solver_view, checker_view = episode.views[SOLVER], episode.views[CHECKER]
-    assert solver_view.ids[:solver_view.prompt_length] == tok.apply_chat([{"role": "user", "content": TASK["question"]}])
+    question = [{"role": "user", "content": TASK["question"]}]  # the demo's short format: no system prompt
+    assert solver_view.ids[:solver_view.prompt_length] == tok.apply_chat(question)
     assert checker_view.ids[:checker_view.prompt_length] == tok.apply_chat(
         checker_prompt(TASK["question"], made[0].solver.response))
     assert set(checker_view.owners) == {OBSERVATION, 1} and 0 in solver_view.owners and 1 not in solver_view.owners
