@@ -29,14 +29,10 @@ def verifier():
         yield v
 
 
-def play(loop_thread, pool, verifier, script, *, shared_view=False, retries=1):
-    """Runs ``script`` ((actor, text) turns); returns the env, the turns shown, the final result."""
-    env = SolverCheckerEnv(ReToolEnv(pool, verifier, ReToolConfig()), retries=retries, role_reward=1.0,
-                           shared_view=shared_view)
-
+def play_script(loop_thread, env, task, script):
+    """Runs ``script`` ((actor, text) turns) on ``env``; the turns shown and the final result."""
     async def run():
-        shown = [await env.reset(TASK)]
-        result = None
+        shown, result = [await env.reset(task)], None
         for actor, text in script:
             assert shown[-1].actor == actor, (shown[-1], actor)
             result = await env.step(actor, text)
@@ -46,7 +42,14 @@ def play(loop_thread, pool, verifier, script, *, shared_view=False, retries=1):
         await env.close()
         return shown, result
 
-    shown, result = loop_thread.run(run())
+    return loop_thread.run(run())
+
+
+def play(loop_thread, pool, verifier, script, *, shared_view=False, retries=1):
+    """Runs ``script`` ((actor, text) turns); returns the env, the turns shown, the final result."""
+    env = SolverCheckerEnv(ReToolEnv(pool, verifier, ReToolConfig()), retries=retries, role_reward=1.0,
+                           shared_view=shared_view)
+    shown, result = play_script(loop_thread, env, TASK, script)
     return env, shown, result
 
 

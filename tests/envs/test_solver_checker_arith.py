@@ -12,18 +12,28 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_solver_checker import play_script
 from tiny_decoder import tiny_agent_engine
 
 from agentrl_jax.config import ConfigError, load_config
 from agentrl_jax.envs.arithmetic import ArithmeticEnv
 from agentrl_jax.envs.multi_actor import OBSERVATION, MultiActorLoop
-from agentrl_jax.envs.solver_checker import CHECKER, SOLVER, checker_prompt, parse_verdict
+from agentrl_jax.envs.solver_checker import (
+    CHECKER,
+    SOLVER,
+    checker_prompt,
+    parse_verdict,
+)
 from agentrl_jax.models.tiny import train_tiny_tokenizer
 from agentrl_jax.models.tokenizer import Tokenizer
 from agentrl_jax.rewards import MathVerifier
 from agentrl_jax.rollout.driver import Driver
 from agentrl_jax.rollout.sampling import SamplingParams
-from agentrl_jax.train.multi_policy.team import demonstrations, scratch_corpus, team_env_factory
+from agentrl_jax.train.multi_policy.team import (
+    demonstrations,
+    scratch_corpus,
+    team_env_factory,
+)
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "multi_policy_arith.py")
 TASK = {"question": "What is 12*34?", "answer": "408"}
@@ -40,25 +50,10 @@ def config():
     return load_config(CONFIG, ["environment.num_train_tasks=200"])
 
 
-def play(loop_thread, env, task, script):
-    """Runs ``script`` ((actor, text) turns) on ``env``; the turns shown and the final result."""
-    async def run():
-        shown, result = [await env.reset(task)], None
-        for actor, text in script:
-            assert shown[-1].actor == actor, (shown[-1], actor)
-            result = await env.step(actor, text)
-            if result.done:
-                break
-            shown.append(result.next_turn)
-        return shown, result
-
-    return loop_thread.run(run())
-
-
 def test_the_team_solver_plays_the_runs_arithmetic_episode(loop_thread, pool, verifier, config):
     env = team_env_factory(config, pool, verifier, count_tokens=len)()
     assert isinstance(env.solver, ArithmeticEnv) and env.stop_strings[SOLVER] == ("</code>",)
-    shown, result = play(loop_thread, env, TASK, [
+    shown, result = play_script(loop_thread, env, TASK, [
         (SOLVER, "<code>print(12*34)</code>"), (SOLVER, "\\boxed{407}"), (CHECKER, "REJECT: copy it"),
         (SOLVER, "\\boxed{408}")])
     assert shown[0].messages == [{"role": "user", "content": "What is 12*34?"}]  # the demo's: no system prompt
@@ -88,7 +83,7 @@ def test_the_checkers_cold_start_from_arithmetic_demonstrations_shows_the_episod
         # The demonstration's assistant turns played in the episode: the checker is then shown
         # its prompt over the whole transcript, of which its cold start saw this one or a cut.
         script = [(SOLVER, m["content"]) for m in solver if m["role"] == "assistant"]
-        shown, _ = play(loop_thread, factory(), task, script)
+        shown, _ = play_script(loop_thread, factory(), task, script)
         [whole] = [turn for turn in shown if turn.actor == CHECKER]
         assert checker[:-1][0] == whole.messages[0]
         assert whole.messages[1]["content"].startswith(checker[1]["content"])
