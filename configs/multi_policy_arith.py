@@ -23,15 +23,10 @@ evaluation every ``eval.every_steps`` steps.
 """
 
 import dataclasses
-import importlib.util
 import pathlib
 
-from agentrl_jax.config import Config, apply_overrides
+from agentrl_jax.config import Config, load_config
 from agentrl_jax.config.policies import MultiPolicyConfig, PolicyConfig
-
-_spec = importlib.util.spec_from_file_location("demo", pathlib.Path(__file__).with_name("demo.py"))
-_demo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_demo)
 
 POLICIES = (
     PolicyConfig(name="solver", actors=("solver",), share=0.5),
@@ -44,7 +39,7 @@ POLICIES = (
 
 
 def get_config() -> Config:
-    config = apply_overrides(_demo.get_config(), [
+    config = load_config(str(pathlib.Path(__file__).with_name("demo.py")), [
         "name=multi_policy_arith", "output_dir=runs/multi_policy_arith",
         # The checker reads the problem and the transcript after an English instruction that the
         # demo's tokenizer (trained on its arithmetic demonstrations) spells in short pieces.

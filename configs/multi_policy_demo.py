@@ -18,16 +18,10 @@ end, not learning.
 """
 
 import dataclasses
-import importlib.util
 import pathlib
 
-from agentrl_jax.config import Config, apply_overrides
+from agentrl_jax.config import Config, load_config
 from agentrl_jax.config.policies import MultiPolicyConfig, PolicyConfig
-
-_spec = importlib.util.spec_from_file_location("retool_small_cpu",
-                                               pathlib.Path(__file__).with_name("retool_small_cpu.py"))
-_cpu = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_cpu)
 
 POLICIES = (
     PolicyConfig(name="solver", actors=("solver",), share=0.5),
@@ -36,7 +30,7 @@ POLICIES = (
 
 
 def get_config() -> Config:
-    config = apply_overrides(_cpu.get_config(), [
+    config = load_config(str(pathlib.Path(__file__).with_name("retool_small_cpu.py")), [
         "name=multi_policy_demo", "output_dir=runs/multi_policy_demo", "sft.steps=0", "total_steps=4",
         "rollout.max_sequence_length=384", "rollout.max_new_tokens_per_turn=48", "environment.max_turns=3",
         "eval.num_tasks=8", "eval.samples_per_task=2", "checkpoint.every_steps=2", "checkpoint.max_to_keep=2"])

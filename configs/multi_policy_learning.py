@@ -18,16 +18,10 @@ the ReTool episode, same model, SFT, optimizer, batch and evaluation).
 """
 
 import dataclasses
-import importlib.util
 import pathlib
 
-from agentrl_jax.config import Config, apply_overrides
+from agentrl_jax.config import Config, load_config
 from agentrl_jax.config.policies import MultiPolicyConfig, PolicyConfig
-
-_spec = importlib.util.spec_from_file_location("retool_small_cpu",
-                                               pathlib.Path(__file__).with_name("retool_small_cpu.py"))
-_cpu = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_cpu)
 
 POLICIES = (
     PolicyConfig(name="solver", actors=("solver",), share=0.5),
@@ -38,7 +32,7 @@ POLICIES = (
 
 
 def get_config() -> Config:
-    config = apply_overrides(_cpu.get_config(), [
+    config = load_config(str(pathlib.Path(__file__).with_name("retool_small_cpu.py")), [
         "name=multi_policy_learning", "output_dir=runs/multi_policy_learning", "total_steps=16",
         "rollout.max_sequence_length=512", "rollout.max_new_tokens_per_turn=64", "environment.max_turns=3",
         "eval.every_steps=4", "eval.num_tasks=16", "eval.samples_per_task=2", "checkpoint.every_steps=0",

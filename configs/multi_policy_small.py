@@ -9,19 +9,14 @@ The solver alone (the comparison's baseline) is configs/retool_small.py with the
 """
 
 import dataclasses
-import importlib.util
 import pathlib
 
-from agentrl_jax.config import Config, apply_overrides
+from agentrl_jax.config import Config, load_config
 from agentrl_jax.config.policies import MultiPolicyConfig, PolicyConfig
-
-_spec = importlib.util.spec_from_file_location("retool_small", pathlib.Path(__file__).with_name("retool_small.py"))
-_retool_small = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_retool_small)
 
 
 def get_config() -> Config:
-    config = apply_overrides(_retool_small.get_config(), [
+    config = load_config(str(pathlib.Path(__file__).with_name("retool_small.py")), [
         "name=multi_policy_small", "output_dir=runs/multi_policy_small", "rollout.max_sequence_length=768",
         "checkpoint.every_steps=10", "checkpoint.max_to_keep=2"])
     policies = (PolicyConfig(name="solver", actors=("solver",), share=0.5),

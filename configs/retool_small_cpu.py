@@ -6,14 +6,9 @@ demonstrations and steps. It shows the pipeline end to end, not learning.
     python launch/tpu_pod.py --config configs/retool_small_cpu.py
 """
 
-import importlib.util
 import pathlib
 
-from agentrl_jax.config import Config, apply_overrides
-
-_spec = importlib.util.spec_from_file_location("retool_small", pathlib.Path(__file__).with_name("retool_small.py"))
-_retool_small = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_retool_small)
+from agentrl_jax.config import Config, load_config
 
 CPU_OVERRIDES = [
     "name=retool_small_cpu", "output_dir=runs/retool_small_cpu", "total_steps=4",
@@ -28,4 +23,4 @@ CPU_OVERRIDES = [
 
 
 def get_config() -> Config:
-    return apply_overrides(_retool_small.get_config(), CPU_OVERRIDES)
+    return load_config(str(pathlib.Path(__file__).with_name("retool_small.py")), CPU_OVERRIDES)
