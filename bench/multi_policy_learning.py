@@ -17,7 +17,7 @@ at the team's number of steps. Writes one JSON per run (``<arm>_seed<s>.json``),
 ``summary.json``, ``summary.md`` (the table) and ``learning.png`` (mean curves, per-seed faint).
 
     python bench/multi_policy_learning.py --steps 24 --solo-factor 3 --jobs 2 --cores-per-job 1 \
-        --set eval.every_steps=8 --out runs/mp_arith          # 2 cores, ~45 min
+        --set eval.every_steps=8 --out runs/mp_arith          # 2 cores, ~50 min
     python bench/multi_policy_learning.py --tiny --seeds 0 --jobs 2 --out /tmp/mp_learning   # ~2 min dry run
 """
 
@@ -43,7 +43,8 @@ DEVICES = {"team": 2, "solo": 1}  # the team: a fake device per policy
 # A ~50K-parameter model, two steps of two prompts: the whole pipeline in seconds.
 TINY = ["model.scratch.hidden_size=32", "model.scratch.intermediate_size=64", "model.scratch.num_layers=1",
         "model.scratch.head_dim=16", "model.scratch.vocab_size=400", "rollout.max_new_tokens_per_turn=24",
-        "environment.num_train_tasks=64", "environment.num_eval_tasks=2", "eval.num_tasks=2", "eval.samples_per_task=1", "eval.every_steps=1", "data.prompts_per_step=2",
+        "environment.num_train_tasks=64", "environment.num_eval_tasks=2", "eval.num_tasks=2", "eval.samples_per_task=1",
+        "eval.every_steps=1", "data.prompts_per_step=2",
         "algorithm.group_size=2", "rollout.max_concurrent=8", "sft.steps=2", "sft.batch_size=4"]
 # ... and the scripted demonstrations of the program tasks (one per training task by default).
 TINY_ENV = {"retool_small": ["environment.num_demonstrations=8"]}
@@ -206,7 +207,7 @@ def core_sets(jobs: int, per_job: int) -> Queue:
     return queue
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=CONFIG, help="the team's Config (the solo arm: it without multi_policy)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -217,7 +218,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a ~50K-parameter model, 2 steps (dry run)")
     parser.add_argument("--set", action="append", default=[], help="section.field=value for every run")
     parser.add_argument("--out", default="runs/mp_learning")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.jobs < 1 or args.steps < 1 or args.cores_per_job < 0:
+        parser.error(f"--jobs ({args.jobs}) and --steps ({args.steps}) must be >= 1, --cores-per-job >= 0")
+    if args.solo_factor < 1:  # the solo arm's pass@1 is read at the team's tokens, which it must reach
+        parser.error(f"--solo-factor ({args.solo_factor}) must be >= 1")
     if args.tiny:
         args.steps = 2
     from agentrl_jax.config import load_config

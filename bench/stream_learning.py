@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deadline", type=float, help="seconds from now after which no run starts")
     parser.add_argument("--report-only", action="store_true", help="only write the table and plot")
     args = parser.parse_args(argv)
+    if args.jobs < 1 or args.gpus < 1:
+        parser.error(f"--jobs ({args.jobs}) and --gpus ({args.gpus}) must be >= 1")
     out, arms = args.out.absolute(), args.arms or DEFAULT_ARMS[args.recipe]
     budget = [*RECIPE_SETS[args.recipe], *args.extra]
     if not args.report_only:

@@ -42,3 +42,12 @@ def test_the_solo_arm_is_read_at_the_teams_sampled_tokens(tmp_path):
     assert bench.pass_at(solo["evals"], "tokens", 400.0) == (0.6, True)  # past its last evaluation
     assert summary["stats"]["team_pass_at_1"] == {"mean": 0.4, "std": 0.0, "min": 0.4, "max": 0.4}
     assert "| solo: at the team's sampled tokens | 0.400 |" in bench.table(summary)
+
+
+@pytest.mark.parametrize("argv, message", [(["--solo-factor", "0.5"], "--solo-factor (0.5) must be >= 1"),
+                                           (["--jobs", "0"], "--jobs (0) and --steps (16) must be >= 1")])
+def test_a_bad_option_is_one_error_line(argv, message, capsys):
+    bench = load_script("bench/multi_policy_learning.py")
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err

@@ -71,3 +71,9 @@ def test_gpu_jobs_spread_over_cards_with_the_memory_split_per_card(monkeypatch):
     assert {e["XLA_PYTHON_CLIENT_MEM_FRACTION"] for e in envs} == {"0.3"}  # 3 runs per card
     one_card = bench.child_env("smollm2", 3, None, 0, 1)
     assert "CUDA_VISIBLE_DEVICES" not in one_card and one_card["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.3"
+
+
+def test_no_gpus_is_one_error_line(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        bench.main(["--out", str(tmp_path), "--recipe", "smollm2", "--gpus", "0"])
+    assert "--jobs (1) and --gpus (0) must be >= 1" in capsys.readouterr().err
