@@ -1,10 +1,16 @@
 """Per-token log-probabilities and entropy from final hidden states, in chunks.
 
 A [B, T, V] float32 logits tensor for a 32k-token row at a 152k vocabulary is 20 GB, so
-nothing here builds it. Tokens are flattened to N = B*T, cut into chunks of `chunk_size`
-tokens, and each chunk's logits [C, V] live only inside one `lax.map` step. The step is
-wrapped in `jax.checkpoint`, so the backward pass recomputes a chunk's logits instead of
-saving them: peak memory is O(C * V) whatever T is.
+nothing here builds it. The sequence is cut into spans of S positions, S = chunk_size // B, and
+one `lax.map` step takes the same span of every row: its logits [B * S, V] (at most
+`chunk_size` tokens) live only inside that step. The step is wrapped in `jax.checkpoint`, so
+the backward pass recomputes a chunk's logits instead of saving them: peak memory is
+O(chunk_size * V) whatever T is.
+
+Chunks take every row, not consecutive flattened tokens, so that a batch split over devices
+stays split inside the loop: each device computes its own rows' logits. (A loop over chunks of
+the flattened tokens has its sharded dimension as the loop's, which the partitioner does not
+split: it split the model width instead and all-reduced every chunk's [C, V] logits.)
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ def token_logprobs(
         lm_head kernel [D, V] (`embedding_layout="dv"`).
       targets: [B, T] int token ids whose logprob is wanted (usually inputs shifted by one).
       temperature: sampling temperature, > 0.
-      chunk_size: tokens per chunk; the largest live logits buffer is [chunk_size, V] float32.
+      chunk_size: tokens per chunk, S = chunk_size // B positions of every row (at least one);
+        the largest live logits buffer is [B * S, V] float32.
       return_entropy: also return the entropy of the full distribution per token.
       embedding_layout: "vd" or "dv", see `output_embedding`.
 
@@ -93,31 +100,31 @@ def token_logprobs(
             f"{embed_width}, hidden has {width}; pass embedding_layout='dv' for an lm_head kernel"
         )
 
-    num_tokens = batch * seq_len
-    chunk = min(chunk_size, num_tokens)
-    num_chunks = -(-num_tokens // chunk)
-    pad = num_chunks * chunk - num_tokens
-    flat_hidden = jnp.pad(hidden.reshape(num_tokens, width), ((0, pad), (0, 0)))
-    flat_targets = jnp.pad(targets.reshape(num_tokens).astype(jnp.int32), (0, pad))
+    span = max(1, min(seq_len, chunk_size // batch))  # positions of every row per chunk
+    num_chunks = -(-seq_len // span)
+    pad = num_chunks * span - seq_len
+    # [chunks, B, S, ...]: the loop runs over the first axis; B keeps its sharding
+    chunked_hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(batch, num_chunks, span, width)
+    chunked_targets = jnp.pad(targets.astype(jnp.int32), ((0, 0), (0, pad))).reshape(batch, num_chunks, span)
 
     @jax.checkpoint
     def one_chunk(xs):
         hidden_chunk, target_chunk = xs
-        return _chunk_stats(
-            hidden_chunk,
-            target_chunk,
+        logp, entropy = _chunk_stats(
+            hidden_chunk.reshape(batch * span, width),
+            target_chunk.reshape(batch * span),
             output_embedding,
             temperature=temperature,
             embedding_layout=embedding_layout,
             with_entropy=return_entropy,
         )
+        return logp.reshape(batch, span), None if entropy is None else entropy.reshape(batch, span)
 
-    logp, entropy = jax.lax.map(
-        one_chunk,
-        (flat_hidden.reshape(num_chunks, chunk, width), flat_targets.reshape(num_chunks, chunk)),
-    )
-    logp = logp.reshape(-1)[:num_tokens].reshape(batch, seq_len)
+    logp, entropy = jax.lax.map(one_chunk, (chunked_hidden.swapaxes(0, 1), chunked_targets.swapaxes(0, 1)))
+
+    def unchunk(x: jax.Array) -> jax.Array:  # [chunks, B, S] -> [B, T]
+        return x.swapaxes(0, 1).reshape(batch, num_chunks * span)[:, :seq_len]
+
     if not return_entropy:
-        return logp
-    entropy = entropy.reshape(-1)[:num_tokens].reshape(batch, seq_len)
-    return logp, entropy
+        return unchunk(logp)
+    return unchunk(logp), unchunk(entropy)

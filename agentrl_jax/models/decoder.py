@@ -221,6 +221,11 @@ class Decoder(nnx.Module):
             table, layout = self.embed[...], "vd"
         else:
             table, layout = self.lm_head[...], "dv"
+        # Whole over fsdp (split over tensor only): each device's rows meet the whole table, which
+        # is gathered once per step; left to the partitioner it was gathered again for the loss
+        # chunks' recompute in the backward (losses/logprobs.py says why the chunks keep the rows).
+        vocab_only = ("vocab", None) if layout == "vd" else (None, "vocab")
+        table = _constrain(table, vocab_only, rules=self.activation_rules)
         if self.lm_head_dtype == "compute":
             table = table.astype(self.dtype)
         return table, layout
