@@ -43,6 +43,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.rl_step import SHAPES, prepare_assets  # noqa: E402
+from bench.workers import stop_workers_with_the_bench  # noqa: E402
 
 
 def latency_env(turns: int, median: float, sigma: float, cap: float, seed: int):
@@ -169,6 +170,7 @@ def main() -> None:
     p.add_argument("--mode", default=None, help=argparse.SUPPRESS)
     p.add_argument("--work-dir", default=None)
     args = p.parse_args()
+    stop_workers_with_the_bench()
     if args.mode:
         run_one(args)
         return

@@ -26,6 +26,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.decode import QWEN3, hbm_bandwidth, kv_bytes_per_token, param_count, qwen3_model  # noqa: E402
+from bench.workers import stop_workers_with_the_bench  # noqa: E402
 
 
 def measure(size: str, layout: str, batches: list[int], prompt: int, gen: int, steps: int) -> list[dict]:
@@ -134,6 +135,7 @@ def main(argv=None) -> None:
     p.add_argument("--table", default="", help="print the table of the rows in this --out file and exit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    stop_workers_with_the_bench()
     if args.table:
         with open(args.table) as f:
             print(table([json.loads(line) for line in f if line.strip()]))

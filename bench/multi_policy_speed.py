@@ -26,6 +26,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.workers import stop_workers_with_the_bench  # noqa: E402
+
 MODES = {
     "concurrent": ["multi_policy.schedule=concurrent"],
     "time_shared": ["multi_policy.schedule=time_shared"],
@@ -85,6 +88,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="section.field=value for both runs")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = parser.parse_args()
+    stop_workers_with_the_bench()
     found = {mode: run_mode(mode, args) for mode in args.modes}
     print("| mode | schedule | steps timed | trajectories/s | s/step | median s/step | RL wall s |\n"
           "|---|---|---|---|---|---|---|")

@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.trace_summary import STEP_NAME  # noqa: E402
 from bench.train_step import SHAPES, device_peak, make_batch, model_flops_per_token  # noqa: E402
+from bench.workers import stop_workers_with_the_bench  # noqa: E402
 
 PROFILED_STEPS = 2
 
@@ -281,6 +282,7 @@ def main(argv=None) -> None:
     p.add_argument("--table", default="", help="print the table of the rows in this --out file and exit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    stop_workers_with_the_bench()
     if args.table:
         with open(args.table) as f:
             print(table([json.loads(line) for line in f if line.strip()]))
