@@ -46,6 +46,7 @@ ARMS: dict[str, list[str]] = {
     "sync": [],
     "stream1": [*_STREAM, "async_rl.max_staleness=1", "algorithm.correction=tis"],
     "stream2": [*_STREAM, "async_rl.max_staleness=2", "algorithm.correction=tis"],
+    "stream4": [*_STREAM, "async_rl.max_staleness=4", "algorithm.correction=tis"],  # the throughput bench's setting
     # AReaL's decoupled PPO (docs/async.md): the behavior weight masked past the cap, not truncated
     "stream2_decoupled": [*_STREAM, "async_rl.max_staleness=2", "algorithm.correction=mis",
                           "algorithm.correction_level=token"],

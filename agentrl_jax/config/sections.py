@@ -127,9 +127,10 @@ class AlgorithmConfig(_Section):
     micro_batch_tokens: int = _f(0, "pack_rows: token budget of one forward/backward (a whole number of rows; "
                                  "0: the whole minibatch at once).")
     logprob_chunk_tokens: int = _f(
-        1024, "Tokens per chunk of the chunked logprobs (every forward and the update): the largest float32 "
-        "logits buffer is [chunk, vocab] (0.6 MB per token at a 152k vocabulary), and larger chunks mean fewer, "
-        "larger lm-head matmuls (docs/benchmarks.md, 'Train step').")
+        1024, "Tokens per chunk of the chunked logprobs (every forward and the update; a chunk is the same "
+        "span of positions of every row, at least one): the largest float32 logits buffer is [chunk, vocab] "
+        "(0.6 MB per token at a 152k vocabulary), and larger chunks mean fewer, larger lm-head matmuls "
+        "(docs/benchmarks.md, 'Train step').")
     correction: Literal["none", "tis", "mis", "icepop"] = _f(
         "none", "Off-policy correction of the old/rollout discrepancy (arXiv:2605.12070)."
     )
