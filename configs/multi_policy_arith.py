@@ -6,11 +6,14 @@ The demo's recipe unchanged (the scratch tokenizer trained on its demonstrations
 parameter decoder, the SFT cold start, GRPO, the held-out tasks and samples), with two
 policies, each from the same scratch initialization:
 - the solver: SFT on the demo's demonstrations (half call the interpreter, half answer from
-  memory), then GRPO in the solver-checker episode (envs/solver_checker.py) over the demo's
-  arithmetic episode;
+  memory), every one whose memory answer is wrong going on with the episode's rejection note
+  and a second try that calls the interpreter (``solver_second_tries``: the first-answer parts
+  are the demo's demonstrations exactly), then GRPO in the solver-checker episode
+  (envs/solver_checker.py) over the demo's arithmetic episode;
 - the checker: a format-only SFT (ACCEPT or REJECT drawn 50/50 independently of the answer:
   envs/solver_checker.py checker_demonstrations), then GRPO on the team reward plus its role
-  reward for a right verdict.
+  reward for a right verdict, weighted by the inverse share of its class within the step
+  (``checker_reward='balanced'``, the default: a constant verdict does not pay).
 The solver on the first device, the checker on the second, trained at once.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
@@ -45,4 +48,4 @@ def get_config() -> Config:
         # demo's tokenizer (trained on its arithmetic demonstrations) spells in short pieces.
         "rollout.max_prompt_length=256", "rollout.max_sequence_length=384",
         "eval.every_steps=10", "logging.progress=false"])
-    return dataclasses.replace(config, multi_policy=MultiPolicyConfig(policies=POLICIES))
+    return dataclasses.replace(config, multi_policy=MultiPolicyConfig(policies=POLICIES, solver_second_tries=1.0))
