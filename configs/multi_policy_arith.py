@@ -11,9 +11,11 @@ policies, each from the same scratch initialization:
   are the demo's demonstrations exactly), then GRPO in the solver-checker episode
   (envs/solver_checker.py) over the demo's arithmetic episode;
 - the checker: a format-only SFT (ACCEPT or REJECT drawn 50/50 independently of the answer:
-  envs/solver_checker.py checker_demonstrations), then GRPO on the team reward plus its role
-  reward for a right verdict, weighted by the inverse share of its class within the step
-  (``checker_reward='balanced'``, the default: a constant verdict does not pay).
+  envs/solver_checker.py checker_demonstrations), then GRPO on its role reward alone for a
+  right verdict, weighted by the inverse share of its class within the step
+  (``checker_reward='balanced'``, the default: a constant verdict earns half of the maximum);
+  without the team reward (``checker_team_reward=False``), which pays rejecting everything
+  once the second tries are as often right as the first answers (docs/multi_policy.md).
 The solver on the first device, the checker on the second, trained at once.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
@@ -48,4 +50,5 @@ def get_config() -> Config:
         # demo's tokenizer (trained on its arithmetic demonstrations) spells in short pieces.
         "rollout.max_prompt_length=256", "rollout.max_sequence_length=384",
         "eval.every_steps=10", "logging.progress=false"])
-    return dataclasses.replace(config, multi_policy=MultiPolicyConfig(policies=POLICIES, solver_second_tries=1.0))
+    return dataclasses.replace(config, multi_policy=MultiPolicyConfig(policies=POLICIES, solver_second_tries=1.0,
+                                                                      checker_team_reward=False))

@@ -66,6 +66,10 @@ class MultiPolicyConfig(_Section):
                     "the share of its class, right or wrong first answers) among the step's episodes, so the mean "
                     "is role_reward x balanced accuracy and a constant verdict earns half of it; 'accuracy': 1 each "
                     "(then rejecting every answer pays while fewer than a third of first answers are right).")
+    checker_team_reward: bool = _f(
+        True, "solver_checker: the checker's reward includes the team reward (false: its role reward alone; with "
+              "it a rejection is a free second try, which pays rejecting everything once second tries are as "
+              "often right as first answers).")
     solver_second_tries: float = _f(
         0.0, "solver_checker SFT: fraction of the solver's demonstrations with a wrong answer that go on with the "
              "episode's rejection note and a second try calling the interpreter (environment.name='arithmetic').")

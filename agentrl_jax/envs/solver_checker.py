@@ -10,8 +10,11 @@
 Rewards: the team reward (both actors) is 1 for a correct final answer, else 0; the
 checker's role reward adds ``role_reward`` for a right verdict on the first answer (accept
 a correct one, reject a wrong one). A checker reply with neither word counts as ACCEPT
-and is never right (``verdict/malformed``). The trainer may reweigh the role reward over a
-step's episodes (``balanced_verdict_weights``: ``multi_policy.checker_reward``).
+and is never right (``verdict/malformed``). Without ``checker_team_reward`` the checker's
+reward is its role reward alone: with the team reward a rejection is a free second try, and
+rejecting every answer pays whenever a second try is as likely right as a first one. The
+trainer may reweigh the role reward over a step's episodes (``balanced_verdict_weights``:
+``multi_policy.checker_reward``).
 
 With ``shared_view`` both actors write one transcript: the checker's turn opens with a user
 message asking for the verdict, the critique goes back to the solver as a user message
@@ -151,8 +154,10 @@ class SolverCheckerEnv(MultiActorEnvironment):
 
     actors = (SOLVER, CHECKER)
 
-    def __init__(self, solver: ReToolEnv, *, retries: int = 1, role_reward: float = 1.0, shared_view: bool = False):
+    def __init__(self, solver: ReToolEnv, *, retries: int = 1, role_reward: float = 1.0, shared_view: bool = False,
+                 checker_team_reward: bool = True):
         self.solver, self.retries, self.role_reward, self.shared_view = solver, retries, role_reward, shared_view
+        self.checker_team_reward = checker_team_reward
         self.stop_strings = {SOLVER: solver.stop_strings, CHECKER: ("\n",)}
 
     async def reset(self, task: dict[str, Any]) -> ActorTurn:
@@ -196,7 +201,7 @@ class SolverCheckerEnv(MultiActorEnvironment):
         wrong_first = float(not first_correct and not accepted)
         return MultiActorResult(
             None, done=True, correct=final_correct, finish_reason=final.finish_reason or "answer",
-            rewards={SOLVER: team, CHECKER: team + self.role_reward * float(right)},
+            rewards={SOLVER: team, CHECKER: team * self.checker_team_reward + self.role_reward * float(right)},
             reward_components={SOLVER: {"team": team}, CHECKER: {"team": team, "verdict": float(right)}},
             metrics={"checker/accuracy": float(right), "checker/rejected": float(not accepted),
                      "checker/malformed": float(not well_formed), "team/first_correct": float(first_correct),

@@ -210,6 +210,10 @@ def test_the_checkers_role_reward_is_weighed_by_its_class_within_the_step(rule):
         assert got == [2.0, 2.0, 1.0, 0.0]
     else:  # team + 0.5 x weight x verdict: weights 2 (right first answers), 2/3 (wrong ones)
         np.testing.assert_allclose(got, [1 + 0.5 * 2, 1 + 0.5 * 2 / 3, 0.5 * 2 / 3, 0.0])
+        alone = judged_episodes([(True, True, 1.0), (False, True, 1.0), (False, True, 0.0), (False, False, 0.0)])
+        weigh_verdicts(dataclasses.replace(config, multi_policy=dataclasses.replace(
+            config.multi_policy, checker_team_reward=False)), alone)  # the role reward alone
+        np.testing.assert_allclose([e.trajectories["checker"].reward for e in alone], [1, 1 / 3, 1 / 3, 0])
     assert [e.trajectories["solver"].reward for e in eps] == [1.0, 1.0, 0.0, 0.0]
     # balanced accuracy: right on 1 of 1 right first answers, on 2 of 3 wrong ones
     assert team_metrics(eps)["checker/balanced_accuracy"] == pytest.approx((1 + 2 / 3) / 2)

@@ -43,7 +43,7 @@ def team_env_factory(config: Config, pool: Any, verifier: Any,
                           f"layout), but environment.name={config.environment.name!r} with layout "
                           f"{config.environment.layout!r} plays {kind.__name__}")
     return lambda: SolverCheckerEnv(solver_env(), retries=mp.critique_retries, role_reward=mp.role_reward,
-                                    shared_view=mp.shared_view)
+                                    shared_view=mp.shared_view, checker_team_reward=mp.checker_team_reward)
 
 
 def demonstrations(config: Config, tasks: list[dict]) -> dict[str, list[list[dict[str, str]]]]:
@@ -94,7 +94,8 @@ def weigh_verdicts(config: Config, episodes: Sequence[MultiActorEpisode]) -> Non
     for episode, weight in zip(judged, weights):
         row = episode.trajectories[CHECKER]
         components = row.reward_components
-        row.reward = components["team"] + mp.role_reward * float(weight) * components["verdict"]
+        team = components["team"] * mp.checker_team_reward
+        row.reward = team + mp.role_reward * float(weight) * components["verdict"]
         components["verdict_weight"] = float(weight)
 
 
