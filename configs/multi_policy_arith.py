@@ -38,8 +38,12 @@ POLICIES = (
     # One line in a fixed format: a short SFT is enough (the demo's 300 steps teach the solver's
     # turns). Its conversations (~240 tokens: the instruction spelled in short pieces) are longer
     # than the solver's, and SFT rows are padded to sft.max_length: a smaller batch.
+    # Dr. GRPO for the checker (group mean, no std): GRPO's per-group std gives a group of
+    # one class (a task whose first answers are all wrong) the same pull as a mixed one, which
+    # undoes the balanced role reward and pushes a checker that does not read to reject all
+    # (docs/multi_policy.md "Does the team learn?").
     PolicyConfig(name="checker", actors=("checker",), share=0.5,
-                 overrides=("sft.steps=40", "sft.batch_size=16", "sft.max_length=320")),
+                 overrides=("sft.steps=40", "sft.batch_size=16", "sft.max_length=320", "algorithm.advantage=drgrpo")),
 )
 
 

@@ -68,6 +68,7 @@ def test_the_arithmetic_team_config_is_the_demo_with_a_checker():
     solver, checker = (policy_config(team, p) for p in team.multi_policy.policies)
     assert team.environment.name == "arithmetic" and team.multi_policy.placement(2) == [(0,), (1,)]
     assert (checker.sft.steps, checker.sft.max_length) == (40, 320) and solver.sft == team.sft
+    assert (solver.algorithm.advantage, checker.algorithm.advantage) == ("grpo", "drgrpo")
     # The solo arm (no multi_policy) is configs/demo.py but for the context the checker's prompts
     # need, the evaluation every 10 steps (for the curves) and the names.
     solo = dataclasses.replace(team, multi_policy=MultiPolicyConfig())
