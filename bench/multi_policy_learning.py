@@ -16,8 +16,8 @@ tokens of the same seed (linear between the two evaluations around it), and, for
 at the team's number of steps. Writes one JSON per run (``<arm>_seed<s>.json``),
 ``summary.json``, ``summary.md`` (the table) and ``learning.png`` (mean curves, per-seed faint).
 
-    python bench/multi_policy_learning.py --steps 24 --solo-factor 3 --jobs 2 --cores-per-job 1 \
-        --set eval.every_steps=8 --out runs/mp_arith          # 2 cores, ~50 min
+    python bench/multi_policy_learning.py --steps 20 --solo-factor 3 --jobs 2 --cores-per-job 1 \
+        --set eval.every_steps=10 --out runs/mp_arith         # 2 cores, ~45 min
     python bench/multi_policy_learning.py --tiny --seeds 0 --jobs 2 --out /tmp/mp_learning   # ~2 min dry run
 """
 
@@ -50,8 +50,10 @@ TINY = ["model.scratch.hidden_size=32", "model.scratch.intermediate_size=64", "m
 TINY_ENV = {"retool_small": ["environment.num_demonstrations=8"]}
 # Held-out pass@1 of the final answer, per arm; the team's solver before any critique.
 PASS = {"team": "eval/team/final_correct", "solo": "eval/pass_at_1"}
-TEAM_TRAIN_KEYS = ["checker/accuracy", "checker/malformed", "checker/rejected", "critique/wrong_to_right_rate",
-                   "team/first_correct", "team/final_correct"]
+TEAM_TRAIN_KEYS = ["checker/accuracy", "checker/balanced_accuracy", "checker/malformed", "checker/rejected",
+                   "critique/wrong_first", "critique/wrong_to_right_rate", "team/first_correct", "team/final_correct"]
+# The team's held-out checker metrics kept with each evaluation (balanced accuracy: 0.5 for a constant verdict).
+TEAM_EVAL_KEYS = ["checker/accuracy", "checker/balanced_accuracy", "checker/rejected", "critique/wrong_to_right_rate"]
 CHILD = (
     "import dataclasses, json, sys\n"
     "from agentrl_jax.config import load_config\n"
@@ -109,8 +111,9 @@ def read_run(run_dir: Path, arm: str) -> dict:
             if arm == "team":
                 train.append({"step": row["step"], **{k: row[k] for k in TEAM_TRAIN_KEYS if k in row}})
         if PASS[arm] in row:
-            evals.append({"step": row["step"], "tokens": cumulative[row["step"]], "pass_at_1": row[PASS[arm]],
-                          **({"first_correct": row["eval/team/first_correct"]} if arm == "team" else {})})
+            team = {"first_correct": row["eval/team/first_correct"],
+                    **{k: row[f"eval/{k}"] for k in TEAM_EVAL_KEYS if f"eval/{k}" in row}} if arm == "team" else {}
+            evals.append({"step": row["step"], "tokens": cumulative[row["step"]], "pass_at_1": row[PASS[arm]], **team})
     return {"arm": arm, "sampled_tokens": tokens, "evals": evals, "train": train}
 
 
@@ -136,8 +139,8 @@ def summarize(runs: dict[tuple[str, int], dict], team_steps: int) -> dict:
             "solo_at_team_tokens": at_tokens, "solo_short_of_team_tokens": short,
             "solo_at_team_steps": pass_at(solo["evals"], "step", team_steps)[0],
             "solo_after_sft": solo["evals"][0]["pass_at_1"], "team_tokens": team["sampled_tokens"],
-            "solo_tokens": solo["sampled_tokens"]})
-    keys = [k for k in per_seed[0] if k not in ("seed", "solo_short_of_team_tokens")]
+            "solo_tokens": solo["sampled_tokens"], "team_end": {k: team["evals"][-1].get(k) for k in TEAM_EVAL_KEYS}})
+    keys = [k for k in per_seed[0] if k not in ("seed", "solo_short_of_team_tokens", "team_end")]
     stats = {k: {"mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else 0.0,
                  "min": float(np.min(v)), "max": float(np.max(v))}
              for k in keys for v in [[p[k] for p in per_seed]]}
@@ -164,6 +167,21 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def per_seed_table(summary: dict) -> str:
+    """Per seed: the end pass@1 of each arm and the team's held-out checker metrics at the end."""
+    def number(value):
+        return "-" if value is None else f"{value:.3f}"
+
+    lines = ["| seed | team final | team's solver, first answer | solo at the team's tokens | checker accuracy | "
+             "checker balanced accuracy | checker rejects | critique wrong-to-right |", "|---" * 8 + "|"]
+    for p in summary["per_seed"]:
+        end = p["team_end"]
+        lines.append(f"| {p['seed']} | {p['team_pass_at_1']:.3f} | {p['team_first_correct']:.3f} | "
+                     f"{p['solo_at_team_tokens']:.3f}{' (flagged)' if p['solo_short_of_team_tokens'] else ''} | "
+                     + " | ".join(number(end[k]) for k in TEAM_EVAL_KEYS) + " |")
+    return "\n".join(lines)
+
+
 def plot(runs: dict[tuple[str, int], dict], path: Path) -> None:
     """Held-out pass@1 against sampled tokens (both arms), the checker's training metrics per step."""
     import matplotlib
@@ -184,7 +202,8 @@ def plot(runs: dict[tuple[str, int], dict], path: Path) -> None:
                   np.mean([[e[key] for e in c[:n]] for c in curves], 0), color=color, lw=2.5, label=label)
     left.set(xlabel="sampled tokens (training)", ylabel="held-out pass@1", title="held-out pass@1")
     left.legend()
-    for key, color in zip(["checker/accuracy", "checker/malformed", "critique/wrong_to_right_rate"], ["C3", "C7", "C4"]):
+    for key, color in zip(["checker/accuracy", "checker/balanced_accuracy", "checker/rejected",
+                           "critique/wrong_to_right_rate"], ["C3", "C5", "C7", "C4"]):
         curves = [[(r["step"], r[key]) for r in runs[("team", s)]["train"] if key in r] for s in seeds]
         for c in (c for c in curves if c):
             right.plot(*zip(*c), color=color, alpha=0.25, lw=1)
@@ -243,9 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(runs, args.steps)
     summary["wall_seconds"] = {f"{a}_seed{s}": w for (a, s), w in walls.items()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "summary.md").write_text(table(summary) + "\n")
+    (out / "summary.md").write_text(table(summary) + "\n\n" + per_seed_table(summary) + "\n")
     plot(runs, out / "learning.png")
-    print(table(summary))
+    print(table(summary) + "\n\n" + per_seed_table(summary))
     print("wall seconds per run: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["wall_seconds"].items()))
 
 

@@ -61,6 +61,18 @@ class MultiPolicyConfig(_Section):
     critique_retries: int = _f(1, "solver_checker: solver tries after a rejection.")
     role_reward: float = _f(1.0, "solver_checker: the checker's reward for a right accept / reject, added to "
                                  "the team reward.")
+    checker_reward: Literal["balanced", "accuracy"] = _f(
+        "balanced", "solver_checker: how a right verdict's role reward is weighted. 'balanced': by 1 / (classes x "
+                    "the share of its class, right or wrong first answers) among the step's episodes, so the mean "
+                    "is role_reward x balanced accuracy and a constant verdict earns half of it; 'accuracy': 1 each "
+                    "(then rejecting every answer pays while fewer than a third of first answers are right).")
+    checker_team_reward: bool = _f(
+        True, "solver_checker: the checker's reward includes the team reward (false: its role reward alone; with "
+              "it a rejection is a free second try, which pays rejecting everything once second tries are as "
+              "often right as first answers).")
+    solver_second_tries: float = _f(
+        0.0, "solver_checker SFT: fraction of the solver's demonstrations with a wrong answer that go on with the "
+             "episode's rejection note and a second try calling the interpreter (environment.name='arithmetic').")
     schedule: Literal["auto", "concurrent", "time_shared"] = _f(
         "auto", "How the policies train: 'concurrent' (each on its own devices, at once), 'time_shared' (one "
                 "after the other); 'auto': concurrent when the policies' devices are disjoint.")
@@ -72,6 +84,10 @@ class MultiPolicyConfig(_Section):
         _require(len(set(actors)) == len(actors), "multi_policy.policies",
                  f"each actor is played by one policy; {sorted({a for a in actors if actors.count(a) > 1})} by several")
         _require(self.critique_retries >= 0, "multi_policy.critique_retries", "must be >= 0")
+        _require(0 <= self.solver_second_tries <= 1, "multi_policy.solver_second_tries",
+                 f"{self.solver_second_tries} must be in [0, 1]")
+        _require(not self.solver_second_tries or self.critique_retries >= 1, "multi_policy.solver_second_tries",
+                 f"({self.solver_second_tries}) teaches second tries, which need multi_policy.critique_retries >= 1")
 
         _require(sum(p.share for p in self.policies) <= 1 + 1e-9, "multi_policy.policies",
                  f"the shares add up to {sum(p.share for p in self.policies)}, more than all devices")
@@ -133,6 +149,9 @@ def check_policies(config: Config) -> None:
     for key, asked in unsupported.items():
         _require(not asked, key, "is not supported with multi_policy.policies yet (synchronous rollouts only, no "
                                  "teacher or judge, SFT from the episode's own demonstrations); leave it at its default")
+    _require(not config.multi_policy.solver_second_tries or config.environment.name == "arithmetic",
+             "multi_policy.solver_second_tries", f"({config.multi_policy.solver_second_tries}) writes second tries "
+             f"for environment.name='arithmetic' only, not {config.environment.name!r}; set it to 0")
     for policy in config.multi_policy.policies:
         own = policy_config(config, policy)
         if own.sft.steps:  # a resumed run rebuilds no post-SFT frozen copy; the views must be the demos' layout

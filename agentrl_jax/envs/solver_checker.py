@@ -10,7 +10,11 @@
 Rewards: the team reward (both actors) is 1 for a correct final answer, else 0; the
 checker's role reward adds ``role_reward`` for a right verdict on the first answer (accept
 a correct one, reject a wrong one). A checker reply with neither word counts as ACCEPT
-and is never right (``verdict/malformed``).
+and is never right (``verdict/malformed``). Without ``checker_team_reward`` the checker's
+reward is its role reward alone: with the team reward a rejection is a free second try, and
+rejecting every answer pays whenever a second try is as likely right as a first one. The
+trainer may reweigh the role reward over a step's episodes (``balanced_verdict_weights``:
+``multi_policy.checker_reward``).
 
 With ``shared_view`` both actors write one transcript: the checker's turn opens with a user
 message asking for the verdict, the critique goes back to the solver as a user message
@@ -25,6 +29,8 @@ rejection, then a correct second answer); their ratio is the critique-turns-wron
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -44,6 +50,11 @@ CHECK_REQUEST = "Checker: is the final answer above right? Reply ACCEPT, or REJE
 # Short: a scratch tokenizer trained on the solver's demonstrations spells English nearly byte by
 # byte, and the verdict has to fit one turn (the demo's 32 new tokens).
 DEMO_CRITIQUE = "REJECT: the answer is wrong."
+
+
+def rejection_note(critique: str) -> str:
+    """The user message the solver sees after a rejection (its second-try demonstrations use it too)."""
+    return f"A checker rejected your answer: {critique.rstrip('.') or 'it is wrong'}. Try once more."
 
 
 def checker_prompt(question: str, transcript: str) -> list[dict[str, str]]:
@@ -90,13 +101,63 @@ def parse_verdict(text: str) -> tuple[bool, str, bool]:
     return True, "", accept >= 0
 
 
+def first_answer_part(conversation: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A solver demonstration up to its first answer: without a rejection note and second try."""
+    first = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
+    note = next((i for i in range(first, len(conversation)) if conversation[i]["role"] == "user"), len(conversation))
+    return conversation[:note]
+
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+def with_second_tries(conversations: list[list[dict[str, str]]], tasks: list[dict[str, Any]],
+                      retry_turns: Callable[[dict[str, Any]], list[dict[str, str]]], *, fraction: float,
+                      seed: int) -> list[list[dict[str, str]]]:
+    """The solver's demonstrations, of which a ``fraction`` (drawn from ``seed``) of those whose
+    final boxed answer is wrong go on as a rejected team episode does: the note the episode
+    appends after the checker's cold-start critique (``rejection_note``), then ``retry_turns(task)``
+    (a second try, e.g. one that calls the interpreter and answers right).
+
+    The others stay as they are (accepted episodes), and every demonstration's first-answer part
+    (``first_answer_part``) is the input's: what the solver learns to answer first is unchanged.
+    """
+    note = {"role": "user", "content": rejection_note(parse_verdict(DEMO_CRITIQUE)[1])}
+    rng = np.random.default_rng([seed, 41])
+    out = []
+    for conversation, task in zip(conversations, tasks, strict=True):
+        answers = _BOXED.findall(conversation[-1]["content"]) if conversation[-1]["role"] == "assistant" else []
+        wrong = bool(answers) and answers[-1].strip() != str(task["answer"]).strip()
+        out.append(conversation + [note, *retry_turns(task)] if wrong and rng.random() < fraction else conversation)
+    return out
+
+
+def balanced_verdict_weights(first_correct: Sequence[bool]) -> np.ndarray:
+    """The checker's role-reward weight per episode (``multi_policy.checker_reward='balanced'``):
+    1 / (K * the share of the episode's class) among the step's episodes, the classes being
+    "the first answer is right" and "it is wrong" and K how many of them occur.
+
+    The mean role reward over the step is then ``role_reward`` times the balanced accuracy (the
+    mean over the classes of the fraction judged right): a constant verdict earns 1/K of the
+    maximum whatever the share p of right first answers, where with unit weights accepting all
+    earns p and rejecting all 1 - p (the team reward on top made rejecting all pay while p < 1/3).
+    """
+    right = np.asarray(first_correct, bool)
+    if not right.size:
+        return np.zeros(0)
+    share = np.where(right, right.mean(), 1.0 - right.mean())
+    return 1.0 / (len(np.unique(right)) * share)
+
+
 class SolverCheckerEnv(MultiActorEnvironment):
     """The solver's ReTool episode, read and judged by a checker (module docstring)."""
 
     actors = (SOLVER, CHECKER)
 
-    def __init__(self, solver: ReToolEnv, *, retries: int = 1, role_reward: float = 1.0, shared_view: bool = False):
+    def __init__(self, solver: ReToolEnv, *, retries: int = 1, role_reward: float = 1.0, shared_view: bool = False,
+                 checker_team_reward: bool = True):
         self.solver, self.retries, self.role_reward, self.shared_view = solver, retries, role_reward, shared_view
+        self.checker_team_reward = checker_team_reward
         self.stop_strings = {SOLVER: solver.stop_strings, CHECKER: ("\n",)}
 
     async def reset(self, task: dict[str, Any]) -> ActorTurn:
@@ -129,8 +190,7 @@ class SolverCheckerEnv(MultiActorEnvironment):
         if accepted or self.tries > self.retries:
             return self._finish(self.first)
         self.solver.turns = 0  # the new try has the solver's turn limit of its own
-        note = f"A checker rejected your answer: {critique or 'it is wrong'}. Try once more."
-        return MultiActorResult(ActorTurn(SOLVER, messages=[{"role": "user", "content": note}]))
+        return MultiActorResult(ActorTurn(SOLVER, messages=[{"role": "user", "content": rejection_note(critique)}]))
 
     def _finish(self, final: StepResult) -> MultiActorResult:
         """Team and role rewards, from the first answer, the verdict and the final answer."""
@@ -141,7 +201,7 @@ class SolverCheckerEnv(MultiActorEnvironment):
         wrong_first = float(not first_correct and not accepted)
         return MultiActorResult(
             None, done=True, correct=final_correct, finish_reason=final.finish_reason or "answer",
-            rewards={SOLVER: team, CHECKER: team + self.role_reward * float(right)},
+            rewards={SOLVER: team, CHECKER: team * self.checker_team_reward + self.role_reward * float(right)},
             reward_components={SOLVER: {"team": team}, CHECKER: {"team": team, "verdict": float(right)}},
             metrics={"checker/accuracy": float(right), "checker/rejected": float(not accepted),
                      "checker/malformed": float(not well_formed), "team/first_correct": float(first_correct),

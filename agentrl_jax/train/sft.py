@@ -8,6 +8,10 @@ RL see the same token boundaries:
     assistant   = tokenize(content)                          (loss_mask 1)
     tool / interpreter output = tokenize(content), inline in the same assistant turn
                                                              (loss_mask 0)
+    user message after an answer (e.g. a checker's rejection note): the answer's end-of-turn
+                  token (loss_mask 1), then the template's text for the message and the next
+                  assistant turn, as ``Tokenizer.append_messages`` appends it in an episode
+                                                             (loss_mask 0)
     end         = the end-of-turn token                      (loss_mask 1)
 
 A conversation in the native chat layout (an assistant message with ``tool_calls``, or a run
@@ -68,10 +72,14 @@ def conversation_to_record(tokenizer: Any, messages: Sequence[Mapping[str, Any]]
             piece, flag = tokenizer.encode(m["content"]), 1
         elif role in OBSERVATION_ROLES:
             piece, flag = tokenizer.encode(m["content"]), 0
+        elif role == "user":  # e.g. a critique after an answer: the turn ends, the note comes through the template
+            ids.append(tokenizer.eos_token_ids[0])
+            mask.append(1)
+            piece, flag = tokenizer.append_messages(ids, [m], add_generation_prompt=True)[1], 0
         else:
             raise ValueError(
                 f"SFT conversation: role {role!r} after the first assistant message; "
-                f"expected assistant or one of {OBSERVATION_ROLES}"
+                f"expected assistant, user or one of {OBSERVATION_ROLES}"
             )
         ids += piece
         mask += [flag] * len(piece)

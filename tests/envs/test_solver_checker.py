@@ -75,6 +75,13 @@ def test_a_rejected_wrong_answer_gets_a_second_try_that_turns_it_right(loop_thre
     assert result.metrics["checker/accuracy"] == 1.0 and result.metrics["team/first_correct"] == 0.0
 
 
+def test_without_the_team_reward_the_checker_earns_its_role_reward_alone(loop_thread, pool, verifier):
+    env = SolverCheckerEnv(ReToolEnv(pool, verifier, ReToolConfig()), role_reward=1.0, checker_team_reward=False)
+    _, result = play_script(loop_thread, env, TASK, [
+        (SOLVER, "\\boxed{407}"), (CHECKER, "REJECT: recompute"), (SOLVER, "\\boxed{408}")])
+    assert result.rewards == {SOLVER: 1.0, CHECKER: 1.0}  # the second try's team reward is the solver's alone
+
+
 @pytest.mark.parametrize("shared_view", [False, True])
 def test_rejecting_a_right_answer_costs_the_checker_and_the_team(loop_thread, pool, verifier, shared_view):
     _, shown, result = play(loop_thread, pool, verifier, [

@@ -20,22 +20,27 @@ from agentrl_jax.envs.arithmetic import ArithmeticEnv
 from agentrl_jax.envs.multi_actor import OBSERVATION, MultiActorLoop
 from agentrl_jax.envs.solver_checker import (
     CHECKER,
+    DEMO_CRITIQUE,
     SOLVER,
     checker_prompt,
+    first_answer_part,
     parse_verdict,
 )
 from agentrl_jax.models.tiny import train_tiny_tokenizer
 from agentrl_jax.models.tokenizer import Tokenizer
 from agentrl_jax.rewards import MathVerifier
 from agentrl_jax.rollout.driver import Driver
+from agentrl_jax.rollout.request import Completion
 from agentrl_jax.rollout.sampling import SamplingParams
 from agentrl_jax.train.multi_policy.team import (
     demonstrations,
     scratch_corpus,
     team_env_factory,
 )
+from agentrl_jax.train.sft import conversation_to_record
 
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "multi_policy_arith.py")
+MAX_TOKENS = 384
 TASK = {"question": "What is 12*34?", "answer": "408"}
 
 
@@ -60,7 +65,7 @@ def test_the_team_solver_plays_the_runs_arithmetic_episode(loop_thread, pool, ve
     assert shown[1].text == "<interpreter>408</interpreter>"  # the short format's observation
     assert shown[2].messages == checker_prompt(
         "What is 12*34?", "<code>print(12*34)</code><interpreter>408</interpreter>\\boxed{407}")
-    assert result.correct and result.rewards == {SOLVER: 1.0, CHECKER: 2.0}
+    assert result.correct and result.rewards == {SOLVER: 1.0, CHECKER: 1.0}  # the recipe's checker: its role reward
     assert result.metrics["critique/wrong_to_right"] == 1.0
 
 
@@ -134,4 +139,67 @@ def test_two_policies_decode_their_own_actors_and_train_exactly_their_own_tokens
         assert row.group_id == 2 * 2 + index
     team = episode.result.metrics["team/final_correct"]
     assert episode.trajectories[SOLVER].reward == team
-    assert episode.trajectories[CHECKER].reward == team + episode.result.metrics["checker/accuracy"]
+    assert episode.trajectories[CHECKER].reward == episode.result.metrics["checker/accuracy"]  # no team reward
+
+
+class _Session:
+    def close(self):
+        pass
+
+
+class ScriptedSampler:
+    """A policy whose turns are given token ids: it stands in for the engine's sampling only
+    (a random tiny model cannot be made to write a demonstration); the loop, the environment,
+    the sandbox and the tokenizer are the real ones."""
+
+    def __init__(self, turns: list[list[int]]):
+        self.turns = list(turns)
+
+    def session(self):
+        return _Session()
+
+    async def generate(self, ids, sampling, *, stop_token_ids, stop_strings, max_new_tokens, session):
+        out = self.turns.pop(0)
+        assert len(out) <= max_new_tokens
+        return Completion(out, [0.0] * len(out), [0.0] * len(out), "stop", [0] * len(out), len(ids))
+
+
+def sampled_runs(ids, mask) -> list[list[int]]:
+    """The maximal runs of loss-mask-1 tokens: the assistant's turns as the policy samples them."""
+    runs, previous = [], 0
+    for token, flag in zip(ids, mask):
+        if flag and not previous:
+            runs.append([])
+        if flag:
+            runs[-1].append(token)
+        previous = flag
+    return runs
+
+
+def test_the_solvers_second_try_demonstrations_are_the_rejected_episodes_tokens(loop_thread, pool, verifier, config,
+                                                                                 tmp_path):
+    tasks = config.environment.make_tasks(config, "train")
+    demos = demonstrations(config, tasks)
+    plain = config.environment.make_demonstrations(config, tasks)
+    assert [first_answer_part(d) for d in demos[SOLVER]] == plain  # the first answers are the demo's own
+    retried = [(task, d) for task, d in zip(tasks, demos[SOLVER]) if d != first_answer_part(d)]
+    memory_wrong = [p for task, p in zip(tasks, plain) if len(p) == 2 and p[1]["content"] != f"\\boxed{{{task['answer']}}}"]
+    assert len(retried) == len(memory_wrong) > 0  # solver_second_tries=1: every wrong answer goes on
+    train_tiny_tokenizer(tmp_path, scratch_corpus(config, demos, tasks), MAX_TOKENS, individual_digits=True)
+    tok = Tokenizer(str(tmp_path))
+    factory = team_env_factory(config, pool, verifier, count_tokens=lambda s: len(tok.encode(s)))
+    for task, demo in retried[:3]:
+        record = conversation_to_record(tok, demo)
+        samplers = {SOLVER: ScriptedSampler(sampled_runs(record.token_ids, record.loss_mask)),
+                    CHECKER: ScriptedSampler([tok.encode(DEMO_CRITIQUE) + [tok.eos_token_ids[0]]])}
+        loop = MultiActorLoop(samplers, {SOLVER: SOLVER, CHECKER: CHECKER}, tok, max_new_tokens_per_turn=32,
+                              max_total_tokens=MAX_TOKENS)
+        episode = loop_thread.run(loop.run_episode(factory(), task, SamplingParams(temperature=1.0, seed=0)))
+        # The solver's row in the rejected episode is its SFT record: the same ids (the prompt,
+        # the wrong answer, the rejection note through the template, the interpreter's output,
+        # the second try) and the same tokens trained.
+        row = episode.trajectories[SOLVER]
+        assert row.token_ids.tolist() == record.token_ids
+        assert row.loss_mask.tolist() == record.loss_mask
+        m = episode.result.metrics
+        assert (m["team/first_correct"], m["checker/rejected"], m["critique/wrong_to_right"]) == (0.0, 1.0, 1.0)

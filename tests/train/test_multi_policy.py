@@ -1,5 +1,6 @@
 """Multi-policy pieces without a model: the config (``multi_policy.policies``), each policy's
-rows out of multi-actor episodes, and its advantages (groups per actor, never across roles)."""
+rows out of multi-actor episodes, its advantages (groups per actor, never across roles), and
+the checker's balanced role reward."""
 
 from __future__ import annotations
 
@@ -9,11 +10,23 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agentrl_jax.config import Config, ConfigError, apply_overrides, from_dict, load_config, to_dict
+from agentrl_jax.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    from_dict,
+    load_config,
+    to_dict,
+)
 from agentrl_jax.config.policies import MultiPolicyConfig, PolicyConfig, policy_config
 from agentrl_jax.envs.base import Trajectory
 from agentrl_jax.envs.multi_actor import MultiActorEpisode, MultiActorResult
-from agentrl_jax.train.multi_policy.team import policy_trajectories, team_metrics
+from agentrl_jax.envs.solver_checker import balanced_verdict_weights
+from agentrl_jax.train.multi_policy.team import (
+    policy_trajectories,
+    team_metrics,
+    weigh_verdicts,
+)
 from agentrl_jax.train.rl.stages import build_step_batch
 
 ACTORS = ("solver", "checker")
@@ -55,6 +68,7 @@ def test_the_arithmetic_team_config_is_the_demo_with_a_checker():
     solver, checker = (policy_config(team, p) for p in team.multi_policy.policies)
     assert team.environment.name == "arithmetic" and team.multi_policy.placement(2) == [(0,), (1,)]
     assert (checker.sft.steps, checker.sft.max_length) == (40, 320) and solver.sft == team.sft
+    assert (solver.algorithm.advantage, checker.algorithm.advantage) == ("grpo", "drgrpo")
     # The solo arm (no multi_policy) is configs/demo.py but for the context the checker's prompts
     # need, the evaluation every 10 steps (for the curves) and the names.
     solo = dataclasses.replace(team, multi_policy=MultiPolicyConfig())
@@ -72,6 +86,22 @@ def test_one_actor_one_policy_and_what_the_run_does_not_do_are_errors():
     with pytest.raises(ConfigError, match=r"^multi_policy.policies\[p\].sft.steps: SFT of a policy is supported"):
         with_policies(PolicyConfig(name="p", actors=("a",), overrides=("sft.steps=5", "algorithm.kl_coef=0.1")))
     with_policies(PolicyConfig(name="p", actors=("a",), overrides=("sft.steps=5",)))  # no KL, own views: fine
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(checker_reward="fair"), "multi_policy.checker_reward: got 'fair'; allowed values are 'balanced', "),
+    (dict(solver_second_tries=1.5), "multi_policy.solver_second_tries: 1.5 must be in [0, 1]"),
+    (dict(solver_second_tries=0.5, critique_retries=0),
+     "multi_policy.solver_second_tries (0.5) teaches second tries, which need multi_policy.critique_retries >= 1"),
+    (dict(solver_second_tries=0.5, environment="retool"), "multi_policy.solver_second_tries (0.5) writes second "
+                                                          "tries for environment.name='arithmetic' only, not 'retool'"),
+])
+def test_the_checker_reward_and_the_solvers_second_tries_are_validated_in_one_line(fields, message):
+    environment = [f"environment.name={fields.pop('environment')}"] if "environment" in fields else []
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(with_policies(PolicyConfig(name="p", actors=("a",)), **fields), environment)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    assert MultiPolicyConfig().checker_reward == "balanced" and MultiPolicyConfig().solver_second_tries == 0
 
 
 def test_placement_by_devices_or_share_decides_concurrent_or_time_shared():
@@ -142,3 +172,49 @@ def test_each_policy_gets_its_actors_rows_and_advantages_per_actor_group(self_pl
 def test_team_metrics_average_the_episodes_and_rate_the_critiques():
     metrics = team_metrics(episodes([[(1.0, 0.0), (0.0, 0.0), (0.0, 0.0), (1.0, 0.0)]]))
     assert metrics["critique/wrong_to_right_rate"] == 0.5 and metrics["team/masked_episodes"] == 0.0
+
+
+def test_balanced_weights_pay_a_constant_verdict_half_whatever_the_share_of_right_answers():
+    # one right first answer of four: 1 / (2 x 1/4) = 2 for it, 1 / (2 x 3/4) = 2/3 for the wrong ones
+    np.testing.assert_allclose(balanced_verdict_weights([True, False, False, False]), [2, 2 / 3, 2 / 3, 2 / 3])
+    for right in ([True, False, False, False], [True] * 9 + [False], [True, False]):
+        weights, right = balanced_verdict_weights(right), np.asarray(right)
+        assert np.mean(weights * right) == pytest.approx(0.5)  # accept all: right on the right ones
+        assert np.mean(weights * ~right) == pytest.approx(0.5)  # reject all
+        assert np.mean(weights) == pytest.approx(1.0)  # every verdict right
+    np.testing.assert_allclose(balanced_verdict_weights([False, False]), [1, 1])  # one class: plain accuracy
+    assert balanced_verdict_weights([]).size == 0
+
+
+def judged_episodes(cases: list[tuple[bool, bool, float]]) -> list[MultiActorEpisode]:
+    """(first answer right, verdict right, team reward) per episode, scored as SolverCheckerEnv scores
+    them with role_reward 1 (the checker's reward: team + verdict)."""
+    out = []
+    for first, right, team in cases:
+        result = MultiActorResult(None, done=True, rewards={"solver": team, "checker": team + right},
+                                  reward_components={"checker": {"team": team, "verdict": float(right)}},
+                                  metrics={"team/first_correct": float(first), "checker/accuracy": float(right)})
+        checker = dataclasses.replace(row(1, 2, team + right, 0), reward_components={"team": team,
+                                                                                    "verdict": float(right)})
+        out.append(MultiActorEpisode(ACTORS, {}, result, {"solver": row(0, 3, team, 0), "checker": checker}))
+    return out
+
+
+@pytest.mark.parametrize("rule", ["balanced", "accuracy"])
+def test_the_checkers_role_reward_is_weighed_by_its_class_within_the_step(rule):
+    # right first answers: accepted (team 1); wrong ones: rejected and turned right, rejected, accepted
+    eps = judged_episodes([(True, True, 1.0), (False, True, 1.0), (False, True, 0.0), (False, False, 0.0)])
+    config = with_policies(PolicyConfig(name="p", actors=("a",)), role_reward=0.5, checker_reward=rule)
+    weigh_verdicts(config, eps)
+    got = [e.trajectories["checker"].reward for e in eps]
+    if rule == "accuracy":  # as the episode scored them
+        assert got == [2.0, 2.0, 1.0, 0.0]
+    else:  # team + 0.5 x weight x verdict: weights 2 (right first answers), 2/3 (wrong ones)
+        np.testing.assert_allclose(got, [1 + 0.5 * 2, 1 + 0.5 * 2 / 3, 0.5 * 2 / 3, 0.0])
+        alone = judged_episodes([(True, True, 1.0), (False, True, 1.0), (False, True, 0.0), (False, False, 0.0)])
+        weigh_verdicts(dataclasses.replace(config, multi_policy=dataclasses.replace(
+            config.multi_policy, checker_team_reward=False)), alone)  # the role reward alone
+        np.testing.assert_allclose([e.trajectories["checker"].reward for e in alone], [1, 1 / 3, 1 / 3, 0])
+    assert [e.trajectories["solver"].reward for e in eps] == [1.0, 1.0, 0.0, 0.0]
+    # balanced accuracy: right on 1 of 1 right first answers, on 2 of 3 wrong ones
+    assert team_metrics(eps)["checker/balanced_accuracy"] == pytest.approx((1 + 2 / 3) / 2)

@@ -7,7 +7,8 @@
     start evaluation (team pass@1, the solver's own, the checker's accuracy)
     each step:
       collect: G episodes per prompt; each turn decoded by    train/multi_policy/team.py, envs/multi_actor.py
-               the acting policy's engine, tokens tagged by actor
+               the acting policy's engine, tokens tagged by actor;
+               the checker's role reward weighed over the step   team.weigh_verdicts
       split:   each policy's rows (its actors' tokens trained)  team.policy_trajectories
       train:   each policy's build batch / logprobs / update    train/rl/loop.py train_step
                (its own advantages, groups per actor), at once
@@ -40,8 +41,8 @@ from agentrl_jax.envs.multi_actor import MultiActorLoop
 from agentrl_jax.models.tokenizer import Tokenizer
 from agentrl_jax.rewards.verifier import MathVerifier
 from agentrl_jax.train import lora, setup
-from agentrl_jax.train.metrics import MetricsWriter
 from agentrl_jax.train.episodes import rollout_metrics
+from agentrl_jax.train.metrics import MetricsWriter
 from agentrl_jax.train.multi_policy.policy import (
     Policy,
     build_policy,
@@ -60,6 +61,7 @@ from agentrl_jax.train.multi_policy.team import (
     scratch_corpus,
     team_env_factory,
     team_metrics,
+    weigh_verdicts,
 )
 from agentrl_jax.train.rl import stages
 from agentrl_jax.train.rl.loop import train_step
@@ -203,6 +205,7 @@ class _Team:
         """collect -> each policy's train step (at once, or one after the other) -> push weights."""
         t0 = time.perf_counter()
         episodes = await collect_team(self.config, self.loop, env_factory, tasks, step)
+        weigh_verdicts(self.config, episodes)
         t_rollout = time.perf_counter() - t0
         rows = {p.name: policy_trajectories(episodes, p.spec.actors) for p in self.policies}
 

@@ -11,9 +11,21 @@ import numpy as np
 
 from agentrl_jax.config import Config, ConfigError
 from agentrl_jax.envs.base import Trajectory
-from agentrl_jax.envs.multi_actor import MultiActorEnvironment, MultiActorEpisode, MultiActorLoop
+from agentrl_jax.envs.multi_actor import (
+    MultiActorEnvironment,
+    MultiActorEpisode,
+    MultiActorLoop,
+)
 from agentrl_jax.envs.retool import ReToolEnv
-from agentrl_jax.envs.solver_checker import CHECKER, SOLVER, SolverCheckerEnv, checker_demonstrations
+from agentrl_jax.envs.solver_checker import (
+    CHECKER,
+    SOLVER,
+    SolverCheckerEnv,
+    balanced_verdict_weights,
+    checker_demonstrations,
+    first_answer_part,
+    with_second_tries,
+)
 from agentrl_jax.rollout.sampling import SamplingParams
 
 
@@ -31,28 +43,60 @@ def team_env_factory(config: Config, pool: Any, verifier: Any,
                           f"layout), but environment.name={config.environment.name!r} with layout "
                           f"{config.environment.layout!r} plays {kind.__name__}")
     return lambda: SolverCheckerEnv(solver_env(), retries=mp.critique_retries, role_reward=mp.role_reward,
-                                    shared_view=mp.shared_view)
+                                    shared_view=mp.shared_view, checker_team_reward=mp.checker_team_reward)
 
 
 def demonstrations(config: Config, tasks: list[dict]) -> dict[str, list[list[dict[str, str]]]]:
-    """SFT conversations per actor: the environment's solver demonstrations, and the checker's
-    format-only verdicts on them, labels drawn from the run's seed independently of the answers
-    (``envs.solver_checker.checker_demonstrations``)."""
+    """SFT conversations per actor: the environment's solver demonstrations (a
+    ``multi_policy.solver_second_tries`` share of the wrong ones going on with the episode's
+    rejection note and a second try that calls the interpreter), and the checker's format-only
+    verdicts on their first-answer parts, labels drawn from the run's seed independently of the
+    answers (``envs.solver_checker.checker_demonstrations``)."""
     solver = config.environment.make_demonstrations(config, tasks)
     if solver is None:
         raise ConfigError(f"sft.steps: environment.name={config.environment.name!r} writes no demonstrations for "
                           "the solver-checker episode; set sft.steps=0")
-    return {SOLVER: solver, CHECKER: checker_demonstrations(solver, tasks[:len(solver)], seed=config.seed)}
+    checker = checker_demonstrations(solver, tasks[:len(solver)], seed=config.seed)
+    if config.multi_policy.solver_second_tries:
+        from agentrl_jax.envs.arithmetic import (  # the only writer (a config check)
+            ArithmeticEnv,
+            demonstration,
+        )
+
+        fenced = ArithmeticEnv.config_from(config).fenced
+        rng = np.random.default_rng([config.seed, 42])
+        solver = with_second_tries(solver, tasks[:len(solver)],
+                                   lambda task: demonstration(task, "tool", rng, fenced=fenced),
+                                   fraction=config.multi_policy.solver_second_tries, seed=config.seed)
+    return {SOLVER: solver, CHECKER: checker}
 
 
 def scratch_corpus(config: Config, demos: Mapping[str, list[list[dict[str, str]]]],
                    tasks: Sequence[dict]) -> list[str]:
     """The texts a scratch tokenizer is trained on: what a single-policy run of the same Config
-    trains its own on (the solver's demonstrations with ``sft.steps``, else the questions), so
-    that a team and the solver trained alone start from one tokenizer and one initial model;
-    the checker reads its prompts in that token space."""
-    conversations = demos.get(SOLVER, []) if config.sft.steps else []
+    trains its own on (the first-answer parts of the solver's demonstrations with ``sft.steps``,
+    which are the environment's demonstrations, else the questions), so that a team and the
+    solver trained alone start from one tokenizer and one initial model; the checker's prompts
+    and the solver's rejection notes are read in that token space."""
+    conversations = [first_answer_part(c) for c in demos.get(SOLVER, [])] if config.sft.steps else []
     return [m["content"] for conv in conversations for m in conv] or [str(t["question"]) for t in tasks]
+
+
+def weigh_verdicts(config: Config, episodes: Sequence[MultiActorEpisode]) -> None:
+    """``multi_policy.checker_reward='balanced'``: each checker row's role reward for a right
+    verdict times its class's weight among the step's scored episodes
+    (``envs.solver_checker.balanced_verdict_weights``); the episodes' own rewards use weight 1."""
+    mp = config.multi_policy
+    if mp.checker_reward != "balanced":
+        return
+    judged = [e for e in episodes if CHECKER in e.trajectories and not e.result.masked]
+    weights = balanced_verdict_weights([bool(e.result.metrics["team/first_correct"]) for e in judged])
+    for episode, weight in zip(judged, weights):
+        row = episode.trajectories[CHECKER]
+        components = row.reward_components
+        team = components["team"] * mp.checker_team_reward
+        row.reward = team + mp.role_reward * float(weight) * components["verdict"]
+        components["verdict_weight"] = float(weight)
 
 
 async def collect_team(config: Config, loop: MultiActorLoop, env_factory: Callable[[], MultiActorEnvironment],
@@ -76,15 +120,21 @@ def policy_trajectories(episodes: Sequence[MultiActorEpisode], actors: Sequence[
 
 
 def team_metrics(episodes: Sequence[MultiActorEpisode], prefix: str = "") -> dict[str, float]:
-    """The episodes' own metrics averaged (checker accuracy, first / final correct, ...), and
+    """The episodes' own metrics averaged (checker accuracy, first / final correct, ...),
     ``critique/wrong_to_right_rate``: of the wrong first answers the checker rejected, the
-    fraction whose second try was correct (absent when there were none)."""
+    fraction whose second try was correct (absent when there were none), and
+    ``checker/balanced_accuracy``: the share judged right on right first answers and on wrong
+    ones, averaged (0.5 for a constant verdict; absent unless both occurred)."""
     results = [e.result for e in episodes if not e.result.masked]
     keys = sorted({k for r in results for k in r.metrics})
     out = {f"{prefix}{k}": float(np.mean([r.metrics.get(k, 0.0) for r in results])) for k in keys}
     sums = {k: sum(r.metrics.get(k, 0.0) for r in results) for k in ("critique/wrong_first", "critique/wrong_to_right")}
     if sums["critique/wrong_first"]:
         out[f"{prefix}critique/wrong_to_right_rate"] = sums["critique/wrong_to_right"] / sums["critique/wrong_first"]
+    judged = [r.metrics for r in results if "checker/accuracy" in r.metrics]
+    classes = [[m["checker/accuracy"] for m in judged if m["team/first_correct"] == c] for c in (0.0, 1.0)]
+    if all(classes):  # the mean over right and wrong first answers of the share judged right
+        out[f"{prefix}checker/balanced_accuracy"] = float(np.mean([np.mean(c) for c in classes]))
     out[f"{prefix}team/masked_episodes"] = float(len(episodes) - len(results))
     return out
 
