@@ -29,7 +29,6 @@ rejection, then a correct second answer); their ratio is the critique-turns-wron
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,6 +41,7 @@ from agentrl_jax.envs.multi_actor import (
     MultiActorResult,
 )
 from agentrl_jax.envs.retool import ReToolEnv
+from agentrl_jax.rewards.boxed import extract_boxed
 
 SOLVER, CHECKER = "solver", "checker"
 CHECKER_SYSTEM_PROMPT = ("You check a solution to a math problem. Reply ACCEPT if its final answer is right, "
@@ -108,9 +108,6 @@ def first_answer_part(conversation: list[dict[str, str]]) -> list[dict[str, str]
     return conversation[:note]
 
 
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-
-
 def with_second_tries(conversations: list[list[dict[str, str]]], tasks: list[dict[str, Any]],
                       retry_turns: Callable[[dict[str, Any]], list[dict[str, str]]], *, fraction: float,
                       seed: int) -> list[list[dict[str, str]]]:
@@ -126,8 +123,8 @@ def with_second_tries(conversations: list[list[dict[str, str]]], tasks: list[dic
     rng = np.random.default_rng([seed, 41])
     out = []
     for conversation, task in zip(conversations, tasks, strict=True):
-        answers = _BOXED.findall(conversation[-1]["content"]) if conversation[-1]["role"] == "assistant" else []
-        wrong = bool(answers) and answers[-1].strip() != str(task["answer"]).strip()
+        answer = extract_boxed(conversation[-1]["content"]) if conversation[-1]["role"] == "assistant" else None
+        wrong = answer is not None and answer.strip() != str(task["answer"]).strip()
         out.append(conversation + [note, *retry_turns(task)] if wrong and rng.random() < fraction else conversation)
     return out
 
