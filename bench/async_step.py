@@ -211,13 +211,22 @@ def main() -> None:
     print(report(results, device, args))
 
 
+def windows(modes: list[str], args) -> list[str]:
+    """Each mode's steady steps as the header says them (``steady_window``'s, 1-based)."""
+    out = []
+    for mode in modes:
+        edge = 0 if mode == "sync" else args.max_staleness
+        out.append(f"steps {args.warmup + edge + 1}..{args.steps - edge} ({mode}"
+                   + (": without the ramp and the drain)" if edge else ")"))
+    return out
+
+
 def report(results: list[dict], device: str, args) -> str:
     """The table, each mode's ratios to sync at the same latency, and tokens/s with tools over without."""
     lines = [f"\ndevice: {device}  shape: {args.size}  {args.prompts}x{args.group} episodes/step, {args.turns} turns x "
              f"{args.new_tokens} tokens, tool latency lognormal(median per row, sigma {args.tool_sigma}, cap "
-             f"{args.tool_cap} s), placement {args.placement}, max_staleness {args.max_staleness}; means over steps "
-             f"{args.warmup + 1}..{args.steps} (sync), {args.warmup + args.max_staleness + 1}.."
-             f"{args.steps - args.max_staleness} (async, stream: without the ramp and the drain)",
+             f"{args.tool_cap} s), placement {args.placement}, max_staleness {args.max_staleness}; means over "
+             + ", ".join(windows(sorted({r["mode"] for r in results}), args)),
              "| mode | tool median s | s/step | rollout s | update s | trainer idle s | rollout idle s | traj/s | "
              "sampled tok/s | staleness | mixed |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:

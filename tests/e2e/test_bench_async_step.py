@@ -46,10 +46,13 @@ def test_the_report_gives_each_modes_ratios_to_sync_and_to_its_tool_free_rate(be
                 "staleness": 0.0, "mixed": 0.0}
 
     args = argparse.Namespace(size="tiny", prompts=2, group=2, turns=2, new_tokens=8, tool_sigma=1.0, tool_cap=10.0,
-                              placement="colocated", max_staleness=1, warmup=1, steps=3)
+                              placement="colocated", max_staleness=1, warmup=1, steps=8)
     text = bench.report([row("sync", 1.0, 2.0, 100.0), row("stream", 1.0, 5.0, 300.0),
                          row("sync", 0.0, 8.0, 400.0), row("stream", 0.0, 8.0, 400.0)], "1 x H100", args)
     assert "device: 1 x H100" in text
+    assert "means over steps 3..7 (stream: without the ramp and the drain), steps 2..8 (sync)" in text
+    only_sync = bench.report([row("sync", 1.0, 2.0, 100.0)], "1 x H100", args)
+    assert "means over steps 2..8 (sync)\n" in only_sync  # no window for a mode the run did not have
     assert "stream / sync at tool median 1 s: traj/s 2.50x, sampled tok/s 3.00x" in text
     assert "stream: sampled tok/s at tool median 1 s / at 0 s: 0.75" in text
     assert "sync: sampled tok/s at tool median 1 s / at 0 s: 0.25" in text
