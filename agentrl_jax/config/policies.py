@@ -73,6 +73,10 @@ class MultiPolicyConfig(_Section):
     solver_second_tries: float = _f(
         0.0, "solver_checker SFT: fraction of the solver's demonstrations with a wrong answer that go on with the "
              "episode's rejection note and a second try calling the interpreter (environment.name='arithmetic').")
+    checker_cold_start: Literal["format", "labeled"] = _f(
+        "format", "solver_checker SFT: the checker's verdicts on the solver's demonstrations. 'format': ACCEPT or "
+                  "REJECT by a coin, independent of the answer (the format only; RL has to teach the judgment); "
+                  "'labeled': the right verdict (it starts RL judging the scripted solver's mistakes).")
     schedule: Literal["auto", "concurrent", "time_shared"] = _f(
         "auto", "How the policies train: 'concurrent' (each on its own devices, at once), 'time_shared' (one "
                 "after the other); 'auto': concurrent when the policies' devices are disjoint.")

@@ -64,31 +64,43 @@ def checker_prompt(question: str, transcript: str) -> list[dict[str, str]]:
 
 
 def checker_demonstrations(solver_conversations: list[list[dict[str, str]]], tasks: list[dict[str, Any]], *,
-                           seed: int) -> list[list[dict[str, str]]]:
-    """The checker's format-only SFT conversations, one per solver demonstration (``tasks[i]``'s):
-    its own view of that transcript answered ``ACCEPT`` or ``DEMO_CRITIQUE``, each with
-    probability 1/2 from ``seed``, independently of whether the transcript's answer is right.
+                           seed: int, labeled: bool = False) -> list[list[dict[str, str]]]:
+    """The checker's SFT conversations, one per solver demonstration (``tasks[i]``'s): its own
+    view of that transcript answered ``ACCEPT`` or ``DEMO_CRITIQUE``.
 
-    The cold start teaches the verdict's format (one well-formed line that ``parse_verdict``
-    reads), never the judgment: a checker SFT'd on right/wrong labels would arrive at RL
-    already judging (from the scripted solver's mistakes, which are not the policy's), and the
-    comparison would credit RL with it. After this SFT the checker's accuracy is a coin flip;
-    RL, through its role reward, has to teach it to read the transcript.
+    Format-only (the default): each verdict with probability 1/2 from ``seed``, independently of
+    whether the transcript's answer is right. The cold start teaches the verdict's format (one
+    well-formed line that ``parse_verdict`` reads), never the judgment: after it the checker's
+    accuracy is a coin flip and RL, through its role reward, has to teach it to read.
+
+    ``labeled`` (``multi_policy.checker_cold_start='labeled'``): the right verdict, ACCEPT
+    exactly when the shown transcript's boxed answer is the task's. The checker then arrives at
+    RL already judging, from the scripted solver's mistakes (not the policy's): a comparison
+    must not credit RL with the judgment it starts with.
 
     Half of the transcripts (also drawn from ``seed``) are cut at a random character: in RL the
     checker reads the solver policy's own transcripts, unfinished or garbled early on, and a
-    verdict format learned only after finished scripted ones does not carry over to those.
+    verdict format learned only after finished scripted ones does not carry over to those. A cut
+    transcript's answer is what is left of it (none, or a cut number: wrong).
     """
     rng = np.random.default_rng(seed)
     out = []
-    for conversation, task in zip(solver_conversations, tasks):
+    for conversation, task in zip(solver_conversations, tasks, strict=True):
         first = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
         transcript = "".join(m["content"] for m in conversation[first:])
         if rng.random() < 0.5:
             transcript = transcript[:int(rng.integers(0, len(transcript) + 1))]
-        verdict = "ACCEPT" if rng.random() < 0.5 else DEMO_CRITIQUE
-        out.append(checker_prompt(str(task["question"]), transcript) + [{"role": "assistant", "content": verdict}])
+        coin = rng.random() < 0.5  # drawn in both modes: the cuts are the same with and without labels
+        accept = _answer_is(transcript, task["answer"]) if labeled else coin
+        out.append(checker_prompt(str(task["question"]), transcript)
+                   + [{"role": "assistant", "content": "ACCEPT" if accept else DEMO_CRITIQUE}])
     return out
+
+
+def _answer_is(transcript: str, answer: Any) -> bool:
+    """Whether the transcript's boxed answer is ``answer`` (as the demonstrations write both)."""
+    boxed = extract_boxed(transcript)
+    return boxed is not None and boxed.strip() == str(answer).strip()
 
 
 def parse_verdict(text: str) -> tuple[bool, str, bool]:
@@ -123,8 +135,9 @@ def with_second_tries(conversations: list[list[dict[str, str]]], tasks: list[dic
     rng = np.random.default_rng([seed, 41])
     out = []
     for conversation, task in zip(conversations, tasks, strict=True):
-        answer = extract_boxed(conversation[-1]["content"]) if conversation[-1]["role"] == "assistant" else None
-        wrong = answer is not None and answer.strip() != str(task["answer"]).strip()
+        last = conversation[-1]
+        wrong = last["role"] == "assistant" and extract_boxed(last["content"]) is not None and not _answer_is(
+            last["content"], task["answer"])
         out.append(conversation + [note, *retry_turns(task)] if wrong and rng.random() < fraction else conversation)
     return out
 

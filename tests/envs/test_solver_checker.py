@@ -120,3 +120,12 @@ def test_checker_demonstrations_teach_the_verdict_format_with_labels_independent
     assert [d[-1] for d in checker_demonstrations(solver, tasks, seed=0)] == [d[-1] for d in demos]
     assert [d[-1] for d in checker_demonstrations(solver, tasks, seed=1)] != [d[-1] for d in demos]
     assert parse_verdict(DEMO_CRITIQUE)[:2] == (False, "the answer is wrong.")
+
+    # Labeled: the same transcripts (the same cuts), each with its right verdict.
+    labeled = checker_demonstrations(solver, tasks, seed=0, labeled=True)
+    assert [d[1] for d in labeled] == [d[1] for d in demos]
+    for demo in labeled:
+        shown = demo[1]["content"]
+        assert (demo[-1]["content"] == "ACCEPT") == shown.endswith("\\boxed{408}"), shown
+    assert {d[-1]["content"] for d in labeled[1::2]} == {DEMO_CRITIQUE}  # the guess 7 is never right
+    assert 0.45 < sum(d[-1]["content"] == "ACCEPT" for d in labeled[0::2]) / 300 < 0.65  # cut short: no answer

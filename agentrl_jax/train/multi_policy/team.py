@@ -49,14 +49,16 @@ def team_env_factory(config: Config, pool: Any, verifier: Any,
 def demonstrations(config: Config, tasks: list[dict]) -> dict[str, list[list[dict[str, str]]]]:
     """SFT conversations per actor: the environment's solver demonstrations (a
     ``multi_policy.solver_second_tries`` share of the wrong ones going on with the episode's
-    rejection note and a second try that calls the interpreter), and the checker's format-only
-    verdicts on their first-answer parts, labels drawn from the run's seed independently of the
-    answers (``envs.solver_checker.checker_demonstrations``)."""
+    rejection note and a second try that calls the interpreter), and the checker's verdicts on
+    their first-answer parts (``envs.solver_checker.checker_demonstrations``): drawn from the
+    run's seed independently of the answers, or with ``multi_policy.checker_cold_start='labeled'``
+    the right ones."""
     solver = config.environment.make_demonstrations(config, tasks)
     if solver is None:
         raise ConfigError(f"sft.steps: environment.name={config.environment.name!r} writes no demonstrations for "
                           "the solver-checker episode; set sft.steps=0")
-    checker = checker_demonstrations(solver, tasks[:len(solver)], seed=config.seed)
+    checker = checker_demonstrations(solver, tasks[:len(solver)], seed=config.seed,
+                                     labeled=config.multi_policy.checker_cold_start == "labeled")
     if config.multi_policy.solver_second_tries:
         from agentrl_jax.envs.arithmetic import (  # the only writer (a config check)
             ArithmeticEnv,
