@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from agentrl_jax.envs.base import Trajectory
+from agentrl_jax.envs.base import ToolStats, Trajectory
 from agentrl_jax.rollout.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,8 @@ class MultiActorResult:
     finish_reason: when done, why (``envs.base.FINISH_REASONS`` or the environment's own).
     metrics: when done, per-episode numbers the trainer averages (e.g. checker accuracy).
     masked: the episode trains no token (cut short and not scored by the environment).
+    tool_stats: when done, each actor's tool calls over the episode (its trajectory's, logged
+      as ``<policy>/tools/*``); an actor left out made none.
     """
 
     next_turn: ActorTurn | None
@@ -94,6 +96,7 @@ class MultiActorResult:
     finish_reason: str = ""
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     masked: bool = False
+    tool_stats: dict[str, ToolStats] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.done == (self.next_turn is not None):
@@ -278,7 +281,7 @@ class MultiActorLoop:
                 **view.row(index), reward=float(result.rewards.get(actor, 0.0)), reward_components=components,
                 finish_reason=result.finish_reason or "done", group_id=group_id * len(env.actors) + index,
                 task_metadata={**{k: v for k, v in task.items() if k != "question"}, "actor": actor},
-                masked=result.masked)
+                masked=result.masked, tool_stats=dataclasses.replace(result.tool_stats.get(actor, ToolStats())))
         return out
 
 

@@ -29,6 +29,7 @@ rejection, then a correct second answer); their ratio is the critique-turns-wron
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -216,7 +217,8 @@ class SolverCheckerEnv(MultiActorEnvironment):
             metrics={"checker/accuracy": float(right), "checker/rejected": float(not accepted),
                      "checker/malformed": float(not well_formed), "team/first_correct": float(first_correct),
                      "team/final_correct": team, "critique/wrong_first": wrong_first,
-                     "critique/wrong_to_right": wrong_first * team})
+                     "critique/wrong_to_right": wrong_first * team},
+            tool_stats={SOLVER: dataclasses.replace(self.solver.tool_stats)})  # both tries'
 
     def cut_short(self, finish_reason: str) -> MultiActorResult:
         """A context overflow: the team's answer is wrong (a checker that never spoke is not right)."""

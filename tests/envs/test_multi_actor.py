@@ -16,6 +16,7 @@ import pytest
 from chat_formats import CORPUS, FORMATS, build_tokenizer
 from tiny_decoder import tiny_agent_engine
 
+from agentrl_jax.envs.base import ToolStats
 from agentrl_jax.envs.multi_actor import OBSERVATION, ActorTurn, MultiActorEnvironment, MultiActorLoop, MultiActorResult
 from agentrl_jax.rollout.driver import Driver
 from agentrl_jax.rollout.sampling import SamplingParams
@@ -49,7 +50,7 @@ class Dialogue(MultiActorEnvironment):
         if len(self.said) == 2:
             return MultiActorResult(ActorTurn("proposer", messages=[{"role": "user", "content": "Critic: " + action_text}]))
         return MultiActorResult(None, done=True, rewards={"proposer": 1.0, "critic": 0.5}, correct=True,
-                                finish_reason="answer")
+                                finish_reason="answer", tool_stats={"proposer": ToolStats(calls=2, errors=1)})
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +119,9 @@ def test_own_views_each_actor_trains_exactly_its_own_tokens(setup):
         assert t.group_id == 3 * 2 + index and t.task_metadata["actor"] == actor
         assert t.reward_components["correct"] == 1.0
     assert (episode.trajectories["proposer"].reward, episode.trajectories["critic"].reward) == (1.0, 0.5)
+    # Each actor's tool calls reach its own trajectory (the per-policy tools/* metrics); none for the critic.
+    assert episode.trajectories["proposer"].tool_stats == ToolStats(calls=2, errors=1)
+    assert episode.trajectories["critic"].tool_stats == ToolStats()
 
 
 @pytest.mark.parametrize("self_play", [False, True])

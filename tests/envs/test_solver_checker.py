@@ -73,6 +73,7 @@ def test_a_rejected_wrong_answer_gets_a_second_try_that_turns_it_right(loop_thre
     assert result.rewards == {SOLVER: 1.0, CHECKER: 2.0}  # team 1; the checker was right to reject
     assert result.metrics["critique/wrong_first"] == 1.0 and result.metrics["critique/wrong_to_right"] == 1.0
     assert result.metrics["checker/accuracy"] == 1.0 and result.metrics["team/first_correct"] == 0.0
+    assert result.tool_stats[SOLVER].calls == 1 and CHECKER not in result.tool_stats  # the solver's program
 
 
 def test_without_the_team_reward_the_checker_earns_its_role_reward_alone(loop_thread, pool, verifier):
