@@ -11,7 +11,7 @@ policies, each from the same scratch initialization:
   are the demo's demonstrations exactly), then GRPO in the solver-checker episode
   (envs/solver_checker.py) over the demo's arithmetic episode;
 - the checker: a format-only SFT (ACCEPT or REJECT drawn 50/50 independently of the answer:
-  envs/solver_checker.py checker_demonstrations), then GRPO on its role reward alone for a
+  envs/solver_checker.py checker_demonstrations), then Dr. GRPO on its role reward alone for a
   right verdict, weighted by the inverse share of its class within the step
   (``checker_reward='balanced'``, the default: a constant verdict earns half of the maximum);
   without the team reward (``checker_team_reward=False``), which pays rejecting everything

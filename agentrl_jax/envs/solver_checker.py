@@ -92,15 +92,14 @@ def checker_demonstrations(solver_conversations: list[list[dict[str, str]]], tas
         if rng.random() < 0.5:
             transcript = transcript[:int(rng.integers(0, len(transcript) + 1))]
         coin = rng.random() < 0.5  # drawn in both modes: the cuts are the same with and without labels
-        accept = _answer_is(transcript, task["answer"]) if labeled else coin
+        accept = _is_answer(extract_boxed(transcript), task["answer"]) if labeled else coin
         out.append(checker_prompt(str(task["question"]), transcript)
                    + [{"role": "assistant", "content": "ACCEPT" if accept else DEMO_CRITIQUE}])
     return out
 
 
-def _answer_is(transcript: str, answer: Any) -> bool:
-    """Whether the transcript's boxed answer is ``answer`` (as the demonstrations write both)."""
-    boxed = extract_boxed(transcript)
+def _is_answer(boxed: str | None, answer: Any) -> bool:
+    """Whether a boxed answer (None: there was none) is ``answer``, as the demonstrations write both."""
     return boxed is not None and boxed.strip() == str(answer).strip()
 
 
@@ -136,9 +135,8 @@ def with_second_tries(conversations: list[list[dict[str, str]]], tasks: list[dic
     rng = np.random.default_rng([seed, 41])
     out = []
     for conversation, task in zip(conversations, tasks, strict=True):
-        last = conversation[-1]
-        wrong = last["role"] == "assistant" and extract_boxed(last["content"]) is not None and not _answer_is(
-            last["content"], task["answer"])
+        answer = extract_boxed(conversation[-1]["content"]) if conversation[-1]["role"] == "assistant" else None
+        wrong = answer is not None and not _is_answer(answer, task["answer"])
         out.append(conversation + [note, *retry_turns(task)] if wrong and rng.random() < fraction else conversation)
     return out
 

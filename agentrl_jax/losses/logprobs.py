@@ -3,9 +3,9 @@
 A [B, T, V] float32 logits tensor for a 32k-token row at a 152k vocabulary is 20 GB, so
 nothing here builds it. The sequence is cut into spans of S positions, S = chunk_size // B, and
 one `lax.map` step takes the same span of every row: its logits [B * S, V] (at most
-`chunk_size` tokens) live only inside that step. The step is wrapped in `jax.checkpoint`, so
-the backward pass recomputes a chunk's logits instead of saving them: peak memory is
-O(chunk_size * V) whatever T is.
+`chunk_size` tokens, or B when B > chunk_size: S is at least 1) live only inside that step. The
+step is wrapped in `jax.checkpoint`, so the backward pass recomputes a chunk's logits instead
+of saving them: peak memory is O(max(chunk_size, B) * V) whatever T is.
 
 Chunks take every row, not consecutive flattened tokens, so that a batch split over devices
 stays split inside the loop: each device computes its own rows' logits. (A loop over chunks of

@@ -90,6 +90,7 @@ def test_one_actor_one_policy_and_what_the_run_does_not_do_are_errors():
 
 @pytest.mark.parametrize("fields, message", [
     (dict(checker_reward="fair"), "multi_policy.checker_reward: got 'fair'; allowed values are 'balanced', "),
+    (dict(checker_cold_start="labels"), "multi_policy.checker_cold_start: got 'labels'; allowed values are 'format', "),
     (dict(solver_second_tries=1.5), "multi_policy.solver_second_tries: 1.5 must be in [0, 1]"),
     (dict(solver_second_tries=0.5, critique_retries=0),
      "multi_policy.solver_second_tries (0.5) teaches second tries, which need multi_policy.critique_retries >= 1"),
@@ -102,6 +103,7 @@ def test_the_checker_reward_and_the_solvers_second_tries_are_validated_in_one_li
         apply_overrides(with_policies(PolicyConfig(name="p", actors=("a",)), **fields), environment)
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
     assert MultiPolicyConfig().checker_reward == "balanced" and MultiPolicyConfig().solver_second_tries == 0
+    assert MultiPolicyConfig().checker_cold_start == "format"
 
 
 def test_placement_by_devices_or_share_decides_concurrent_or_time_shared():
