@@ -57,6 +57,8 @@ DEFAULT_PARTS = ("train,procs2+async2,procs4,async4,train_xla,train_hlo,async2_l
 ESTIMATE_S = {"train": 240, "train_xla": 150, "train_hlo": 60, "procs2": 270, "procs4": 300, "prof4": 200}
 ESTIMATE_S.update({f"async{n}{arm}": s for n in (2, 4) for arm, s in
                    (("", 300), ("_lat0", 190), ("_s2", 150), ("_s4", 150), ("_stream", 300))})
+# 4 x H200 (1432672): sync and 6 of async's 8 steps took 522 s; the stream alone 292 s
+ESTIMATE_S.update(async4=570, async4_stream=330)
 RESERVE_S = 15  # the tables and the tar at the end
 ASSETS_LOG = os.path.join("logs", "async_assets.log")
 
