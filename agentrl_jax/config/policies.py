@@ -77,6 +77,9 @@ class MultiPolicyConfig(_Section):
         "format", "solver_checker SFT: the checker's verdicts on the solver's demonstrations. 'format': ACCEPT or "
                   "REJECT by a coin, independent of the answer (the format only; RL has to teach the judgment); "
                   "'labeled': the right verdict (it starts RL judging the scripted solver's mistakes).")
+    frozen: tuple[str, ...] = _f(
+        (), "Names of policies that act but RL never updates (their SFT cold start still runs): a fixed partner, "
+            "e.g. a checker trained against a solver that does not change.")
     schedule: Literal["auto", "concurrent", "time_shared"] = _f(
         "auto", "How the policies train: 'concurrent' (each on its own devices, at once), 'time_shared' (one "
                 "after the other); 'auto': concurrent when the policies' devices are disjoint.")
@@ -87,6 +90,10 @@ class MultiPolicyConfig(_Section):
         actors = [a for p in self.policies for a in p.actors]
         _require(len(set(actors)) == len(actors), "multi_policy.policies",
                  f"each actor is played by one policy; {sorted({a for a in actors if actors.count(a) > 1})} by several")
+        _require(set(self.frozen) <= set(names), "multi_policy.frozen",
+                 f"{list(self.frozen)} names policies that are not among {names}")
+        _require(not names or not set(names) <= set(self.frozen), "multi_policy.frozen",
+                 f"{list(self.frozen)} freezes every policy; at least one must train")
         _require(self.critique_retries >= 0, "multi_policy.critique_retries", "must be >= 0")
         _require(0 <= self.solver_second_tries <= 1, "multi_policy.solver_second_tries",
                  f"{self.solver_second_tries} must be in [0, 1]")

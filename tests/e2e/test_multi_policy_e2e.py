@@ -99,3 +99,23 @@ def test_self_play_one_policy_plays_both_roles_in_one_transcript(tmp_path):
     # both actors' rows: 2 prompts x 2 samples x 2 actors
     assert row["team/rollout/sampled_tokens"] > 0 and row["team/update_norm"] > 0
     assert (tmp_path / "export" / "team" / "config.json").exists()
+
+
+def test_a_frozen_policy_acts_and_never_changes_while_the_other_trains(tmp_path):
+    """multi_policy.frozen: the solver plays its turns but is never updated (its export is its
+    scratch initialization, bit for bit); the checker trains on the same episodes."""
+    config = load_config("configs/multi_policy_demo.py", [f"output_dir={tmp_path}", "total_steps=2",
+                                                          'multi_policy.frozen=["solver"]', *SMOKE])
+    assert config.multi_policy.frozen == ("solver",)
+    train(config)
+    rows = _rows(tmp_path, "checker")
+    assert sorted(rows) == [1, 2]
+    for row in rows.values():
+        assert row["checker/update_norm"] > 0 and "solver/loss" not in row and "solver/update_norm" not in row
+        assert row["solver/rollout/sampled_tokens"] > 0  # it still acts
+    [initial] = [p.parent for p in (tmp_path / "policies" / "solver").rglob("config.json")
+                 if "export" not in p.parts and "checkpoints" not in p.parts]
+    start = split_params(load_hf_checkpoint(str(initial)))[1]
+    for name, same in (("solver", True), ("checker", False)):
+        pairs = zip(jax.tree.leaves(start), jax.tree.leaves(_exported(tmp_path, name)))
+        assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs) == same, name

@@ -92,6 +92,8 @@ def test_one_actor_one_policy_and_what_the_run_does_not_do_are_errors():
     (dict(checker_reward="fair"), "multi_policy.checker_reward: got 'fair'; allowed values are 'balanced', "),
     (dict(checker_cold_start="labels"), "multi_policy.checker_cold_start: got 'labels'; allowed values are 'format', "),
     (dict(solver_second_tries=1.5), "multi_policy.solver_second_tries: 1.5 must be in [0, 1]"),
+    (dict(frozen=("q",)), "multi_policy.frozen: ['q'] names policies that are not among ['p']"),
+    (dict(frozen=("p",)), "multi_policy.frozen: ['p'] freezes every policy; at least one must train"),
     (dict(solver_second_tries=0.5, critique_retries=0),
      "multi_policy.solver_second_tries (0.5) teaches second tries, which need multi_policy.critique_retries >= 1"),
     (dict(solver_second_tries=0.5, environment="retool"), "multi_policy.solver_second_tries (0.5) writes second "

@@ -208,8 +208,11 @@ class _Team:
         weigh_verdicts(self.config, episodes)
         t_rollout = time.perf_counter() - t0
         rows = {p.name: policy_trajectories(episodes, p.spec.actors) for p in self.policies}
+        frozen = set(self.config.multi_policy.frozen)
 
         def train(policy: Policy):
+            if policy.name in frozen:  # it acts, never learns: its state and engine stay as they are
+                return policy.state, {}
             t = time.perf_counter()
             state, metrics, _ = train_step(policy.rl, policy.state, policy.version, step, rows[policy.name], None)
             return state, {**metrics, "time/update": time.perf_counter() - t}
@@ -221,9 +224,10 @@ class _Team:
         t1 = time.perf_counter()
         metrics = team_metrics(episodes)
         for policy, (state, policy_metrics) in zip(self.policies, trained):
-            policy.state = state
-            policy.version = await stages.push_weights(policy.driver, lambda p: p, state.params, policy.version)
-            policy.rl.old_policy.on_version(policy.version, state.params)
+            if policy.name not in frozen:
+                policy.state = state
+                policy.version = await stages.push_weights(policy.driver, lambda p: p, state.params, policy.version)
+                policy.rl.old_policy.on_version(policy.version, state.params)
             if rows[policy.name]:  # rewards, lengths, ... of its own rows
                 policy_metrics.update(rollout_metrics(rows[policy.name]))
             policy_metrics.update({f"rollout/engine/{k}": float(v) for k, v in policy.driver.stats().items()})
