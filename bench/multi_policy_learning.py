@@ -50,10 +50,12 @@ TINY = ["model.scratch.hidden_size=32", "model.scratch.intermediate_size=64", "m
 TINY_ENV = {"retool_small": ["environment.num_demonstrations=8"]}
 # Held-out pass@1 of the final answer, per arm; the team's solver before any critique.
 PASS = {"team": "eval/team/final_correct", "solo": "eval/pass_at_1"}
-TEAM_TRAIN_KEYS = ["checker/accuracy", "checker/balanced_accuracy", "checker/malformed", "checker/rejected",
-                   "critique/wrong_first", "critique/wrong_to_right_rate", "team/first_correct", "team/final_correct"]
+TEAM_TRAIN_KEYS = ["checker/accuracy", "checker/balanced_accuracy", "checker/accepts_right", "checker/rejects_wrong",
+                   "checker/malformed", "checker/rejected", "critique/wrong_first", "critique/wrong_to_right_rate",
+                   "team/first_correct", "team/final_correct"]
 # The team's held-out checker metrics kept with each evaluation (balanced accuracy: 0.5 for a constant verdict).
-TEAM_EVAL_KEYS = ["checker/accuracy", "checker/balanced_accuracy", "checker/rejected", "critique/wrong_to_right_rate"]
+TEAM_EVAL_KEYS = ["checker/accuracy", "checker/balanced_accuracy", "checker/accepts_right", "checker/rejects_wrong",
+                  "checker/rejected", "critique/wrong_to_right_rate"]
 CHILD = (
     "import dataclasses, json, sys\n"
     "from agentrl_jax.config import load_config\n"
@@ -173,7 +175,8 @@ def per_seed_table(summary: dict) -> str:
         return "-" if value is None else f"{value:.3f}"
 
     lines = ["| seed | team final | team's solver, first answer | solo at the team's tokens | checker accuracy | "
-             "checker balanced accuracy | checker rejects | critique wrong-to-right |", "|---" * 8 + "|"]
+             "checker balanced accuracy | accepts right | rejects wrong | checker rejects | critique wrong-to-right |",
+             "|---" * 10 + "|"]
     for p in summary["per_seed"]:
         end = p["team_end"]
         lines.append(f"| {p['seed']} | {p['team_pass_at_1']:.3f} | {p['team_first_correct']:.3f} | "

@@ -42,6 +42,8 @@ def test_the_solo_arm_is_read_at_the_teams_sampled_tokens(tmp_path):
     assert bench.pass_at(solo["evals"], "tokens", 400.0) == (0.6, True)  # past its last evaluation
     assert summary["stats"]["team_pass_at_1"] == {"mean": 0.4, "std": 0.0, "min": 0.4, "max": 0.4}
     assert "| solo: at the team's sampled tokens | 0.400 |" in bench.table(summary)
+    lines = bench.per_seed_table(summary).splitlines()
+    assert len({line.count("|") for line in lines}) == 1, lines  # a column per checker metric
 
 
 @pytest.mark.parametrize("argv, message", [(["--solo-factor", "0.5"], "--solo-factor (0.5) must be >= 1"),

@@ -221,4 +221,9 @@ def test_the_checkers_role_reward_is_weighed_by_its_class_within_the_step(rule):
         np.testing.assert_allclose([e.trajectories["checker"].reward for e in alone], [1, 1 / 3, 1 / 3, 0])
     assert [e.trajectories["solver"].reward for e in eps] == [1.0, 1.0, 0.0, 0.0]
     # balanced accuracy: right on 1 of 1 right first answers, on 2 of 3 wrong ones
-    assert team_metrics(eps)["checker/balanced_accuracy"] == pytest.approx((1 + 2 / 3) / 2)
+    metrics = team_metrics(eps)
+    assert metrics["checker/balanced_accuracy"] == pytest.approx((1 + 2 / 3) / 2)
+    assert metrics["checker/accepts_right"] == 1.0 and metrics["checker/rejects_wrong"] == pytest.approx(2 / 3)
+    only_wrong = team_metrics(eps[1:])  # no right first answer: no balanced accuracy, no accepts_right
+    assert "checker/balanced_accuracy" not in only_wrong and "checker/accepts_right" not in only_wrong
+    assert only_wrong["checker/rejects_wrong"] == pytest.approx(2 / 3)

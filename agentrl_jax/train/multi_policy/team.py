@@ -125,8 +125,10 @@ def team_metrics(episodes: Sequence[MultiActorEpisode], prefix: str = "") -> dic
     """The episodes' own metrics averaged (checker accuracy, first / final correct, ...),
     ``critique/wrong_to_right_rate``: of the wrong first answers the checker rejected, the
     fraction whose second try was correct (absent when there were none), and
-    ``checker/balanced_accuracy``: the share judged right on right first answers and on wrong
-    ones, averaged (0.5 for a constant verdict; absent unless both occurred)."""
+    ``checker/accepts_right`` and ``checker/rejects_wrong``: the share of right first answers
+    accepted and of wrong ones rejected (each absent when its class did not occur), and
+    ``checker/balanced_accuracy``: their mean (0.5 for a constant verdict; absent unless both
+    occurred)."""
     results = [e.result for e in episodes if not e.result.masked]
     keys = sorted({k for r in results for k in r.metrics})
     out = {f"{prefix}{k}": float(np.mean([r.metrics.get(k, 0.0) for r in results])) for k in keys}
@@ -135,6 +137,9 @@ def team_metrics(episodes: Sequence[MultiActorEpisode], prefix: str = "") -> dic
         out[f"{prefix}critique/wrong_to_right_rate"] = sums["critique/wrong_to_right"] / sums["critique/wrong_first"]
     judged = [r.metrics for r in results if "checker/accuracy" in r.metrics]
     classes = [[m["checker/accuracy"] for m in judged if m["team/first_correct"] == c] for c in (0.0, 1.0)]
+    for name, judged_right in (("rejects_wrong", classes[0]), ("accepts_right", classes[1])):
+        if judged_right:  # the two halves of the balanced accuracy, each where its class occurred
+            out[f"{prefix}checker/{name}"] = float(np.mean(judged_right))
     if all(classes):  # the mean over right and wrong first answers of the share judged right
         out[f"{prefix}checker/balanced_accuracy"] = float(np.mean([np.mean(c) for c in classes]))
     out[f"{prefix}team/masked_episodes"] = float(len(episodes) - len(results))
