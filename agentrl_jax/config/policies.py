@@ -80,6 +80,9 @@ class MultiPolicyConfig(_Section):
     frozen: tuple[str, ...] = _f(
         (), "Names of policies that act but RL never updates (their SFT cold start still runs): a fixed partner, "
             "e.g. a checker trained against a solver that does not change.")
+    alternate_every: int = _f(
+        0, "Train the policies in turns of this many steps each, in their order (the others act, frozen, "
+           "meanwhile), so each learns against partners that hold still; 0: every policy every step.")
     schedule: Literal["auto", "concurrent", "time_shared"] = _f(
         "auto", "How the policies train: 'concurrent' (each on its own devices, at once), 'time_shared' (one "
                 "after the other); 'auto': concurrent when the policies' devices are disjoint.")
@@ -94,6 +97,7 @@ class MultiPolicyConfig(_Section):
                  f"{list(self.frozen)} names policies that are not among {names}")
         _require(not names or not set(names) <= set(self.frozen), "multi_policy.frozen",
                  f"{list(self.frozen)} freezes every policy; at least one must train")
+        _require(self.alternate_every >= 0, "multi_policy.alternate_every", f"{self.alternate_every} must be >= 0")
         _require(self.critique_retries >= 0, "multi_policy.critique_retries", "must be >= 0")
         _require(0 <= self.solver_second_tries <= 1, "multi_policy.solver_second_tries",
                  f"{self.solver_second_tries} must be in [0, 1]")
@@ -106,6 +110,15 @@ class MultiPolicyConfig(_Section):
     @property
     def enabled(self) -> bool:
         return bool(self.policies)
+
+    def frozen_at(self, step: int) -> set[str]:
+        """The policies not trained at ``step`` (0-based): ``frozen``, and with ``alternate_every``
+        every trainable policy but the one whose turn it is."""
+        trainable = [p.name for p in self.policies if p.name not in self.frozen]
+        if not self.alternate_every or not trainable:
+            return set(self.frozen)
+        turn = trainable[(step // self.alternate_every) % len(trainable)]
+        return {p.name for p in self.policies} - {turn}
 
     def placement(self, num_devices: int) -> list[tuple[int, ...]]:
         """Each policy's device indices out of ``num_devices``: its ``devices``, its ``share`` (a

@@ -53,3 +53,20 @@ def test_a_bad_option_is_one_error_line(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_the_checkers_verdicts_by_class_are_read_where_logged_and_derived_where_not(tmp_path, capsys):
+    bench = load_script("bench/multi_policy_checker.py")
+    # 10 first answers, 4 right (3 accepted) and 6 wrong (2 rejected): rejected 3 of 10
+    old = {"team/first_correct": 0.4, "checker/balanced_accuracy": (0.75 + 2 / 6) / 2, "checker/rejected": 0.3}
+    assert bench.verdict_rates(old) == pytest.approx((0.75, 2 / 6))
+    assert bench.verdict_rates({**old, "checker/accepts_right": 1.0, "checker/rejects_wrong": 0.5}) == (1.0, 0.5)
+    assert bench.verdict_rates({"team/first_correct": 0.4}) is None  # no class data: no point
+    run = tmp_path / "run" / "team" / "seed0"
+    write_metrics(run, [{"step": 0, **{f"eval/{k}": v for k, v in old.items()}},
+                        {"step": 1, **old}, {"step": 2, "checker/accepts_right": 1.0, "checker/rejects_wrong": 0.5}])
+    out = tmp_path / "plot.png"
+    bench.main([str(tmp_path / "run"), "--labels", "both train", "--out", str(out)])
+    assert "| both train | 0 | 0.75 (0) | 0.33 (0) |" in capsys.readouterr().out and out.stat().st_size > 0
+    [seed] = bench.read_run(tmp_path / "run").values()
+    assert [s for s, _, _ in seed["train"]] == [1, 2] and [s for s, _, _ in seed["eval"]] == [0]

@@ -94,6 +94,7 @@ def test_one_actor_one_policy_and_what_the_run_does_not_do_are_errors():
     (dict(solver_second_tries=1.5), "multi_policy.solver_second_tries: 1.5 must be in [0, 1]"),
     (dict(frozen=("q",)), "multi_policy.frozen: ['q'] names policies that are not among ['p']"),
     (dict(frozen=("p",)), "multi_policy.frozen: ['p'] freezes every policy; at least one must train"),
+    (dict(alternate_every=-1), "multi_policy.alternate_every: -1 must be >= 0"),
     (dict(solver_second_tries=0.5, critique_retries=0),
      "multi_policy.solver_second_tries (0.5) teaches second tries, which need multi_policy.critique_retries >= 1"),
     (dict(solver_second_tries=0.5, environment="retool"), "multi_policy.solver_second_tries (0.5) writes second "
@@ -227,3 +228,12 @@ def test_the_checkers_role_reward_is_weighed_by_its_class_within_the_step(rule):
     only_wrong = team_metrics(eps[1:])  # no right first answer: no balanced accuracy, no accepts_right
     assert "checker/balanced_accuracy" not in only_wrong and "checker/accepts_right" not in only_wrong
     assert only_wrong["checker/rejects_wrong"] == pytest.approx(2 / 3)
+
+
+def test_alternating_turns_train_one_policy_at_a_time_and_skip_the_frozen():
+    three = [PolicyConfig(name=n, actors=(n,)) for n in ("a", "b", "c")]
+    mp = MultiPolicyConfig(policies=tuple(three))
+    assert [mp.frozen_at(s) for s in (0, 7)] == [set(), set()]  # the default: all train at every step
+    assert dataclasses.replace(mp, frozen=("b",)).frozen_at(3) == {"b"}
+    turns = dataclasses.replace(mp, alternate_every=2, frozen=("b",))  # a, a, c, c, a, a, ...
+    assert [sorted({"a", "b", "c"} - turns.frozen_at(s)) for s in range(6)] == [["a"], ["a"], ["c"], ["c"], ["a"], ["a"]]

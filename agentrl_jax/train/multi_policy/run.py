@@ -208,7 +208,7 @@ class _Team:
         weigh_verdicts(self.config, episodes)
         t_rollout = time.perf_counter() - t0
         rows = {p.name: policy_trajectories(episodes, p.spec.actors) for p in self.policies}
-        frozen = set(self.config.multi_policy.frozen)
+        frozen = self.config.multi_policy.frozen_at(step)
 
         def train(policy: Policy):
             if policy.name in frozen:  # it acts, never learns: its state and engine stay as they are
