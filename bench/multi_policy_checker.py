@@ -34,10 +34,13 @@ def verdict_rates(row: dict, prefix: str = "") -> tuple[float, float] | None:
 
 
 def read_run(folder: Path) -> dict[int, dict]:
-    """Per seed: {"train": [(step, accepts, rejects)], "eval": [...]} from team/seed*/metrics."""
+    """Per seed: {"train": [(step, accepts, rejects)], "eval": [...]} from the metrics of
+    ``folder``'s team runs (runs/<out>/team/seed<N>/metrics/metrics.jsonl)."""
     seeds = {}
-    for path in sorted(folder.glob("team/seed*/metrics/metrics.jsonl")):
-        seed = int(path.parts[-3].removeprefix("seed"))
+    for run in sorted((folder / "team").glob("seed*")):
+        path, seed = run / "metrics" / "metrics.jsonl", int(run.name.removeprefix("seed"))
+        if not path.exists():
+            continue
         train, evals = [], []
         for line in path.read_text().splitlines():
             row = json.loads(line)
@@ -48,7 +51,8 @@ def read_run(folder: Path) -> dict[int, dict]:
         if train or evals:  # (a run still in its SFT has none yet)
             seeds[seed] = {"train": train, "eval": evals}
     if not seeds:
-        raise SystemExit(f"{folder}: no team/seed*/metrics/metrics.jsonl (a bench/multi_policy_learning.py --out)")
+        raise SystemExit(f"{folder}: no team runs' metrics in it (runs/<out>/team/seed<N>/metrics/metrics.jsonl, "
+                         "where <out> is bench/multi_policy_learning.py's --out)")
     return seeds
 
 
