@@ -82,7 +82,8 @@ class MultiPolicyConfig(_Section):
             "e.g. a checker trained against a solver that does not change.")
     alternate_every: int = _f(
         0, "Train the policies in turns of this many steps each, in their order (the others act, frozen, "
-           "meanwhile), so each learns against partners that hold still; 0: every policy every step.")
+           "meanwhile), so each learns against partners that hold still; 0: every policy every step. A "
+           "policy's optimizer (and its learning-rate schedule) advances only on the steps it trains.")
     schedule: Literal["auto", "concurrent", "time_shared"] = _f(
         "auto", "How the policies train: 'concurrent' (each on its own devices, at once), 'time_shared' (one "
                 "after the other); 'auto': concurrent when the policies' devices are disjoint.")

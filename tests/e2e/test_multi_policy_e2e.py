@@ -113,9 +113,9 @@ def test_a_frozen_policy_acts_and_never_changes_while_the_other_trains(tmp_path)
     for row in rows.values():
         assert row["checker/update_norm"] > 0 and "solver/loss" not in row and "solver/update_norm" not in row
         assert row["solver/rollout/sampled_tokens"] > 0  # it still acts
-    [initial] = [p.parent for p in (tmp_path / "policies" / "solver").rglob("config.json")
-                 if "export" not in p.parts and "checkpoints" not in p.parts]
-    start = split_params(load_hf_checkpoint(str(initial)))[1]
-    for name, same in (("solver", True), ("checker", False)):
-        pairs = zip(jax.tree.leaves(start), jax.tree.leaves(_exported(tmp_path, name)))
+    for name, same in (("solver", True), ("checker", False)):  # each against its own scratch initialization
+        [initial] = [p.parent for p in (tmp_path / "policies" / name).rglob("config.json")
+                     if "export" not in p.parts and "checkpoints" not in p.parts]
+        start = split_params(load_hf_checkpoint(str(initial)))[1]
+        pairs = zip(jax.tree.leaves(start), jax.tree.leaves(_exported(tmp_path, name)), strict=True)
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs) == same, name
