@@ -78,12 +78,12 @@ def apply_overrides(config: Config, overrides: Sequence[str]) -> Config:
     Raises:
       ConfigError: naming the key for an unknown key, a malformed item or a bad value.
     """
-    items = []
+    items, per_policy = [], []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. optimizer.learning_rate=1e-6")
         key, text = item.split("=", 1)
-        items.append((key.strip(), text.strip()))
+        (per_policy if key.strip().startswith(POLICY_PREFIX) else items).append((key.strip(), text.strip()))
     names = {key[: -len(".name")]: text for key, text in items if key.endswith(".name")}
     raw: dict[str, Any] = {}
     for key, text in items:
@@ -112,7 +112,42 @@ def apply_overrides(config: Config, overrides: Sequence[str]) -> Config:
                 if dataclasses.is_dataclass(tp):
                     raise ConfigError(f"override {key!r}: is a section; set one of its fields")
                 raw[key] = _parse_value(text, tp, key)
-    return _replace_nested(config, raw)
+    return _override_policies(_replace_nested(config, raw), per_policy)
+
+
+#: ``multi_policy.policies.<name>.<key>=value`` sets one policy's own setting (docs/multi_policy.md).
+POLICY_PREFIX = "multi_policy.policies."
+
+
+def _override_policies(config: Config, items: Sequence[tuple[str, str]]) -> Config:
+    """Apply ``multi_policy.policies.<name>.<key>=value`` items, in order, after the run's own.
+
+    ``<key>`` is either ``section.field`` over a section a policy may set (``optimizer``,
+    ``algorithm``, ...), appended to that policy's ``overrides`` (so it wins over the config
+    file's; it is checked when the policy's Config is built), or one of the policy's own fields
+    (``actors``, ``devices``, ``share``, ``checkpoint_dir``).
+    """
+    from agentrl_jax.config.policies import POLICY_SECTIONS, PolicyConfig
+
+    own = [f for f in _fields(PolicyConfig) if f not in ("name", "overrides")]
+    for key, text in items:
+        name, _, rest = key[len(POLICY_PREFIX):].partition(".")
+        mp = config.multi_policy
+        names = [p.name for p in mp.policies]
+        if name not in names:
+            raise ConfigError(f"override {key!r}: no policy named {name!r}; the run's policies are "
+                              f"{', '.join(names) if names else '(none: multi_policy.policies is empty)'}")
+        policy = mp.policies[names.index(name)]
+        if rest.split(".", 1)[0] in POLICY_SECTIONS and "." in rest:
+            policy = dataclasses.replace(policy, overrides=(*policy.overrides, f"{rest}={text}"))
+        elif rest in own:
+            policy = dataclasses.replace(policy, **{rest: _parse_value(text, typing.get_type_hints(PolicyConfig)[rest], key)})
+        else:
+            raise ConfigError(f"override {key!r}: after the policy's name expected section.field over "
+                              f"{', '.join(POLICY_SECTIONS)}, or one of {', '.join(own)}; got {rest!r}")
+        policies = tuple(policy if p.name == name else p for p in mp.policies)
+        config = dataclasses.replace(config, multi_policy=dataclasses.replace(mp, policies=policies))
+    return config
 
 
 def _switch_variant(obj: Any, cls: type, updates: dict[str, Any]) -> Any:

@@ -47,6 +47,40 @@ def test_no_policies_is_the_single_policy_config_and_policies_round_trip():
     assert own.output_dir == f"{config.output_dir}/policies/checker"
 
 
+def test_a_policys_own_settings_from_the_command_line():
+    team = load_config(str(CONFIGS / "multi_policy_arith.py"), [
+        "multi_policy.policies.checker.optimizer.learning_rate=1e-3",
+        "multi_policy.policies.checker.algorithm.advantage=grpo",  # over the config file's drgrpo
+        "optimizer.learning_rate=1e-4",  # the run's, under every policy's own
+        "multi_policy.policies.solver.share=0", "multi_policy.policies.solver.devices=[1]"])
+    solver, checker = team.multi_policy.policies
+    assert (solver.share, solver.devices, solver.overrides) == (0, (1,), ())
+    assert checker.overrides[-2:] == ("optimizer.learning_rate=1e-3", "algorithm.advantage=grpo")
+    own = [policy_config(team, p) for p in team.multi_policy.policies]
+    assert [c.optimizer.learning_rate for c in own] == [1e-4, 1e-3]
+    assert [c.algorithm.advantage for c in own] == ["grpo", "grpo"] and own[1].sft.steps == 40
+    assert team.multi_policy.placement(2) == [(1,), (0,)]  # the checker's share: the first block
+
+
+@pytest.mark.parametrize("item, message", [
+    ("multi_policy.policies.judge.optimizer.learning_rate=1", "override 'multi_policy.policies.judge.optimizer."
+                                                             "learning_rate': no policy named 'judge'; the run's "
+                                                             "policies are solver, checker"),
+    ("multi_policy.policies.checker.optimizer.learning_rat=1", "multi_policy.policies[checker]: override "
+                                                              "'optimizer.learning_rat': unknown key"),
+    ("multi_policy.policies.checker.data.prompts_per_step=2", "override 'multi_policy.policies.checker.data."
+                                                             "prompts_per_step': after the policy's name expected"),
+    ("multi_policy.policies.checker.optimizer=1", "override 'multi_policy.policies.checker.optimizer': after"),
+    ("multi_policy.policies.checker.share=half", "multi_policy.policies.checker.share: expected a float"),
+])
+def test_a_bad_policy_setting_from_the_command_line_is_one_line(item, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(str(CONFIGS / "multi_policy_arith.py"), [item])
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="no policy named 'checker'; the run's policies are \\(none"):
+        load_config(str(CONFIGS / "demo.py"), ["multi_policy.policies.checker.optimizer.learning_rate=1"])
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(overrides=("data.prompts_per_step=2",)),
      "multi_policy.policies[p].overrides: 'data.prompts_per_step=2': a policy sets only"),
