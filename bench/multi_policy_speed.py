@@ -5,7 +5,9 @@ Two runs, each in its own process (JAX preallocates the cards):
 - concurrent: the solver on the first half of the devices, the checker on the second half;
   both engines decode at once and both policies train at once (each a thread);
 - time_shared: both policies on every device (each its own engine and FSDP train state),
-  trained one after the other.
+  trained one after the other (the baseline of the ratios);
+- async: concurrent, and the next step's episodes are collected while both policies train
+  (``async_rl.max_staleness=1`` for each, one step off-policy, TIS-corrected).
 
     python bench/multi_policy_speed.py --steps 10 --out runs/multi_policy_speed                 # 2 GPUs
     python bench/multi_policy_speed.py --steps 2 --cpu 2 --tiny --out /tmp/mp_speed             # CPU dry run
@@ -32,6 +34,8 @@ from bench.workers import stop_workers_with_the_bench  # noqa: E402
 MODES = {
     "concurrent": ["multi_policy.schedule=concurrent"],
     "time_shared": ["multi_policy.schedule=time_shared"],
+    "async": ["multi_policy.schedule=concurrent", "async_rl.enabled=true", "async_rl.max_staleness=1",
+              "algorithm.correction=tis"],
 }
 # A ~1M-parameter model and small batches: what a 2-core CPU runs in a minute or two.
 TINY = ["model.scratch.hidden_size=32", "model.scratch.intermediate_size=64", "model.scratch.num_layers=1",
@@ -53,7 +57,9 @@ def run_mode(mode: str, args) -> dict:
         "    mp = config.multi_policy\n"
         "    config = dataclasses.replace(config, multi_policy=dataclasses.replace(mp, policies=tuple(\n"
         "        dataclasses.replace(p, share=0.0) for p in mp.policies)))\n"
-        "train_multi(config)\n")
+        "train_multi(config)\n"
+        "import jax, pathlib\n"
+        "pathlib.Path(config.output_dir, 'device.txt').write_text(f'{jax.device_count()} x {jax.devices()[0].device_kind}')\n")
     overrides = [f"output_dir={out}", f"total_steps={args.steps}", "checkpoint.every_steps=0", "logging.progress=false",
                  "logging.tensorboard=false", *MODES[mode], *(TINY if args.tiny else []), *args.set]
     env = dict(os.environ)
@@ -75,7 +81,11 @@ def summarize(out: Path, warmup: int) -> dict:
     return {"steps_timed": len(timed), "trajectories_per_s": episodes / seconds, "seconds_per_step": seconds / len(timed),
             "median_seconds_per_step": statistics.median(r["time/step"] for r in timed),
             "step_seconds": [round(r["time/step"], 4) for r in timed],
-            "rl_seconds": results["rl_seconds"], "schedule": results["schedule"]}
+            "median_rollout_seconds": statistics.median(r["time/rollout"] for r in timed),
+            "median_update_seconds": statistics.median(  # the longer of the policies' updates
+                max(v for k, v in r.items() if k.endswith("/time/update")) for r in timed),
+            "rl_seconds": results["rl_seconds"], "schedule": results["schedule"],
+            "device": (out / "device.txt").read_text()}
 
 
 def main() -> None:
@@ -90,16 +100,20 @@ def main() -> None:
     args = parser.parse_args()
     stop_workers_with_the_bench()
     found = {mode: run_mode(mode, args) for mode in args.modes}
-    print("| mode | schedule | steps timed | trajectories/s | s/step | median s/step | RL wall s |\n"
-          "|---|---|---|---|---|---|---|")
+    print(f"device: {next(iter(found.values()))['device']}")
+    print("| mode | schedule | steps timed | trajectories/s | s/step | median s/step | rollout s (median) | "
+          "update s (median) | RL wall s |\n|---|---|---|---|---|---|---|---|---|")
     for mode, r in found.items():
         print(f"| {mode} | {r['schedule']} | {r['steps_timed']} | {r['trajectories_per_s']:.2f} | "
-              f"{r['seconds_per_step']:.3f} | {r['median_seconds_per_step']:.3f} | {r['rl_seconds']:.1f} |")
+              f"{r['seconds_per_step']:.3f} | {r['median_seconds_per_step']:.3f} | {r['median_rollout_seconds']:.3f} | "
+              f"{r['median_update_seconds']:.3f} | {r['rl_seconds']:.1f} |")
     for mode, r in found.items():
         print(f"{mode}: s per timed step {r['step_seconds']}")
-    if len(found) == 2:
-        print(f"concurrent / time-shared trajectories/s: "
-              f"{found['concurrent']['trajectories_per_s'] / found['time_shared']['trajectories_per_s']:.2f}x")
+    if "time_shared" in found:
+        for mode, r in found.items():
+            if mode != "time_shared":
+                print(f"{mode} / time-shared trajectories/s: "
+                      f"{r['trajectories_per_s'] / found['time_shared']['trajectories_per_s']:.2f}x")
     (Path(args.out) / "speed.json").write_text(json.dumps(found, indent=2))
 
 

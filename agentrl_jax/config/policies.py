@@ -2,7 +2,8 @@
 
 Each policy is today's single-policy config with its own overrides: ``PolicyConfig.overrides``
 are ``section.field=value`` strings (as ``--set`` takes) over the run's sections ``model``,
-``optimizer``, ``algorithm``, ``rollout``, ``critic``, ``sft`` and ``mesh``; the result
+``optimizer``, ``algorithm``, ``rollout``, ``critic``, ``sft``, ``mesh`` and ``async_rl`` (its
+staleness bound); the result
 (``policy_config``) is validated exactly as a single-policy Config is, and each error names
 the policy. What every policy shares stays the run's: the tasks (``data``,
 ``environment``), ``total_steps``, ``seed``, ``eval``. With no policies (the default) the
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from agentrl_jax.config.sections import Config
 
 #: The sections a policy may set on its own; the rest is the run's, shared by every policy.
-POLICY_SECTIONS = ("model", "optimizer", "algorithm", "rollout", "critic", "sft", "mesh")
+POLICY_SECTIONS = ("model", "optimizer", "algorithm", "rollout", "critic", "sft", "mesh", "async_rl")
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class PolicyConfig(_Section):
     actors: tuple[str, ...] = _f((), "The episode's actors this policy plays (several: shared weights, roles by "
                                      "prompt).")
     overrides: tuple[str, ...] = _f((), "section.field=value over the run's model, optimizer, algorithm, rollout, "
-                                        "critic, sft and mesh sections (e.g. 'model.path=/ckpt').")
+                                        "critic, sft, mesh and async_rl sections (e.g. 'model.path=/ckpt').")
     devices: tuple[int, ...] = _f((), "Indices into jax.devices() of the policy's engine and trainer (its "
                                       "sub-mesh); empty: its share, else all devices (time-shared).")
     share: float = _f(0.0, "With no devices: this fraction of the devices, a block after the blocks of the "
@@ -169,16 +170,23 @@ def check_policies(config: Config) -> None:
     does not do (a config check: ``Config.validate`` runs it)."""
     if not config.multi_policy.enabled:
         return
-    unsupported = {"async_rl.enabled": config.async_rl.enabled, "hybrid.mode": config.hybrid.mode != "none",
-                   "hybrid.judge": config.hybrid.judge != "none", "data.sft_path": bool(config.data.sft_path)}
+    unsupported = {"hybrid.mode": config.hybrid.mode != "none", "hybrid.judge": config.hybrid.judge != "none",
+                   "data.sft_path": bool(config.data.sft_path)}
     for key, asked in unsupported.items():
-        _require(not asked, key, "is not supported with multi_policy.policies yet (synchronous rollouts only, no "
-                                 "teacher or judge, SFT from the episode's own demonstrations); leave it at its default")
+        _require(not asked, key, "is not supported with multi_policy.policies yet (no teacher or judge, SFT from "
+                                 "the episode's own demonstrations); leave it at its default")
     _require(not config.multi_policy.solver_second_tries or config.environment.name == "arithmetic",
              "multi_policy.solver_second_tries", f"({config.multi_policy.solver_second_tries}) writes second tries "
              f"for environment.name='arithmetic' only, not {config.environment.name!r}; set it to 0")
     for policy in config.multi_policy.policies:
         own = policy_config(config, policy)
+        if own.async_rl.enabled:  # the multi-policy pipeline: the next step's episodes while this one trains
+            where = f"multi_policy.policies[{policy.name}].async_rl"
+            _require(own.async_rl.mode == "step" and own.async_rl.placement == "colocated", where,
+                     f"mode={own.async_rl.mode!r}, placement={own.async_rl.placement!r}: several policies run "
+                     "async_rl.mode='step' with placement='colocated' only (each policy's devices decode and train)")
+            _require(own.async_rl.max_staleness <= 1, f"{where}.max_staleness",
+                     f"({own.async_rl.max_staleness}) the multi-policy pipeline collects one step ahead: set 0 or 1")
         if own.sft.steps:  # a resumed run rebuilds no post-SFT frozen copy; the views must be the demos' layout
             _require(not config.multi_policy.shared_view and own.algorithm.kl_coef == 0 and not own.model.lora.rank,
                      f"multi_policy.policies[{policy.name}].sft.steps", "SFT of a policy is supported with its own "

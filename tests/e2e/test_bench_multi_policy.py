@@ -15,11 +15,16 @@ def test_the_summary_times_the_steps_after_the_warmup(tmp_path):
     # (time/step, trajectories/s): 8 episodes a step
     steps = [(10.0, 0.8), (2.0, 4.0), (4.0, 2.0)]
     rows = [{"step": 0, "eval/team/final_correct": 0.0}]
-    rows += [{"step": i, "time/step": t, "throughput/trajectories_per_s": r} for i, (t, r) in enumerate(steps, 1)]
+    rows += [{"step": i, "time/step": t, "throughput/trajectories_per_s": r, "time/rollout": t / 2,
+              "solver/time/update": t / 4, "checker/time/update": t / 8} for i, (t, r) in enumerate(steps, 1)]
     (tmp_path / "metrics" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     (tmp_path / "results.json").write_text(json.dumps({"rl_seconds": 17.0, "schedule": "concurrent"}))
+    (tmp_path / "device.txt").write_text("2 x NVIDIA H200")
     summary = bench.summarize(tmp_path, warmup=1)
     assert summary["steps_timed"] == 2 and summary["seconds_per_step"] == pytest.approx(3.0)
     assert summary["trajectories_per_s"] == pytest.approx(16 / 6)
     assert summary["median_seconds_per_step"] == 3.0 and summary["step_seconds"] == [2.0, 4.0]
     assert (summary["rl_seconds"], summary["schedule"]) == (17.0, "concurrent")
+    # the medians of the timed steps' rollout and of their longer update
+    assert (summary["median_rollout_seconds"], summary["median_update_seconds"]) == (1.5, 0.75)
+    assert summary["device"] == "2 x NVIDIA H200"

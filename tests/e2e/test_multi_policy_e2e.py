@@ -119,3 +119,40 @@ def test_a_frozen_policy_acts_and_never_changes_while_the_other_trains(tmp_path)
         start = split_params(load_hf_checkpoint(str(initial)))[1]
         pairs = zip(jax.tree.leaves(start), jax.tree.leaves(_exported(tmp_path, name)), strict=True)
         assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in pairs) == same, name
+
+
+# The solver collects one step ahead (async_rl, bound 1), the checker stays on-policy (its own bound
+# 0); a checkpoint every 2 steps: step 1 ends at a boundary, so nothing runs ahead across it.
+ASYNC = ["async_rl.enabled=true", "async_rl.max_staleness=1", "algorithm.correction=tis",
+         "multi_policy.policies.checker.async_rl.max_staleness=0", "checkpoint.every_steps=2"]
+
+
+def test_async_per_policy_bounds_each_policys_staleness(tmp_path):
+    """The next step's episodes are collected while the solver trains, on its weights from before
+    the update: its tokens trained after a step that ran ahead are exactly one version old; the
+    checker trains first and pushes before that collection, so its tokens are never stale."""
+    train(load_config("configs/multi_policy_demo.py", [f"output_dir={tmp_path}", "total_steps=4", *SMOKE, *ASYNC]))
+    solver, checker = _rows(tmp_path, "solver"), _rows(tmp_path, "checker")
+    assert sorted(solver) == sorted(checker) == [1, 2, 3, 4]
+    # step 1 (index 0) ran ahead -> step 2 trained 1-stale tokens; step 2 saved (a boundary) -> step 3
+    # fresh; step 3 ran ahead -> step 4 stale
+    assert [solver[s]["solver/async/token_staleness_max"] for s in (1, 2, 3, 4)] == [0, 1, 0, 1]
+    assert solver[2]["solver/async/token_staleness_mean"] == 1.0
+    assert all(checker[s]["checker/async/token_staleness_max"] == 0 for s in (1, 2, 3, 4))
+    for row in solver.values():
+        assert row["solver/update_norm"] > 0 and row["checker/update_norm"] > 0
+
+
+@pytest.mark.slow  # three runs, ~2 min on 2 cores
+def test_async_per_policy_resumes_exactly(tmp_path):
+    """The pipeline is deterministic (weights pushed after the collection in flight) and drains at
+    a checkpoint: killed after step 2 and resumed, both policies end bit for bit as a run of 3."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(load_config("configs/multi_policy_demo.py", [f"output_dir={straight}", "total_steps=3", *SMOKE, *ASYNC]))
+    train(load_config("configs/multi_policy_demo.py", [f"output_dir={resumed}", "total_steps=2", *SMOKE, *ASYNC]))
+    train(load_config("configs/multi_policy_demo.py", [f"output_dir={resumed}", "total_steps=3",
+                                                       "checkpoint.resume=true", *SMOKE, *ASYNC]))
+    assert _rows(straight)[2]["solver/async/token_staleness_max"] == 1  # step 1 ran ahead in both
+    for name in ("solver", "checker"):
+        for a, b in zip(jax.tree.leaves(_exported(straight, name)), jax.tree.leaves(_exported(resumed, name))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

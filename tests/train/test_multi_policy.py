@@ -114,9 +114,9 @@ def test_the_arithmetic_team_config_is_the_demo_with_a_checker():
 def test_one_actor_one_policy_and_what_the_run_does_not_do_are_errors():
     with pytest.raises(ConfigError, match="each actor is played by one policy; \\['a'\\]"):
         with_policies(PolicyConfig(name="p", actors=("a",)), PolicyConfig(name="q", actors=("a",)))
-    with pytest.raises(ConfigError, match="^async_rl.enabled: is not supported with multi_policy"):
-        dataclasses.replace(with_policies(PolicyConfig(name="p", actors=("a",))),
-                            async_rl=dataclasses.replace(Config().async_rl, enabled=True, max_staleness=0))
+    with pytest.raises(ConfigError, match="^hybrid.judge: is not supported with multi_policy"):
+        apply_overrides(with_policies(PolicyConfig(name="p", actors=("a",))), ["hybrid.judge=oracle",
+                                                                               "environment.name=arithmetic"])
     with pytest.raises(ConfigError, match=r"^multi_policy.policies\[p\].sft.steps: SFT of a policy is supported"):
         with_policies(PolicyConfig(name="p", actors=("a",), overrides=("sft.steps=5", "algorithm.kl_coef=0.1")))
     with_policies(PolicyConfig(name="p", actors=("a",), overrides=("sft.steps=5",)))  # no KL, own views: fine
@@ -141,6 +141,24 @@ def test_the_checker_reward_and_the_solvers_second_tries_are_validated_in_one_li
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
     assert MultiPolicyConfig().checker_reward == "balanced" and MultiPolicyConfig().solver_second_tries == 0
     assert MultiPolicyConfig().checker_cold_start == "format"
+
+
+@pytest.mark.parametrize("items, message", [
+    (["async_rl.mode=stream"], "multi_policy.policies[solver].async_rl: mode='stream', placement='colocated': "
+                               "several policies run async_rl.mode='step' with placement='colocated' only"),
+    (["async_rl.placement=disaggregated"], "multi_policy.policies[solver].async_rl: mode='step', "
+                                           "placement='disaggregated'"),
+    (["multi_policy.policies.checker.async_rl.max_staleness=2"],
+     "multi_policy.policies[checker].async_rl.max_staleness (2) the multi-policy pipeline collects one step ahead"),
+])
+def test_async_rollouts_per_policy_are_one_step_ahead_and_colocated(items, message):
+    base = ["async_rl.enabled=true", "async_rl.max_staleness=1", "algorithm.correction=tis"]
+    team = load_config(str(CONFIGS / "multi_policy_arith.py"), base + ["multi_policy.policies.checker.async_rl."
+                                                                       "max_staleness=0"])
+    assert [policy_config(team, p).async_rl.max_staleness for p in team.multi_policy.policies] == [1, 0]
+    with pytest.raises(ConfigError) as e:
+        load_config(str(CONFIGS / "multi_policy_arith.py"), base + items)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
 def test_placement_by_devices_or_share_decides_concurrent_or_time_shared():

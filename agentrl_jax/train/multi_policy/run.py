@@ -17,8 +17,14 @@
       log, checkpoint every policy (same step, same data position)
     final evaluation; per-policy checkpoint and HF export; results.json
 
-Rollouts are synchronous (every trained token sampled by the version it trains: staleness 0
-per policy); the asynchronous pipeline of the single-policy run is not wired here yet.
+Rollouts are synchronous by default (every trained token sampled by the version it trains).
+With ``async_rl.enabled`` and a policy's ``async_rl.max_staleness`` of 1 (run-wide, or its own
+through its overrides), the next step's episodes are collected while that policy trains, on its
+weights from before the update (one step off-policy; its new weights are pushed once that
+collection is done, so the run stays deterministic). A policy whose bound is 0 trains first and
+pushes before the next collection starts: each policy's staleness is bounded by its own
+setting. Before an evaluation, a checkpoint and the last step nothing runs ahead, so a resumed
+run repeats the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -186,14 +192,22 @@ class _Team:
         if not start_step:
             results["start"] = await evaluate_team(c, self.loop, env_factory, self.eval_tasks)
             self.writer.write(0, prefixed("eval", results["start"]))
-        t0 = time.perf_counter()
+        t0 = self.mark = time.perf_counter()
+        pending = None  # the next step's episodes, collected while this step trains (async_rl)
         for step in range(start_step, c.total_steps):
-            await self.step(env_factory, step, next(data))
-            if c.eval.every_steps and (step + 1) % c.eval.every_steps == 0 and step + 1 < c.total_steps:
+            collected = await (pending or self.collect(env_factory, step, next(data)))
+            evaluate = bool(c.eval.every_steps) and (step + 1) % c.eval.every_steps == 0 and step + 1 < c.total_steps
+            save = step + 1 < c.total_steps and bool(c.checkpoint.every_steps) and (
+                (step + 1) % c.checkpoint.every_steps == 0)
+            ahead = step + 1 < c.total_steps and not (evaluate or save)  # a boundary: nothing in flight
+            pending = await self.step(step, collected, collect_next=(
+                lambda step=step: self.collect(env_factory, step + 1, next(data))) if ahead else None)
+            if evaluate:
                 ev = await evaluate_team(c, self.loop, env_factory, self.eval_tasks)
                 self.writer.write(step + 1, prefixed("eval", ev))
-            if step + 1 < c.total_steps and c.checkpoint.every_steps and (step + 1) % c.checkpoint.every_steps == 0:
+            if save:
                 self.save(step + 1, data.get_state(), results)
+            self.mark = time.perf_counter()  # the next step's time starts after them
         results["rl_seconds"] = time.perf_counter() - t0
         results["end"] = await evaluate_team(c, self.loop, env_factory, self.eval_tasks)
         self.writer.write(c.total_steps, prefixed("eval", results["end"]))
@@ -201,12 +215,28 @@ class _Team:
             self.save(c.total_steps, data.get_state(), results)
         return results
 
-    async def step(self, env_factory, step: int, tasks: list[dict]) -> dict[str, float]:
-        """collect -> each policy's train step (at once, or one after the other) -> push weights."""
+    def lag(self, policy: Policy) -> int:
+        """The versions ``policy``'s trained tokens may lag its params: its own ``async_rl``."""
+        own = policy.config.async_rl
+        return own.max_staleness if own.enabled else 0
+
+    async def collect(self, env_factory, step: int, tasks: list[dict]) -> tuple[list, float]:
+        """The step's episodes (the checker's verdicts weighed) and the seconds they took."""
         t0 = time.perf_counter()
         episodes = await collect_team(self.config, self.loop, env_factory, tasks, step)
         weigh_verdicts(self.config, episodes)
-        t_rollout = time.perf_counter() - t0
+        return episodes, time.perf_counter() - t0
+
+    async def step(self, step: int, collected: tuple[list, float], collect_next=None) -> asyncio.Task | None:
+        """Each policy's train step (at once, or one after the other) on the collected episodes,
+        then its weights to its engine; returns the next step's collection when ``collect_next``
+        starts it here.
+
+        The policies whose bound is 0 train and push first; then the next collection starts
+        (``collect_next``) while the others train, and their weights are pushed once it is done.
+        """
+        episodes, t_rollout = collected
+        t0 = time.perf_counter()
         rows = {p.name: policy_trajectories(episodes, p.spec.actors) for p in self.policies}
         frozen = self.config.multi_policy.frozen_at(step)
 
@@ -217,26 +247,45 @@ class _Team:
             state, metrics, _ = train_step(policy.rl, policy.state, policy.version, step, rows[policy.name], None)
             return state, {**metrics, "time/update": time.perf_counter() - t}
 
-        if self.concurrent:
-            trained = await asyncio.gather(*(asyncio.to_thread(train, p) for p in self.policies))
-        else:
-            trained = [await asyncio.to_thread(train, p) for p in self.policies]
-        t1 = time.perf_counter()
+        async def train_and_push(policies: list[Policy], before_push=None) -> None:
+            if self.concurrent:
+                done = await asyncio.gather(*(asyncio.to_thread(train, p) for p in policies))
+            else:
+                done = [await asyncio.to_thread(train, p) for p in policies]
+            if before_push is not None:
+                await asyncio.wait([before_push])  # the collection in flight keeps the weights it started with
+            for policy, (state, policy_metrics) in zip(policies, done):
+                trained[policy.name] = policy_metrics
+                if policy.name not in frozen:
+                    policy.state = state
+                    policy.version = await stages.push_weights(policy.driver, lambda p: p, state.params,
+                                                               policy.version)
+                    policy.rl.old_policy.on_version(policy.version, state.params)
+
+        trained: dict[str, dict[str, float]] = {}
+        lagging = [p for p in self.policies if self.lag(p) and collect_next is not None]
+        await train_and_push([p for p in self.policies if p not in lagging])
+        pending = asyncio.ensure_future(collect_next()) if collect_next is not None else None
+        try:
+            await train_and_push(lagging, before_push=pending)
+        except BaseException:
+            if pending is not None:
+                pending.cancel()
+            raise
+        now = time.perf_counter()
         metrics = team_metrics(episodes)
-        for policy, (state, policy_metrics) in zip(self.policies, trained):
-            if policy.name not in frozen:
-                policy.state = state
-                policy.version = await stages.push_weights(policy.driver, lambda p: p, state.params, policy.version)
-                policy.rl.old_policy.on_version(policy.version, state.params)
+        for policy in self.policies:
+            policy_metrics = trained[policy.name]
             if rows[policy.name]:  # rewards, lengths, ... of its own rows
                 policy_metrics.update(rollout_metrics(rows[policy.name]))
             policy_metrics.update({f"rollout/engine/{k}": float(v) for k, v in policy.driver.stats().items()})
             metrics.update(prefixed(policy.name, policy_metrics))
-        now = time.perf_counter()
-        metrics.update({"time/rollout": t_rollout, "time/train": t1 - t0 - t_rollout, "time/step": now - t0,
-                        "throughput/trajectories_per_s": len(episodes) / max(now - t0, 1e-9)})
+        elapsed = now - self.mark  # since the previous step ended: its collection ran meanwhile when ahead
+        metrics.update({"time/rollout": t_rollout, "time/train": now - t0, "time/step": elapsed,
+                        "throughput/trajectories_per_s": len(episodes) / max(elapsed, 1e-9)})
+        self.mark = now
         self.writer.write(step + 1, metrics)
-        return metrics
+        return pending
 
     def save(self, step: int, data_state, results: dict[str, Any]) -> None:
         for policy in self.policies:
