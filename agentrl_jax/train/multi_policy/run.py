@@ -199,7 +199,9 @@ class _Team:
             evaluate = bool(c.eval.every_steps) and (step + 1) % c.eval.every_steps == 0 and step + 1 < c.total_steps
             save = step + 1 < c.total_steps and bool(c.checkpoint.every_steps) and (
                 (step + 1) % c.checkpoint.every_steps == 0)
-            ahead = step + 1 < c.total_steps and not (evaluate or save)  # a boundary: nothing in flight
+            # a policy that may lag trains while the next step's episodes are collected; at a boundary
+            # (an evaluation, a checkpoint, the end) nothing is in flight
+            ahead = any(map(self.lag, self.policies)) and step + 1 < c.total_steps and not (evaluate or save)
             pending = await self.step(step, collected, collect_next=(
                 lambda step=step: self.collect(env_factory, step + 1, next(data))) if ahead else None)
             if evaluate:
@@ -263,7 +265,7 @@ class _Team:
                     policy.rl.old_policy.on_version(policy.version, state.params)
 
         trained: dict[str, dict[str, float]] = {}
-        lagging = [p for p in self.policies if self.lag(p) and collect_next is not None]
+        lagging = [p for p in self.policies if self.lag(p)] if collect_next is not None else []
         await train_and_push([p for p in self.policies if p not in lagging])
         pending = asyncio.ensure_future(collect_next()) if collect_next is not None else None
         try:
