@@ -131,8 +131,13 @@ def test_async_per_policy_bounds_each_policys_staleness(tmp_path):
     """The next step's episodes are collected while the solver trains, on its weights from before
     the update: its tokens trained after a step that ran ahead are exactly one version old; the
     checker trains first and pushes before that collection, so its tokens are never stale."""
-    train(load_config("configs/multi_policy_demo.py", [f"output_dir={tmp_path}", "total_steps=4", *SMOKE, *ASYNC]))
+    train(load_config("configs/multi_policy_demo.py", [f"output_dir={tmp_path}", "total_steps=4", *SMOKE, *ASYNC,
+                                                       "logging.sample_trajectories=1"]))
     solver, checker = _rows(tmp_path, "solver"), _rows(tmp_path, "checker")
+    samples = [json.loads(line) for line in (tmp_path / "metrics" / "samples.jsonl").read_text().splitlines()]
+    assert sorted((s["step"], s["tag"]) for s in samples) == [(step, f"{actor}/sample_0") for step in (1, 2, 3, 4)
+                                                              for actor in ("checker", "solver")]
+    assert all(s["text"] for s in samples)  # each actor's view, decoded
     assert sorted(solver) == sorted(checker) == [1, 2, 3, 4]
     # step 1 (index 0) ran ahead -> step 2 trained 1-stale tokens; step 2 saved (a boundary) -> step 3
     # fresh; step 3 ran ahead -> step 4 stale

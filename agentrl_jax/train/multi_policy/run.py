@@ -287,6 +287,10 @@ class _Team:
                         "throughput/trajectories_per_s": len(episodes) / max(elapsed, 1e-9)})
         self.mark = now
         self.writer.write(step + 1, metrics)
+        if self.config.logging.sample_trajectories:  # each actor's view of the first episodes of as many groups
+            firsts = episodes[::self.config.algorithm.group_size][:self.config.logging.sample_trajectories]
+            self.writer.write_text(step + 1, {f"{actor}/sample_{i}": self.tokenizer.decode(t.token_ids.tolist())
+                                              for i, e in enumerate(firsts) for actor, t in e.trajectories.items()})
         return pending
 
     def save(self, step: int, data_state, results: dict[str, Any]) -> None:
