@@ -9,8 +9,8 @@ Two runs, each in its own process (JAX preallocates the cards):
 - async: concurrent, and the next step's episodes are collected while both policies train
   (``async_rl.max_staleness=1`` for each, one step off-policy, TIS-corrected).
 
-    python bench/multi_policy_speed.py --steps 10 --out runs/multi_policy_speed                 # 2 GPUs
-    python bench/multi_policy_speed.py --steps 2 --cpu 2 --tiny --out /tmp/mp_speed             # CPU dry run
+    python bench/multi_policy_speed.py --steps 20 --warmup 3 --out runs/multi_policy_speed      # 2 GPUs
+    python bench/multi_policy_speed.py --steps 4 --warmup 1 --cpu 2 --tiny --out /tmp/mp_speed  # CPU dry run
 
 Extra ``--set`` items go to every run (e.g. ``--set model.scratch.num_layers=8``). Steps
 after ``--warmup`` (compiles) but the last are timed. Prints a table: mode, steps timed, trajectories/s,
@@ -74,7 +74,10 @@ def summarize(out: Path, warmup: int) -> dict:
     rows = [json.loads(line) for line in (out / "metrics" / "metrics.jsonl").read_text().splitlines()]
     steps = sorted((r for r in rows if "time/step" in r), key=lambda r: r["step"])
     # the last step too is left out: with async rollouts it has no next collection to overlap
-    timed = steps[warmup:-1] or steps
+    timed = steps[warmup:-1]
+    if not timed:
+        raise SystemExit(f"{out}: {len(steps)} steps, none to time after the {warmup} of the warm-up but the last; "
+                         "run --steps >= --warmup + 2")
     seconds = sum(r["time/step"] for r in timed)
     episodes = sum(r["throughput/trajectories_per_s"] * r["time/step"] for r in timed)
     results = json.loads((out / "results.json").read_text())
@@ -89,7 +92,7 @@ def summarize(out: Path, warmup: int) -> dict:
             "device": (out / "device.txt").read_text()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the timing (compiles)")
@@ -98,7 +101,10 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a ~1M-parameter model (CPU dry run)")
     parser.add_argument("--set", action="append", default=[], help="section.field=value for both runs")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.steps < args.warmup + 2:
+        parser.error(f"--steps ({args.steps}) must be >= --warmup ({args.warmup}) + 2: the warm-up and the last step "
+                     "are not timed")
     stop_workers_with_the_bench()
     found = {mode: run_mode(mode, args) for mode in args.modes}
     print(f"device: {next(iter(found.values()))['device']}")

@@ -28,3 +28,14 @@ def test_the_summary_times_the_steps_after_the_warmup_but_the_last(tmp_path):
     # the medians of the timed steps' rollout and of their longer update
     assert (summary["median_rollout_seconds"], summary["median_update_seconds"]) == (1.5, 0.75)
     assert summary["device"] == "2 x NVIDIA H200"
+
+
+def test_too_few_steps_to_time_is_one_error_line(tmp_path, capsys):
+    bench = load_script("bench/multi_policy_speed.py")
+    with pytest.raises(SystemExit):
+        bench.main(["--steps", "3", "--warmup", "2", "--out", str(tmp_path)])
+    assert "--steps (3) must be >= --warmup (2) + 2" in capsys.readouterr().err
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "metrics.jsonl").write_text(json.dumps({"step": 1, "time/step": 1.0}))
+    with pytest.raises(SystemExit, match="none to time after the 1 of the warm-up but the last"):
+        bench.summarize(tmp_path, warmup=1)
