@@ -112,15 +112,17 @@ def apply_overrides(config: Config, overrides: Sequence[str]) -> Config:
                 if dataclasses.is_dataclass(tp):
                     raise ConfigError(f"override {key!r}: is a section; set one of its fields")
                 raw[key] = _parse_value(text, tp, key)
-    return _override_policies(_replace_nested(config, raw), per_policy)
+    if per_policy:  # replaced with the run's items, so that the Config is validated once, with all of them
+        raw["multi_policy.policies"] = _override_policies(config.multi_policy.policies, per_policy)
+    return _replace_nested(config, raw)
 
 
 #: ``multi_policy.policies.<name>.<key>=value`` sets one policy's own setting (docs/multi_policy.md).
 POLICY_PREFIX = "multi_policy.policies."
 
 
-def _override_policies(config: Config, items: Sequence[tuple[str, str]]) -> Config:
-    """Apply ``multi_policy.policies.<name>.<key>=value`` items, in order, after the run's own.
+def _override_policies(policies: Sequence[Any], items: Sequence[tuple[str, str]]) -> tuple[Any, ...]:
+    """``policies`` with ``multi_policy.policies.<name>.<key>=value`` items applied, in order.
 
     ``<key>`` is either ``section.field`` over a section a policy may set (``optimizer``,
     ``algorithm``, ...), appended to that policy's ``overrides`` (so it wins over the config
@@ -130,14 +132,14 @@ def _override_policies(config: Config, items: Sequence[tuple[str, str]]) -> Conf
     from agentrl_jax.config.policies import POLICY_SECTIONS, PolicyConfig
 
     own = [f for f in _fields(PolicyConfig) if f not in ("name", "overrides")]
+    policies = tuple(policies)
     for key, text in items:
         name, _, rest = key[len(POLICY_PREFIX):].partition(".")
-        mp = config.multi_policy
-        names = [p.name for p in mp.policies]
+        names = [p.name for p in policies]
         if name not in names:
             raise ConfigError(f"override {key!r}: no policy named {name!r}; the run's policies are "
                               f"{', '.join(names) if names else '(none: multi_policy.policies is empty)'}")
-        policy = mp.policies[names.index(name)]
+        policy = policies[names.index(name)]
         if rest.split(".", 1)[0] in POLICY_SECTIONS and "." in rest:
             policy = dataclasses.replace(policy, overrides=(*policy.overrides, f"{rest}={text}"))
         elif rest in own:
@@ -145,9 +147,8 @@ def _override_policies(config: Config, items: Sequence[tuple[str, str]]) -> Conf
         else:
             raise ConfigError(f"override {key!r}: after the policy's name expected section.field over "
                               f"{', '.join(POLICY_SECTIONS)}, or one of {', '.join(own)}; got {rest!r}")
-        policies = tuple(policy if p.name == name else p for p in mp.policies)
-        config = dataclasses.replace(config, multi_policy=dataclasses.replace(mp, policies=policies))
-    return config
+        policies = tuple(policy if p.name == name else p for p in policies)
+    return policies
 
 
 def _switch_variant(obj: Any, cls: type, updates: dict[str, Any]) -> Any:
