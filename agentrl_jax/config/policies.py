@@ -74,6 +74,13 @@ class MultiPolicyConfig(_Section):
     solver_second_tries: float = _f(
         0.0, "solver_checker SFT: fraction of the solver's demonstrations with a wrong answer that go on with the "
              "episode's rejection note and a second try calling the interpreter (environment.name='arithmetic').")
+    checker_tool_calls: int = _f(
+        0, "solver_checker: programs the checker may run in the solver's sandbox before its verdict (its cold "
+           "start, environment.name='arithmetic', then prints the task's result first); 0: it only reads.")
+    checker_miscopied: float = _f(
+        0.0, "solver_checker SFT: fraction of the checker's demonstrations whose transcript's final boxed answer "
+             "has one digit changed (wrong, as a solver that miscopies its program's output): with "
+             "checker_cold_start='labeled' only comparing numbers tells them from right answers.")
     checker_cold_start: Literal["format", "labeled"] = _f(
         "format", "solver_checker SFT: the checker's verdicts on the solver's demonstrations. 'format': ACCEPT or "
                   "REJECT by a coin, independent of the answer (the format only; RL has to teach the judgment); "
@@ -101,6 +108,10 @@ class MultiPolicyConfig(_Section):
                  f"{list(self.frozen)} freezes every policy; at least one must train")
         _require(self.alternate_every >= 0, "multi_policy.alternate_every", f"{self.alternate_every} must be >= 0")
         _require(self.critique_retries >= 0, "multi_policy.critique_retries", "must be >= 0")
+        _require(0 <= self.checker_miscopied <= 1, "multi_policy.checker_miscopied",
+                 f"{self.checker_miscopied} must be in [0, 1]")
+        _require(self.checker_tool_calls >= 0, "multi_policy.checker_tool_calls", f"{self.checker_tool_calls} must "
+                 "be >= 0")
         _require(0 <= self.solver_second_tries <= 1, "multi_policy.solver_second_tries",
                  f"{self.solver_second_tries} must be in [0, 1]")
         _require(not self.solver_second_tries or self.critique_retries >= 1, "multi_policy.solver_second_tries",
@@ -187,6 +198,11 @@ def check_policies(config: Config) -> None:
                      "async_rl.mode='step' with placement='colocated' only (each policy's devices decode and train)")
             _require(own.async_rl.max_staleness <= 1, f"{where}.max_staleness",
                      f"({own.async_rl.max_staleness}) the multi-policy pipeline collects one step ahead: set 0 or 1")
+        _require(not (own.sft.steps and config.multi_policy.checker_tool_calls and "checker" in policy.actors)
+                 or config.environment.name == "arithmetic", "multi_policy.checker_tool_calls",
+                 f"({config.multi_policy.checker_tool_calls}) with the checker's SFT (policy {policy.name!r}) writes "
+                 f"its programs for environment.name='arithmetic' only, not {config.environment.name!r}; set its "
+                 "sft.steps=0 or checker_tool_calls=0")
         if own.sft.steps:  # a resumed run rebuilds no post-SFT frozen copy; the views must be the demos' layout
             _require(not config.multi_policy.shared_view and own.algorithm.kl_coef == 0 and not own.model.lora.rank,
                      f"multi_policy.policies[{policy.name}].sft.steps", "SFT of a policy is supported with its own "

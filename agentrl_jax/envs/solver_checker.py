@@ -4,7 +4,9 @@
              envs/arithmetic.py): programs run in the sandbox, the
              interpreter's output appended inline, until a \\boxed{} answer
     checker: reads the problem and the solver's transcript, answers ACCEPT or
-             "REJECT: <one-line critique>"
+             "REJECT: <one-line critique>"; with ``checker_tool_calls`` it may first run
+             programs in the solver's sandbox (``<code>`` in its own turn, the output
+             appended inline as the solver's are) and then give its verdict
     solver:  after a rejection, sees the critique and gets one more try (``retries``)
 
 Rewards: the team reward (both actors) is 1 for a correct final answer, else 0; the
@@ -41,12 +43,14 @@ from agentrl_jax.envs.multi_actor import (
     MultiActorEnvironment,
     MultiActorResult,
 )
-from agentrl_jax.envs.retool import ReToolEnv
-from agentrl_jax.rewards.boxed import extract_boxed
+from agentrl_jax.envs.base import ToolStats
+from agentrl_jax.envs.retool import ReToolEnv, interpreter_text, parse_code, truncate_middle, wrap_interpreter
+from agentrl_jax.rewards.boxed import extract_boxed, find_boxed_spans
 
 SOLVER, CHECKER = "solver", "checker"
 CHECKER_SYSTEM_PROMPT = ("You check a solution to a math problem. Reply ACCEPT if its final answer is right, "
                          "else REJECT: and one line saying what is wrong.")
+CHECKER_TOOL_SYSTEM_PROMPT = CHECKER_SYSTEM_PROMPT + " You may run <code></code> first."
 CHECK_REQUEST = "Checker: is the final answer above right? Reply ACCEPT, or REJECT: and one line saying why."
 # Short: a scratch tokenizer trained on the solver's demonstrations spells English nearly byte by
 # byte, and the verdict has to fit one turn (the demo's 32 new tokens).
@@ -58,14 +62,17 @@ def rejection_note(critique: str) -> str:
     return f"A checker rejected your answer: {critique.rstrip('.') or 'it is wrong'}. Try once more."
 
 
-def checker_prompt(question: str, transcript: str) -> list[dict[str, str]]:
-    """The checker's own view: the problem and the solver's transcript as text."""
-    return [{"role": "system", "content": CHECKER_SYSTEM_PROMPT},
+def checker_prompt(question: str, transcript: str, *, tools: bool = False) -> list[dict[str, str]]:
+    """The checker's own view: the problem and the solver's transcript as text (``tools``: the
+    system prompt says it may run code)."""
+    return [{"role": "system", "content": CHECKER_TOOL_SYSTEM_PROMPT if tools else CHECKER_SYSTEM_PROMPT},
             {"role": "user", "content": f"Problem: {question}\n\nSolution:\n{transcript}"}]
 
 
 def checker_demonstrations(solver_conversations: list[list[dict[str, str]]], tasks: list[dict[str, Any]], *,
-                           seed: int, labeled: bool = False) -> list[list[dict[str, str]]]:
+                           seed: int, labeled: bool = False,
+                           check_turns: Callable[[dict[str, Any]], list[dict[str, str]]] | None = None,
+                           miscopied: float = 0.0) -> list[list[dict[str, str]]]:
     """The checker's SFT conversations, one per solver demonstration (``tasks[i]``'s): its own
     view of that transcript answered ``ACCEPT`` or ``DEMO_CRITIQUE``.
 
@@ -83,19 +90,52 @@ def checker_demonstrations(solver_conversations: list[list[dict[str, str]]], tas
     checker reads the solver policy's own transcripts, unfinished or garbled early on, and a
     verdict format learned only after finished scripted ones does not carry over to those. A cut
     transcript's answer is what is left of it (none, or a cut number: wrong).
+
+    ``check_turns`` (``multi_policy.checker_tool_calls``): the turns the checker runs before each
+    verdict, ``check_turns(task)`` (e.g. a program printing the task's result and the
+    interpreter's output: an ``interpreter`` turn, loss mask 0), under the system prompt that
+    offers the interpreter.
+
+    ``miscopied`` (``multi_policy.checker_miscopied``): that share of the transcripts (drawn from
+    ``seed`` apart from the rest) shows its final boxed answer with one digit changed
+    (``miscopy``), the mistake a solver makes after the right program; labeled, they are wrong.
+    The scripted solver's own mistakes (guesses from memory) can be told from the tool's right
+    answers without reading a number, and a checker trained on those alone learns that shortcut;
+    a miscopied answer looks like a right one but for the digits.
     """
-    rng = np.random.default_rng(seed)
+    rng, miscopy_rng = np.random.default_rng(seed), np.random.default_rng([seed, 43])
     out = []
     for conversation, task in zip(solver_conversations, tasks, strict=True):
         first = next(i for i, m in enumerate(conversation) if m["role"] == "assistant")
         transcript = "".join(m["content"] for m in conversation[first:])
+        if miscopied and miscopy_rng.random() < miscopied:
+            transcript = miscopy(transcript, miscopy_rng)
         if rng.random() < 0.5:
             transcript = transcript[:int(rng.integers(0, len(transcript) + 1))]
         coin = rng.random() < 0.5  # drawn in both modes: the cuts are the same with and without labels
         accept = _is_answer(extract_boxed(transcript), task["answer"]) if labeled else coin
-        out.append(checker_prompt(str(task["question"]), transcript)
+        checks = check_turns(task) if check_turns else []
+        out.append(checker_prompt(str(task["question"]), transcript, tools=check_turns is not None) + checks
                    + [{"role": "assistant", "content": "ACCEPT" if accept else DEMO_CRITIQUE}])
     return out
+
+
+def miscopy(transcript: str, rng: np.random.Generator) -> str:
+    """``transcript`` with one digit of its last boxed answer changed (a leading digit never to 0);
+    unchanged when that answer has no digit or there is none."""
+    spans = find_boxed_spans(transcript)
+    if not spans:
+        return transcript
+    start, end, content = spans[-1]
+    digits = [i for i, c in enumerate(content) if c.isdigit()]
+    if not digits:
+        return transcript
+    index = digits[int(rng.integers(len(digits)))]
+    leading = index == 0 or not content[index - 1].isdigit()
+    choices = [d for d in "0123456789" if d != content[index] and not (leading and d == "0" and len(digits) > 1)]
+    changed = content[:index] + str(rng.choice(choices)) + content[index + 1:]
+    at = transcript.rfind(content, start, end)  # the content closes its span
+    return transcript[:at] + changed + transcript[at + len(content):]
 
 
 def _is_answer(boxed: str | None, answer: Any) -> bool:
@@ -164,21 +204,25 @@ class SolverCheckerEnv(MultiActorEnvironment):
     actors = (SOLVER, CHECKER)
 
     def __init__(self, solver: ReToolEnv, *, retries: int = 1, role_reward: float = 1.0, shared_view: bool = False,
-                 checker_team_reward: bool = True):
+                 checker_team_reward: bool = True, checker_tool_calls: int = 0):
         self.solver, self.retries, self.role_reward, self.shared_view = solver, retries, role_reward, shared_view
-        self.checker_team_reward = checker_team_reward
-        self.stop_strings = {SOLVER: solver.stop_strings, CHECKER: ("\n",)}
+        self.checker_team_reward, self.checker_tool_calls = checker_team_reward, checker_tool_calls
+        # The verdict is one line; a program in the fenced format spans lines, so there its close tag alone stops.
+        line = () if checker_tool_calls and solver.config.fenced else ("\n",)
+        self.stop_strings = {SOLVER: solver.stop_strings,
+                             CHECKER: line + ((solver.config.close_tag,) if checker_tool_calls else ())}
 
     async def reset(self, task: dict[str, Any]) -> ActorTurn:
         self.task = task
         self.first: StepResult | None = None  # the solver's first graded answer
         self.verdict: tuple[bool, str, bool] | None = None
         self.tries = 0
+        self.checker_stats = ToolStats()  # the checker's programs (``checker_tool_calls``)
         return ActorTurn(SOLVER, messages=await self.solver.reset(task))
 
     async def step(self, actor: str, action_text: str) -> MultiActorResult:
         if actor == CHECKER:
-            return self._checked(action_text)
+            return await self._check_code(action_text) or self._checked(action_text)
         step = await self.solver.step(action_text)
         if not step.done:
             return MultiActorResult(ActorTurn(SOLVER, text=step.observation_text))
@@ -191,7 +235,33 @@ class SolverCheckerEnv(MultiActorEnvironment):
     def _check_turn(self) -> ActorTurn:
         if self.shared_view:
             return ActorTurn(CHECKER, messages=[{"role": "user", "content": CHECK_REQUEST}])
-        return ActorTurn(CHECKER, messages=checker_prompt(str(self.task["question"]), self.solver.response))
+        return ActorTurn(CHECKER, messages=checker_prompt(str(self.task["question"]), self.solver.response,
+                                                          tools=bool(self.checker_tool_calls)))
+
+    async def _check_code(self, reply: str) -> MultiActorResult | None:
+        """The checker's program, run in the solver's sandbox (a fresh namespace, the solver's
+        time limit and observation size) with its output back inline in the checker's turn; None
+        when ``reply`` is a verdict: no program before the first ACCEPT / REJECT, or the
+        checker's ``checker_tool_calls`` are spent (the reply is then read as a verdict, so a
+        program there is malformed)."""
+        config = self.solver.config
+        start = reply.find(config.open_tag)
+        if start < 0 or self.checker_stats.calls >= self.checker_tool_calls or any(
+                0 <= reply.upper().find(word) < start for word in ("ACCEPT", "REJECT")):
+            return None
+        code, problem = parse_code(reply, config)
+        self.checker_stats.calls += 1  # a malformed block too: it spends a call, so the checker cannot loop
+        if code is None:
+            self.checker_stats.errors += 1
+            self.checker_stats.malformed += 1
+            body = problem
+        else:
+            result = await self.solver.pool.run(code, session=None, timeout_s=config.tool_timeout_s)
+            self.checker_stats.timeouts += int(result.timed_out)
+            self.checker_stats.errors += int(not result.timed_out and not result.ok)
+            body = interpreter_text(result) + (f"\n{problem}" if problem else "")
+        body = truncate_middle(body, config.max_observation_chars)
+        return MultiActorResult(ActorTurn(CHECKER, text=wrap_interpreter(body, config.fenced)))
 
     def _checked(self, reply: str) -> MultiActorResult:
         self.verdict = parse_verdict(reply)
@@ -216,7 +286,8 @@ class SolverCheckerEnv(MultiActorEnvironment):
                      "checker/malformed": float(not well_formed), "team/first_correct": float(first_correct),
                      "team/final_correct": team, "critique/wrong_first": wrong_first,
                      "critique/wrong_to_right": wrong_first * team},
-            tool_stats={SOLVER: dataclasses.replace(self.solver.tool_stats)})  # both tries'
+            tool_stats={SOLVER: dataclasses.replace(self.solver.tool_stats),  # both tries'
+                        **({CHECKER: dataclasses.replace(self.checker_stats)} if self.checker_stats.calls else {})})
 
     def cut_short(self, finish_reason: str) -> MultiActorResult:
         """A context overflow: the team's answer is wrong (a checker that never spoke is not right)."""

@@ -4,6 +4,7 @@ pool and math verifier."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from agentrl_jax.envs.multi_actor import MultiActorResult
@@ -15,6 +16,7 @@ from agentrl_jax.envs.solver_checker import (
     SOLVER,
     SolverCheckerEnv,
     checker_demonstrations,
+    miscopy,
     parse_verdict,
 )
 from agentrl_jax.rewards import MathVerifier
@@ -130,3 +132,87 @@ def test_checker_demonstrations_teach_the_verdict_format_with_labels_independent
         assert (demo[-1]["content"] == "ACCEPT") == shown.endswith("\\boxed{408}"), shown
     assert {d[-1]["content"] for d in labeled[1::2]} == {DEMO_CRITIQUE}  # the guess 7 is never right
     assert 0.45 < sum(d[-1]["content"] == "ACCEPT" for d in labeled[0::2]) / 300 < 0.65  # cut short: no answer
+
+
+def short_solver(pool, verifier):
+    """The arithmetic demo's short format: raw code in <code>, no system prompt."""
+    return ReToolEnv(pool, verifier, ReToolConfig(fenced=False, system_prompt=None, max_observation_chars=64))
+
+
+def test_a_checker_with_the_interpreter_runs_its_program_then_judges(loop_thread, pool, verifier):
+    env = SolverCheckerEnv(short_solver(pool, verifier), checker_tool_calls=1)
+    assert env.stop_strings[CHECKER] == ("\n", "</code>")  # a program in the short format is one line
+    shown, result = play_script(loop_thread, env, TASK, [
+        (SOLVER, "\\boxed{407}"), (CHECKER, "<code>print(12*34)</code>"), (CHECKER, "REJECT: it is 408"),
+        (SOLVER, "\\boxed{408}")])
+    assert "<code>" in shown[1].messages[0]["content"]  # its system prompt offers the interpreter
+    # the checker's program ran in the real sandbox; its output comes back inline, in the checker's turn
+    assert shown[2].actor == CHECKER and shown[2].messages is None and shown[2].text == "<interpreter>408</interpreter>"
+    assert shown[3].actor == SOLVER and "it is 408" in shown[3].messages[0]["content"]
+    assert result.rewards == {SOLVER: 1.0, CHECKER: 2.0} and result.metrics["checker/accuracy"] == 1.0
+    assert result.tool_stats[CHECKER].calls == 1 and result.tool_stats[CHECKER].successful == 1
+    assert result.tool_stats[SOLVER].calls == 0  # the solver's stats are its own
+
+
+def test_the_checkers_programs_are_bounded_and_a_verdict_first_is_a_verdict(loop_thread, pool, verifier):
+    # beyond its calls a program is read as the verdict: malformed, so it counts as accept and is never right
+    env = SolverCheckerEnv(short_solver(pool, verifier), checker_tool_calls=1)
+    shown, result = play_script(loop_thread, env, TASK, [
+        (SOLVER, "\\boxed{407}"), (CHECKER, "<code>print(12*34</code>"), (CHECKER, "<code>print(1)</code>")])
+    # a failing program is still its one call; its output is cut as the solver's are (64 characters here)
+    assert "was never closed" in shown[2].text and "truncated" in shown[2].text
+    assert result.done and result.metrics["checker/malformed"] == 1.0 and result.metrics["checker/accuracy"] == 0.0
+    assert (result.tool_stats[CHECKER].calls, result.tool_stats[CHECKER].errors) == (1, 1)
+    # an unclosed block spends a call too (no loop of corrections); ACCEPT before a block is the verdict
+    env = SolverCheckerEnv(short_solver(pool, verifier), checker_tool_calls=2)
+    shown, result = play_script(loop_thread, env, TASK, [
+        (SOLVER, "\\boxed{408}"), (CHECKER, "<code>print(12*34)"), (CHECKER, "ACCEPT <code>print(1)</code>")])
+    assert "was not closed" in shown[2].text and result.tool_stats[CHECKER].malformed == 1
+    assert result.done and result.metrics["checker/accuracy"] == 1.0
+    # without checker_tool_calls the checker only reads: a program is a malformed verdict, nothing runs
+    env = SolverCheckerEnv(short_solver(pool, verifier))
+    assert env.stop_strings[CHECKER] == ("\n",)
+    _, result = play_script(loop_thread, env, TASK, [(SOLVER, "\\boxed{407}"), (CHECKER, "<code>print(1)</code>")])
+    assert result.done and result.metrics["checker/malformed"] == 1.0 and CHECKER not in result.tool_stats
+    # in the fenced format a program spans lines: only the close tag stops the checker's turn
+    fenced = SolverCheckerEnv(ReToolEnv(pool, verifier, ReToolConfig()), checker_tool_calls=1)
+    assert fenced.stop_strings[CHECKER] == ("</code>",)
+
+
+def test_checker_demonstrations_with_the_interpreter_run_the_program_before_the_same_verdicts():
+    wrong = [{"role": "user", "content": "What is 12*34?"}, {"role": "assistant", "content": "\\boxed{407}"}]
+    right = [{"role": "user", "content": "What is 12*34?"}, {"role": "assistant", "content": "\\boxed{408}"}]
+    turns = [{"role": "assistant", "content": "<code>print(12*34)</code>"},
+             {"role": "interpreter", "content": "<interpreter>408</interpreter>"}]
+    solver, tasks = [right, wrong] * 50, [TASK] * 100
+    plain = checker_demonstrations(solver, tasks, seed=0, labeled=True)
+    tools = checker_demonstrations(solver, tasks, seed=0, labeled=True, check_turns=lambda task: turns)
+    for a, b in zip(plain, tools, strict=True):
+        assert b[1] == a[1] and b[2:4] == turns and b[-1] == a[-1]  # the same transcript and verdict
+        assert "<code>" in b[0]["content"] and "<code>" not in a[0]["content"]
+
+
+def test_miscopied_demonstrations_change_one_digit_of_the_final_answer_and_are_labeled_wrong():
+    rng = np.random.default_rng(0)
+    for text in ["<code>print(12*34)</code><interpreter>408</interpreter>\\boxed{408}", "\\boxed{1} so \\boxed{4517277}"]:
+        changed = miscopy(text, rng)
+        head, answer = text.rsplit("{", 1)
+        new_head, new_answer = changed.rsplit("{", 1)
+        assert new_head == head and new_answer != answer and len(new_answer) == len(answer)
+        assert sum(a != b for a, b in zip(answer, new_answer)) == 1 and not new_answer.startswith("0")
+    assert miscopy("no answer", rng) == "no answer" and miscopy("\\boxed{x}", rng) == "\\boxed{x}"
+    right = [{"role": "user", "content": "What is 12*34?"},
+             {"role": "assistant", "content": "<code>print(12*34)</code>"},
+             {"role": "interpreter", "content": "<interpreter>408</interpreter>"},
+             {"role": "assistant", "content": "\\boxed{408}"}]
+    plain = checker_demonstrations([right] * 400, [TASK] * 400, seed=0, labeled=True)
+    demos = checker_demonstrations([right] * 400, [TASK] * 400, seed=0, labeled=True, miscopied=0.5)
+    changed = [(a, b) for a, b in zip(plain, demos) if a != b]
+    # Half miscopied, of which about half are shown whole (a transcript cut before its answer shows
+    # no change); the others are as before: the same cuts, the same verdicts.
+    assert 0.2 < len(changed) / 400 < 0.4
+    whole = [(a, b) for a, b in changed if b[1]["content"].endswith("}")]
+    assert len(whole) > 0.8 * len(changed)  # the rest cut inside the box: no answer either way
+    for a, b in changed:
+        assert b[-1]["content"] == DEMO_CRITIQUE and "<interpreter>408</interpreter>" in b[1]["content"]
+    assert all(a[-1]["content"] == "ACCEPT" for a, _ in whole)  # right answers, miscopied: rejected

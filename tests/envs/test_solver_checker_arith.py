@@ -203,3 +203,39 @@ def test_the_solvers_second_try_demonstrations_are_the_rejected_episodes_tokens(
         assert row.loss_mask.tolist() == record.loss_mask
         m = episode.result.metrics
         assert (m["team/first_correct"], m["checker/rejected"], m["critique/wrong_to_right"]) == (0.0, 1.0, 1.0)
+
+
+def test_the_checkers_interpreter_demonstrations_are_the_episodes_tokens(loop_thread, pool, verifier, config,
+                                                                          tmp_path):
+    """With ``checker_tool_calls`` the checker's cold start (a program printing the task's result,
+    its output, the labeled verdict) is, token for token, its row in an episode where it writes
+    the same: the program runs in the real sandbox and its output is the demonstration's."""
+    config = dataclasses.replace(config, multi_policy=dataclasses.replace(
+        config.multi_policy, checker_tool_calls=1, checker_cold_start="labeled"))
+    tasks = config.environment.make_tasks(config, "train")
+    demos = demonstrations(config, tasks)
+    plain = demonstrations(dataclasses.replace(config, multi_policy=dataclasses.replace(
+        config.multi_policy, checker_tool_calls=0)), tasks)
+    assert demos[SOLVER] == plain[SOLVER]  # the solver's are unchanged, the checker's verdicts too
+    assert [d[-1] for d in demos[CHECKER]] == [d[-1] for d in plain[CHECKER]]
+    train_tiny_tokenizer(tmp_path, scratch_corpus(config, demos, tasks), MAX_TOKENS, individual_digits=True)
+    tok = Tokenizer(str(tmp_path))
+    factory = team_env_factory(config, pool, verifier, count_tokens=lambda s: len(tok.encode(s)))
+    whole = [(task, s, c) for task, s, c in zip(tasks, demos[SOLVER], demos[CHECKER])
+             if c[1]["content"].endswith(first_answer_part(s)[-1]["content"])]  # shown the whole first answer
+    picked = [w for verdict in ("ACCEPT", DEMO_CRITIQUE) for w in [w for w in whole if w[2][-1]["content"] == verdict][:3]]
+    assert len(picked) == 6  # accepted episodes and rejected ones (the solver's second try follows)
+    for task, solver_demo, checker_demo in picked:
+        assert checker_demo[2]["content"] == f"<code>print({task['a']}{task['op']}{task['b']})</code>"
+        solver_record = conversation_to_record(tok, solver_demo)  # with its second try after a rejection
+        record = conversation_to_record(tok, checker_demo)
+        samplers = {SOLVER: ScriptedSampler(sampled_runs(solver_record.token_ids, solver_record.loss_mask)),
+                    CHECKER: ScriptedSampler(sampled_runs(record.token_ids, record.loss_mask))}
+        loop = MultiActorLoop(samplers, {SOLVER: SOLVER, CHECKER: CHECKER}, tok, max_new_tokens_per_turn=32,
+                              max_total_tokens=MAX_TOKENS)
+        episode = loop_thread.run(loop.run_episode(factory(), task, SamplingParams(temperature=1.0, seed=0)))
+        row = episode.trajectories[CHECKER]
+        assert row.token_ids.tolist() == record.token_ids
+        assert row.loss_mask.tolist() == record.loss_mask
+        assert episode.result.tool_stats[CHECKER].successful == 1 and episode.result.metrics["checker/accuracy"] == 1
+        assert not samplers[SOLVER].turns and not samplers[CHECKER].turns

@@ -129,6 +129,7 @@ def test_one_actor_one_policy_and_what_the_run_does_not_do_are_errors():
     (dict(frozen=("q",)), "multi_policy.frozen: ['q'] names policies that are not among ['p']"),
     (dict(frozen=("p",)), "multi_policy.frozen: ['p'] freezes every policy; at least one must train"),
     (dict(alternate_every=-1), "multi_policy.alternate_every: -1 must be >= 0"),
+    (dict(checker_tool_calls=-1), "multi_policy.checker_tool_calls: -1 must be >= 0"),
     (dict(solver_second_tries=0.5, critique_retries=0),
      "multi_policy.solver_second_tries (0.5) teaches second tries, which need multi_policy.critique_retries >= 1"),
     (dict(solver_second_tries=0.5, environment="retool"), "multi_policy.solver_second_tries (0.5) writes second "
@@ -141,6 +142,19 @@ def test_the_checker_reward_and_the_solvers_second_tries_are_validated_in_one_li
     assert str(e.value).startswith(message) and "\n" not in str(e.value)
     assert MultiPolicyConfig().checker_reward == "balanced" and MultiPolicyConfig().solver_second_tries == 0
     assert MultiPolicyConfig().checker_cold_start == "format"
+
+
+def test_the_checkers_interpreter_cold_start_is_the_arithmetic_demos_and_checked_with_every_override():
+    items = ["multi_policy.checker_tool_calls=1", "environment.name=retool_small", "multi_policy.solver_second_tries=0"]
+    with pytest.raises(ConfigError) as e:
+        load_config(str(CONFIGS / "multi_policy_arith.py"), items)
+    assert str(e.value).startswith("multi_policy.checker_tool_calls (1) with the checker's SFT (policy 'checker') "
+                                   "writes its programs for environment.name='arithmetic' only, not 'retool_small'")
+    # without the checker's SFT (e.g. a pretrained checker) any code environment will do; the
+    # policy's own override counts though it comes after the run's items that need it
+    team = load_config(str(CONFIGS / "multi_policy_arith.py"), items + ["multi_policy.policies.checker.sft.steps=0"])
+    assert team.multi_policy.checker_tool_calls == 1 and team.environment.name == "retool_small"
+    assert MultiPolicyConfig().checker_tool_calls == 0
 
 
 @pytest.mark.parametrize("items, message", [

@@ -43,7 +43,8 @@ def team_env_factory(config: Config, pool: Any, verifier: Any,
                           f"layout), but environment.name={config.environment.name!r} with layout "
                           f"{config.environment.layout!r} plays {kind.__name__}")
     return lambda: SolverCheckerEnv(solver_env(), retries=mp.critique_retries, role_reward=mp.role_reward,
-                                    shared_view=mp.shared_view, checker_team_reward=mp.checker_team_reward)
+                                    shared_view=mp.shared_view, checker_team_reward=mp.checker_team_reward,
+                                    checker_tool_calls=mp.checker_tool_calls)
 
 
 def demonstrations(config: Config, tasks: list[dict]) -> dict[str, list[list[dict[str, str]]]]:
@@ -52,24 +53,29 @@ def demonstrations(config: Config, tasks: list[dict]) -> dict[str, list[list[dic
     rejection note and a second try that calls the interpreter), and the checker's verdicts on
     their first-answer parts (``envs.solver_checker.checker_demonstrations``): drawn from the
     run's seed independently of the answers, or with ``multi_policy.checker_cold_start='labeled'``
-    the right ones."""
+    the right ones, on a ``multi_policy.checker_miscopied`` share of them with the final answer
+    miscopied; with ``multi_policy.checker_tool_calls`` each verdict after a program that prints
+    the task's result (the arithmetic demonstration's tool turns)."""
     solver = config.environment.make_demonstrations(config, tasks)
     if solver is None:
         raise ConfigError(f"sft.steps: environment.name={config.environment.name!r} writes no demonstrations for "
                           "the solver-checker episode; set sft.steps=0")
-    checker = checker_demonstrations(solver, tasks[:len(solver)], seed=config.seed,
-                                     labeled=config.multi_policy.checker_cold_start == "labeled")
-    if config.multi_policy.solver_second_tries:
-        from agentrl_jax.envs.arithmetic import (  # the only writer (a config check)
-            ArithmeticEnv,
-            demonstration,
-        )
+    mp = config.multi_policy
+    check_turns = None
+    if mp.checker_tool_calls or mp.solver_second_tries:
+        from agentrl_jax.envs.arithmetic import ArithmeticEnv, demonstration  # the only writer (a config check)
 
         fenced = ArithmeticEnv.config_from(config).fenced
+    if mp.checker_tool_calls:  # a program printing the task's result, its output, then the verdict
+        check_turns = lambda task: demonstration(task, "tool", None, fenced=fenced)[:2]  # noqa: E731
+    checker = checker_demonstrations(solver, tasks[:len(solver)], seed=config.seed,
+                                     labeled=mp.checker_cold_start == "labeled", check_turns=check_turns,
+                                     miscopied=mp.checker_miscopied)
+    if mp.solver_second_tries:
         rng = np.random.default_rng([config.seed, 42])
         solver = with_second_tries(solver, tasks[:len(solver)],
                                    lambda task: demonstration(task, "tool", rng, fenced=fenced),
-                                   fraction=config.multi_policy.solver_second_tries, seed=config.seed)
+                                   fraction=mp.solver_second_tries, seed=config.seed)
     return {SOLVER: solver, CHECKER: checker}
 
 
