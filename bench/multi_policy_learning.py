@@ -52,7 +52,7 @@ TINY_ENV = {"retool_small": ["environment.num_demonstrations=8"]}
 PASS = {"team": "eval/team/final_correct", "solo": "eval/pass_at_1"}
 TEAM_TRAIN_KEYS = ["checker/accuracy", "checker/balanced_accuracy", "checker/accepts_right", "checker/rejects_wrong",
                    "checker/malformed", "checker/rejected", "critique/wrong_first", "critique/wrong_to_right_rate",
-                   "team/first_correct", "team/final_correct"]
+                   "team/first_correct", "team/final_correct", "checker/tools/use_rate", "solver/tools/use_rate"]
 # The team's held-out checker metrics kept with each evaluation (balanced accuracy: 0.5 for a constant verdict).
 TEAM_EVAL_KEYS = ["checker/accuracy", "checker/balanced_accuracy", "checker/accepts_right", "checker/rejects_wrong",
                   "checker/rejected", "critique/wrong_to_right_rate"]
@@ -82,9 +82,12 @@ def launch(arm: str, seed: int, args, cores: Queue) -> float:
         record = Path(args.out) / f"{arm}_seed{seed}.json"
         return json.loads(record.read_text())["wall_seconds"] if record.exists() else float("nan")
     mine = cores.get()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=(
-        f"--xla_force_host_platform_device_count={DEVICES[arm]} --xla_cpu_multi_thread_eigen=false "
-        "intra_op_parallelism_threads=1"))
+    if args.platform == "cpu":
+        env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=(
+            f"--xla_force_host_platform_device_count={DEVICES[arm]} --xla_cpu_multi_thread_eigen=false "
+            "intra_op_parallelism_threads=1"))
+    else:  # the runs share the accelerators: each takes the memory it uses, not a fixed share
+        env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_PYTHON_CLIENT_PREALLOCATE="false")
     log = Path(args.out) / f"{arm}_seed{seed}.log"
     t0 = time.perf_counter()
     try:
@@ -237,6 +240,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--solo-factor", type=float, default=2.0, help="the solo arm's steps, times --steps")
     parser.add_argument("--jobs", type=int, default=6, help="runs at once")
     parser.add_argument("--cores-per-job", type=int, default=0, help="pin each run to this many cores (0: no pinning)")
+    parser.add_argument("--platform", choices=("cpu", "gpu"), default="cpu",
+                        help="cpu: each run on fake CPU devices (a device per policy); gpu: every run on the "
+                             "machine's accelerators (on one GPU the team's policies share it: --set "
+                             "multi_policy.policies.<name>.share=0 for each)")
+    parser.add_argument("--arms", nargs="+", choices=("team", "solo"), default=["team", "solo"],
+                        help="the arms to run; the summary needs both (an arm's runs already in --out count)")
     parser.add_argument("--tiny", action="store_true", help="a ~50K-parameter model, 2 steps (dry run)")
     parser.add_argument("--set", action="append", default=[], help="section.field=value for every run")
     parser.add_argument("--out", default="runs/mp_learning")
@@ -254,14 +263,19 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cores = core_sets(args.jobs, args.cores_per_job)
     todo = [(arm, s) for s in args.seeds for arm in ("team", "solo")]
+    jobs = [(arm, s) for arm, s in todo if arm in args.arms or (out / arm / f"seed{s}" / "results.json").exists()]
     with ThreadPoolExecutor(args.jobs) as pool:
-        walls = dict(zip(todo, pool.map(lambda job: launch(*job, args, cores), todo)))
+        walls = dict(zip(jobs, pool.map(lambda job: launch(*job, args, cores), jobs)))
     runs = {}
     for (arm, s), wall in walls.items():
         run_dir = out / arm / f"seed{s}"
         runs[(arm, s)] = {**read_run(run_dir, arm), "seed": s, "wall_seconds": wall,
                           "after_sft": json.loads((run_dir / "results.json").read_text())["start"]}
         (out / f"{arm}_seed{s}.json").write_text(json.dumps(runs[(arm, s)], indent=2))
+    missing = [f"{arm} seed {s}" for arm, s in todo if (arm, s) not in runs]
+    if missing:  # e.g. --arms team: the solo arm's runs copied in later make the summary
+        print(f"ran {' and '.join(args.arms)}; the summary needs {', '.join(missing)} too")
+        return
     summary = summarize(runs, args.steps)
     summary["wall_seconds"] = {f"{a}_seed{s}": w for (a, s), w in walls.items()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

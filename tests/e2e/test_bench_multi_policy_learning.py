@@ -70,3 +70,28 @@ def test_the_checkers_verdicts_by_class_are_read_where_logged_and_derived_where_
     assert "| both train | 0 | 0.75 (0) | 0.33 (0) |" in capsys.readouterr().out and out.stat().st_size > 0
     [seed] = bench.read_run(tmp_path / "run").values()
     assert [s for s, _, _ in seed["train"]] == [1, 2] and [s for s, _, _ in seed["eval"]] == [0]
+
+
+def test_arms_run_apart_are_summarized_once_both_are_there(tmp_path, capsys):
+    """``--arms team`` (e.g. a second config against the solo runs of a first): the team's records
+    are written, the summary waits for the solo arm's runs, copied in; runs already done are never
+    run again (no training here: every run has its results.json)."""
+    bench = load_script("bench/multi_policy_learning.py")
+    team_rows = [{"step": 0, "eval/team/final_correct": 0.1, "eval/team/first_correct": 0.1},
+                 {"step": 1, "solver/rollout/sampled_tokens": 100.0, "checker/rollout/sampled_tokens": 20.0},
+                 {"step": 1, "eval/team/final_correct": 0.4, "eval/team/first_correct": 0.3}]
+    solo_rows = [{"step": 0, "eval/pass_at_1": 0.1}, {"step": 1, "rollout/sampled_tokens": 200.0},
+                 {"step": 1, "eval/pass_at_1": 0.5}]
+    start = {"start": {"team/final_correct": 0.1, "checker/accuracy": 0.5, "checker/malformed": 0.0}}
+    argv = ["--seeds", "0", "--steps", "1", "--out", str(tmp_path)]
+    write_metrics(tmp_path / "team" / "seed0", team_rows)
+    (tmp_path / "team" / "seed0" / "results.json").write_text(json.dumps(start))
+    bench.main(argv + ["--arms", "team"])
+    assert "the summary needs solo seed 0 too" in capsys.readouterr().out
+    assert (tmp_path / "team_seed0.json").exists() and not (tmp_path / "summary.json").exists()
+    write_metrics(tmp_path / "solo" / "seed0", solo_rows)
+    (tmp_path / "solo" / "seed0" / "results.json").write_text(json.dumps({"start": {"pass_at_1": 0.1}}))
+    bench.main(argv)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["per_seed"][0]["solo_at_team_tokens"] == pytest.approx(0.1 + 0.4 * 120 / 200)
+    assert (tmp_path / "learning.png").exists()
