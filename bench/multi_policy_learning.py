@@ -1,8 +1,9 @@
 """Does the team learn? The solver-checker team against the solver alone, several seeds
 (docs/multi_policy.md "Does the team learn?").
 
-Arms, each run in its own process (JAX_PLATFORMS=cpu), ``--jobs`` at once, each pinned to
-``--cores-per-job`` cores with single-threaded XLA:
+Arms, each run in its own process, ``--jobs`` at once: on CPU (JAX_PLATFORMS=cpu, the default)
+each pinned to ``--cores-per-job`` cores with single-threaded XLA; with ``--platform gpu`` all
+on the machine's accelerators (on one GPU both policies share it, time-shared):
 - team: ``--config`` (configs/multi_policy_arith.py: the demo's arithmetic tasks; or
   configs/multi_policy_learning.py: the program tasks), the solver and the checker (two fake
   devices, a policy each, trained at once), ``--steps`` steps;
@@ -19,6 +20,12 @@ at the team's number of steps. Writes one JSON per run (``<arm>_seed<s>.json``),
     python bench/multi_policy_learning.py --steps 20 --solo-factor 3 --jobs 2 --cores-per-job 1 \
         --set eval.every_steps=10 --out runs/mp_arith         # 2 cores, ~45 min
     python bench/multi_policy_learning.py --tiny --seeds 0 --jobs 2 --out /tmp/mp_learning   # ~2 min dry run
+    # one GPU: 3 seeds of both arms at once (~7 min on an H200 with 16 cores), policies time-shared
+    python bench/multi_policy_learning.py --config configs/multi_policy_arith_labeled.py --steps 20 \
+        --solo-factor 3 --platform gpu --jobs 6 --set eval.every_steps=10 \
+        --set multi_policy.policies.solver.share=0 --set multi_policy.policies.checker.share=0 --out runs/mp_gpu
+``--arms team`` runs the team arm alone (e.g. a variant against the solo runs of another
+``--out``, copied in: ``solo/`` and ``solo_seed*.json``); the summary is written once both are there.
 """
 
 from __future__ import annotations
