@@ -144,6 +144,17 @@ def test_the_checker_reward_and_the_solvers_second_tries_are_validated_in_one_li
     assert MultiPolicyConfig().checker_cold_start == "format"
 
 
+def test_the_miscopied_recipe_is_the_labeled_one_with_a_longer_checker_cold_start_that_has_no_shortcut():
+    """configs/multi_policy_arith_miscopied.py is what the documented runs set on the command line."""
+    recipe = load_config(str(CONFIGS / "multi_policy_arith_miscopied.py"))
+    ran = load_config(str(CONFIGS / "multi_policy_arith_labeled.py"), [
+        "name=multi_policy_arith_miscopied", "output_dir=runs/multi_policy_arith_miscopied",
+        "multi_policy.policies.checker.sft.steps=2000", "multi_policy.checker_miscopied=0.5"])
+    assert recipe == ran
+    checker = policy_config(recipe, recipe.multi_policy.policies[1])
+    assert (checker.sft.steps, recipe.multi_policy.checker_cold_start) == (2000, "labeled")
+
+
 def test_the_checkers_interpreter_cold_start_is_the_arithmetic_demos_and_checked_with_every_override():
     items = ["multi_policy.checker_tool_calls=1", "environment.name=retool_small", "multi_policy.solver_second_tries=0"]
     with pytest.raises(ConfigError) as e:
