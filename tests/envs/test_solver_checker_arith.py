@@ -176,6 +176,15 @@ def sampled_runs(ids, mask) -> list[list[int]]:
     return runs
 
 
+def scripted_episode(loop_thread, factory, tok, task, turns: dict[str, list[list[int]]]):
+    """One episode of ``factory``'s environment on ``task`` in which each actor writes the given
+    turns (token ids); the episode and the samplers (each must have used all its turns)."""
+    samplers = {actor: ScriptedSampler(actor_turns) for actor, actor_turns in turns.items()}
+    loop = MultiActorLoop(samplers, {SOLVER: SOLVER, CHECKER: CHECKER}, tok, max_new_tokens_per_turn=32,
+                          max_total_tokens=MAX_TOKENS)
+    return loop_thread.run(loop.run_episode(factory(), task, SamplingParams(temperature=1.0, seed=0))), samplers
+
+
 def test_the_solvers_second_try_demonstrations_are_the_rejected_episodes_tokens(loop_thread, pool, verifier, config,
                                                                                  tmp_path):
     tasks = config.environment.make_tasks(config, "train")
@@ -190,11 +199,9 @@ def test_the_solvers_second_try_demonstrations_are_the_rejected_episodes_tokens(
     factory = team_env_factory(config, pool, verifier, count_tokens=lambda s: len(tok.encode(s)))
     for task, demo in retried[:3]:
         record = conversation_to_record(tok, demo)
-        samplers = {SOLVER: ScriptedSampler(sampled_runs(record.token_ids, record.loss_mask)),
-                    CHECKER: ScriptedSampler([tok.encode(DEMO_CRITIQUE) + [tok.eos_token_ids[0]]])}
-        loop = MultiActorLoop(samplers, {SOLVER: SOLVER, CHECKER: CHECKER}, tok, max_new_tokens_per_turn=32,
-                              max_total_tokens=MAX_TOKENS)
-        episode = loop_thread.run(loop.run_episode(factory(), task, SamplingParams(temperature=1.0, seed=0)))
+        episode, _ = scripted_episode(loop_thread, factory, tok, task, {
+            SOLVER: sampled_runs(record.token_ids, record.loss_mask),
+            CHECKER: [tok.encode(DEMO_CRITIQUE) + [tok.eos_token_ids[0]]]})
         # The solver's row in the rejected episode is its SFT record: the same ids (the prompt,
         # the wrong answer, the rejection note through the template, the interpreter's output,
         # the second try) and the same tokens trained.
@@ -223,17 +230,16 @@ def test_the_checkers_interpreter_demonstrations_are_the_episodes_tokens(loop_th
     factory = team_env_factory(config, pool, verifier, count_tokens=lambda s: len(tok.encode(s)))
     whole = [(task, s, c) for task, s, c in zip(tasks, demos[SOLVER], demos[CHECKER])
              if c[1]["content"].endswith(first_answer_part(s)[-1]["content"])]  # shown the whole first answer
-    picked = [w for verdict in ("ACCEPT", DEMO_CRITIQUE) for w in [w for w in whole if w[2][-1]["content"] == verdict][:3]]
+    picked = [w for verdict in ("ACCEPT", DEMO_CRITIQUE)
+              for w in [w for w in whole if w[2][-1]["content"] == verdict][:3]]
     assert len(picked) == 6  # accepted episodes and rejected ones (the solver's second try follows)
     for task, solver_demo, checker_demo in picked:
         assert checker_demo[2]["content"] == f"<code>print({task['a']}{task['op']}{task['b']})</code>"
         solver_record = conversation_to_record(tok, solver_demo)  # with its second try after a rejection
         record = conversation_to_record(tok, checker_demo)
-        samplers = {SOLVER: ScriptedSampler(sampled_runs(solver_record.token_ids, solver_record.loss_mask)),
-                    CHECKER: ScriptedSampler(sampled_runs(record.token_ids, record.loss_mask))}
-        loop = MultiActorLoop(samplers, {SOLVER: SOLVER, CHECKER: CHECKER}, tok, max_new_tokens_per_turn=32,
-                              max_total_tokens=MAX_TOKENS)
-        episode = loop_thread.run(loop.run_episode(factory(), task, SamplingParams(temperature=1.0, seed=0)))
+        episode, samplers = scripted_episode(loop_thread, factory, tok, task, {
+            SOLVER: sampled_runs(solver_record.token_ids, solver_record.loss_mask),
+            CHECKER: sampled_runs(record.token_ids, record.loss_mask)})
         row = episode.trajectories[CHECKER]
         assert row.token_ids.tolist() == record.token_ids
         assert row.loss_mask.tolist() == record.loss_mask
