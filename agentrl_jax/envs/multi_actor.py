@@ -21,7 +21,9 @@ chose to show (a user message: loss_mask 0). With ``shared_view = True`` all act
 transcript. Either way every token of a view is tagged with the actor that sampled it
 (``owners``; -1: prompt and observations), and each actor's training row is its view with
 ``loss_mask = (owners == actor)``: exactly its own sampled tokens, the other actors' turns
-are observations for it.
+are observations for it. A view is in the token space of the policy whose actor it is, so
+policies with different tokenizers each read and write their own views (a shared view needs
+one tokenizer).
 
 What an actor sees is appended as the agent loop appends observations: chat messages through
 the template after the previous turn (``Tokenizer.append_messages``, closing the turn: the
@@ -179,7 +181,9 @@ class MultiActorLoop:
     Args:
       drivers: policy name -> ``rollout.driver.Driver`` (the policy's engine).
       actor_policy: actor name -> the policy that plays it.
-      tokenizer: the tokenizer every policy shares (views are one token space).
+      tokenizer: the tokenizer every policy shares, or one per policy (a mapping from the policy's
+        name). A view is read and written with the tokenizer of the policy whose actor it is: each
+        actor's own view in its policy's token space; a shared view needs one tokenizer for all.
       max_new_tokens_per_turn, max_total_tokens: as ``AgentLoop``'s, per view.
     """
 
@@ -188,9 +192,17 @@ class MultiActorLoop:
         unknown = sorted(set(actor_policy.values()) - set(drivers))
         if unknown:
             raise ValueError(f"MultiActorLoop: actors are played by policies without a driver: {unknown}")
-        self.drivers, self.actor_policy, self.tokenizer = dict(drivers), dict(actor_policy), tokenizer
+        self.drivers, self.actor_policy = dict(drivers), dict(actor_policy)
+        self.tokenizers = dict(tokenizer) if isinstance(tokenizer, Mapping) else {p: tokenizer for p in self.drivers}
+        missing = sorted(set(self.drivers) - set(self.tokenizers))
+        if missing:
+            raise ValueError(f"MultiActorLoop: no tokenizer for the policies {missing}")
         self.max_new_tokens_per_turn, self.max_total_tokens = max_new_tokens_per_turn, max_total_tokens
         self.env_errors = 0
+
+    def tokenizer(self, actor: str) -> Any:
+        """The tokenizer of the policy that plays ``actor`` (its view's token space)."""
+        return self.tokenizers[self.actor_policy[actor]]
 
     async def run_group(self, env_factory: Callable[[], MultiActorEnvironment], task: dict[str, Any],
                         num_samples: int, sampling: SamplingParams, *, group_id: int = 0) -> list[MultiActorEpisode]:
@@ -205,6 +217,9 @@ class MultiActorLoop:
         missing = sorted(set(env.actors) - set(self.actor_policy))
         if missing:
             raise ValueError(f"MultiActorLoop: no policy plays the actors {missing} of {type(env).__name__}")
+        if env.shared_view and len({id(self.tokenizer(a)) for a in env.actors}) > 1:
+            raise ValueError(f"MultiActorLoop: {type(env).__name__} has one view for all actors, but their policies "
+                             "have different tokenizers (a shared view is one token space)")
         views: dict[str, View] = {}
         try:
             result = await self._play(env, task, sampling, views)
@@ -226,17 +241,16 @@ class MultiActorLoop:
             budget = min(self.max_new_tokens_per_turn, self.max_total_tokens - len(view.ids) - 1)
             if budget < 1:
                 return env.cut_short("max_tokens") or _masked("max_tokens")
-            policy = self.actor_policy[turn.actor]
+            policy, tok = self.actor_policy[turn.actor], self.tokenizer(turn.actor)
             driver = self.drivers[policy]
             session, read = view.read.get(policy) or (driver.session(), 0)
-            completion = await driver.generate(view.ids[read:], sampling, stop_token_ids=self.tokenizer.eos_token_ids,
+            completion = await driver.generate(view.ids[read:], sampling, stop_token_ids=tok.eos_token_ids,
                                                stop_strings=env.stop_strings.get(turn.actor, ()),
                                                max_new_tokens=budget, session=session)
             view.sample(completion, env.actors.index(turn.actor))
             view.read[policy] = (session, len(view.ids))
             try:
-                result = await env.step(turn.actor, self.tokenizer.decode(completion.token_ids,
-                                                                          skip_special_tokens=True))
+                result = await env.step(turn.actor, tok.decode(completion.token_ids, skip_special_tokens=True))
             except Exception as e:  # noqa: BLE001  (a broken env ends its episode, not the run)
                 self.env_errors += 1
                 logger.warning("environment step failed for task %r (episode masked): %r", task.get("id"), e)
@@ -247,7 +261,7 @@ class MultiActorLoop:
 
     def _show(self, view: View, turn: ActorTurn) -> bool:
         """Appends what ``turn.actor`` sees to ``view``; False when it would not fit the context."""
-        tok = self.tokenizer
+        tok = self.tokenizer(turn.actor)
         if turn.messages is None:
             ids = tok.encode(turn.text)
         elif not view.ids:

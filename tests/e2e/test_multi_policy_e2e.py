@@ -20,6 +20,7 @@ from agentrl_jax.config import load_config
 from agentrl_jax.config.policies import PolicyConfig
 from agentrl_jax.models.hf_io import load_hf_checkpoint
 from agentrl_jax.models import split_params
+from agentrl_jax.models.tokenizer import Tokenizer
 from agentrl_jax.train.run import train
 
 SMOKE = [
@@ -103,11 +104,21 @@ def test_self_play_one_policy_plays_both_roles_in_one_transcript(tmp_path):
 
 def test_a_frozen_policy_acts_and_never_changes_while_the_other_trains(tmp_path):
     """multi_policy.frozen: the solver plays its turns but is never updated (its export is its
-    scratch initialization, bit for bit); the checker trains on the same episodes."""
+    scratch initialization, bit for bit); the checker trains on the same episodes. The checker
+    has a tokenizer of its own (a smaller scratch vocabulary): it reads the solver's turns as text
+    and its rows, samples and export are in its own tokens."""
     config = load_config("configs/multi_policy_demo.py", [f"output_dir={tmp_path}", "total_steps=2",
-                                                          'multi_policy.frozen=["solver"]', *SMOKE])
+                                                          'multi_policy.frozen=["solver"]', *SMOKE,
+                                                          "multi_policy.policies.checker.model.scratch.vocab_size=300",
+                                                          "logging.sample_trajectories=1"])
     assert config.multi_policy.frozen == ("solver",)
     train(config)
+    for name, size in (("solver", 400), ("checker", 300)):  # each export: its model and its own tokenizer
+        export = tmp_path / "export" / name
+        assert json.loads((export / "config.json").read_text())["vocab_size"] == size
+        assert Tokenizer(str(export)).vocab_size == size
+    samples = [json.loads(line) for line in (tmp_path / "metrics" / "samples.jsonl").read_text().splitlines()]
+    assert {s["tag"] for s in samples} == {"solver/sample_0", "checker/sample_0"} and all(s["text"] for s in samples)
     rows = _rows(tmp_path, "checker")
     assert sorted(rows) == [1, 2]
     for row in rows.values():

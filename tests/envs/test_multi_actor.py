@@ -61,18 +61,22 @@ def setup(tmp_path_factory):
     return tok, engines
 
 
-def play(setup, *, shared_view: bool, self_play: bool, group_id: int = 3, fail_at: int = 0):
+def play(setup, *, shared_view: bool, self_play: bool, group_id: int = 3, fail_at: int = 0, tokenizers=None):
     tok, engines = setup
     actor_policy = {"proposer": "a", "critic": "a" if self_play else "b"}
+    if tokenizers:  # the critic's policy in a token space of its own, on an engine of its vocabulary
+        critic_tok = tokenizers["b"]
+        engines = [engines[0], tiny_agent_engine(critic_tok.vocab_size, slots=2, max_target_length=MAX_TOKENS,
+                                                 max_prefill_length=128, min_prefill_bucket=32)]
 
     async def main():
-        drivers = {name: Driver(engine, params, eos_token_ids=tok.eos_token_ids)
+        drivers = {name: Driver(engine, params, eos_token_ids=(tokenizers or {name: tok})[name].eos_token_ids)
                    for name, (engine, params) in zip("ab", engines)}
         for d in drivers.values():
             await d.__aenter__()
         try:
             await drivers["b"].update_params(engines[1][1], 7)  # the critic's engine holds version 7
-            loop = MultiActorLoop(drivers, actor_policy, tok, max_new_tokens_per_turn=PER_TURN,
+            loop = MultiActorLoop(drivers, actor_policy, tokenizers or tok, max_new_tokens_per_turn=PER_TURN,
                                   max_total_tokens=MAX_TOKENS)
             episode = await loop.run_episode(Dialogue(shared_view, fail_at), {"question": "q", "id": 1},
                                              SamplingParams(temperature=1.0, seed=0), group_id=group_id)
@@ -153,3 +157,28 @@ def test_a_broken_environment_masks_its_episode_and_the_run_goes_on(setup):
     assert episode.result.finish_reason == "env_error" and episode.result.masked
     assert all(t.masked and t.reward == 0.0 for t in episode.trajectories.values())
     assert set(episode.trajectories) == {"proposer", "critic"}  # both acted before the failure
+
+
+def test_policies_with_their_own_tokenizers_read_each_other_as_text(setup, tmp_path):
+    """Per-policy tokenizers: each actor's view is in its policy's token space (another family's
+    chat template and vocabulary here); what it reads of the other's turn is that turn's text."""
+    tok = setup[0]
+    critic_tok = build_tokenizer(FORMATS["llama3.1"], tmp_path, texts=list(CORPUS), vocab_size=500)
+    assert critic_tok.hf.get_vocab() != tok.hf.get_vocab()
+    tokenizers = {"a": tok, "b": critic_tok}
+    episode = play(setup, shared_view=False, self_play=False, tokenizers=tokenizers)
+    proposer, critic = episode.views["proposer"], episode.views["critic"]
+    assert [v for v, _, _ in runs(critic.owners)] == [OBSERVATION, 1]
+    assert max(critic.ids) < critic_tok.vocab_size
+    proposal = tok.decode(proposer.ids[runs(proposer.owners)[1][1]:runs(proposer.owners)[1][2]],
+                          skip_special_tokens=True)
+    assert critic.ids[:critic.prompt_length] == critic_tok.apply_chat(  # the critic's template, its tokens
+        [{"role": "system", "content": REVIEW_SYSTEM}, {"role": "user", "content": proposal}])
+    _, start, end = runs(proposer.owners)[2]
+    critique = critic_tok.decode(critic.ids[critic.prompt_length:], skip_special_tokens=True)
+    assert proposer.ids[start:end] == tok.append_messages(
+        proposer.ids[:start], [{"role": "user", "content": "Critic: " + critique}], close_turn=True)[1]
+    np.testing.assert_array_equal(episode.trajectories["critic"].loss_mask, np.asarray(critic.owners) == 1)
+    # One transcript for both needs one token space
+    with pytest.raises(ValueError, match="has one view for all actors, but their policies have different tokenizers"):
+        play(setup, shared_view=True, self_play=False, tokenizers=tokenizers)

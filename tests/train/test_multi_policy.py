@@ -314,3 +314,23 @@ def test_alternating_turns_train_one_policy_at_a_time_and_skip_the_frozen():
     assert dataclasses.replace(mp, frozen=("b",)).frozen_at(3) == {"b"}
     turns = dataclasses.replace(mp, alternate_every=2, frozen=("b",))  # a, a, c, c, a, a, ...
     assert [sorted({"a", "b", "c"} - turns.frozen_at(s)) for s in range(6)] == [["a"], ["a"], ["c"], ["c"], ["a"], ["a"]]
+
+
+def test_policies_share_a_tokenizer_object_where_theirs_agree_and_differ_only_in_own_views(tmp_path):
+    from chat_formats import CORPUS, FORMATS, build_tokenizer
+
+    from agentrl_jax.train.multi_policy.run import policy_tokenizers
+
+    for name, fmt, size in (("a", "qwen3", 400), ("b", "qwen3", 400), ("c", "llama3.1", 300)):
+        build_tokenizer(FORMATS[fmt], tmp_path / name, texts=list(CORPUS), vocab_size=size)
+    specs = [PolicyConfig(name="solver", actors=("solver",)), PolicyConfig(name="checker", actors=("checker",))]
+    config = with_policies(*specs)
+    same = policy_tokenizers(config, [(config, str(tmp_path / "a")), (config, str(tmp_path / "b"))])
+    assert same["solver"] is same["checker"]  # one token space: one object
+    own = policy_tokenizers(config, [(config, str(tmp_path / "a")), (config, str(tmp_path / "c"))])
+    assert own["checker"].vocab_size == 300 and own["solver"].vocab_size == 400
+    shared = with_policies(*specs, shared_view=True)
+    with pytest.raises(ConfigError) as e:
+        policy_tokenizers(shared, [(shared, str(tmp_path / "a")), (shared, str(tmp_path / "c"))])
+    assert str(e.value).startswith("multi_policy.policies[checker]: its tokenizer differs from 'solver''s, but "
+                                   "multi_policy.shared_view=true writes every turn into one view")

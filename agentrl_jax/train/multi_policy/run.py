@@ -1,7 +1,8 @@
 """``train_multi(config)``: several policies trained on one multi-actor episode (docs/multi_policy.md).
 
-    tasks, one tokenizer, the sandbox pool and verifier        shared by the run
-    per policy: its Config, devices (sub-mesh), model, engine   train/multi_policy/policy.py
+    tasks, the sandbox pool and verifier                        shared by the run
+    per policy: its Config, devices (sub-mesh), model,          train/multi_policy/policy.py
+                tokenizer (one object where policies' agree), engine
                 + driver, train state, roles, step functions
     resume: every policy at the newest step all of them saved
     start evaluation (team pass@1, the solver's own, the checker's accuracy)
@@ -44,6 +45,7 @@ import jax
 from agentrl_jax.config import Config, ConfigError
 from agentrl_jax.config.policies import policy_config
 from agentrl_jax.envs.multi_actor import MultiActorLoop
+from agentrl_jax.envs.solver_checker import SOLVER
 from agentrl_jax.models.tokenizer import Tokenizer
 from agentrl_jax.rewards.verifier import MathVerifier
 from agentrl_jax.train import lora, setup
@@ -95,11 +97,11 @@ async def train_multi_async(config: Config) -> dict[str, Any]:
         policy_config(config, spec).sft.steps for spec in config.multi_policy.policies) else {}
     assets = [model_assets(config, spec, scratch_corpus(config, demos, train_tasks))
               for spec in config.multi_policy.policies]
-    tokenizer = shared_tokenizer(config, [tokenizer_dir for _, _, tokenizer_dir in assets])
+    tokenizers = policy_tokenizers(config, [(own, tokenizer_dir) for own, _, tokenizer_dir in assets])
     if not config.checkpoint.resume:
         _start_over(config, out)
     placement = config.multi_policy.placement(len(jax.devices()))
-    policies = [build_policy(own, spec, devices, model_dir, tokenizer, out=out)
+    policies = [build_policy(own, spec, devices, model_dir, tokenizers[spec.name], out=out)
                 for (own, model_dir, _), spec, devices in zip(assets, config.multi_policy.policies, placement)]
     start_step = resume_step(config, policies)
     writer = MetricsWriter(out / "metrics", total_steps=config.total_steps,
@@ -111,28 +113,34 @@ async def train_multi_async(config: Config) -> dict[str, Any]:
         verifier = stack.enter_context(MathVerifier(num_workers=v.workers, timeout_s=v.timeout_s,
                                                     memory_mb=v.memory_mb))
         pool = await stack.enter_async_context(setup.make_sandbox(config))
-        results = await _Team(config, out, policies, tokenizer, writer, train_tasks, eval_tasks, demos).run(
-            team_env_factory(config, pool, verifier, count_tokens=lambda s: len(tokenizer.encode(s))), start_step)
+        team = _Team(config, out, policies, tokenizers, writer, train_tasks, eval_tasks, demos)
+        count_tokens = lambda s: len(team.loop.tokenizer(SOLVER).encode(s))  # noqa: E731  (the solver's tokens)
+        results = await team.run(team_env_factory(config, pool, verifier, count_tokens=count_tokens), start_step)
     for policy in policies:
         policy.checkpointer.wait_until_finished()
         policy.checkpointer.close()
     writer.close()
     results["total_seconds"] = time.perf_counter() - t_start
-    _write_outputs(config, out, policies, tokenizer, results)
+    _write_outputs(config, out, policies, tokenizers, results)
     return results
 
 
-def shared_tokenizer(config: Config, tokenizer_dirs: list[str]) -> Tokenizer:
-    """The one tokenizer every policy reads and writes the views with; policies whose
-    tokenizers differ are one error line."""
-    tokenizers = [Tokenizer(d, chat_template_kwargs=config.model.chat_template_kwargs) for d in tokenizer_dirs]
-    vocab = tokenizers[0].hf.get_vocab()
-    for spec, tok in zip(config.multi_policy.policies[1:], tokenizers[1:]):
-        if tok.hf.get_vocab() != vocab:
+def policy_tokenizers(config: Config, assets: list[tuple[Config, str]]) -> dict[str, Tokenizer]:
+    """Each policy's tokenizer, by name, from (its Config, its tokenizer directory): policies
+    whose vocabularies and chat templates are the same share one object. Different ones are
+    fine while each actor has its own view (its turns are in its policy's tokens, what it reads
+    of another's is text); with ``multi_policy.shared_view`` they are one error line."""
+    out: dict[str, Tokenizer] = {}
+    for spec, (own, directory) in zip(config.multi_policy.policies, assets, strict=True):
+        tok = Tokenizer(directory, chat_template_kwargs=own.model.chat_template_kwargs)
+        same = [t for t in out.values() if t.hf.get_vocab() == tok.hf.get_vocab()
+                and t.hf.chat_template == tok.hf.chat_template and t.chat_template_kwargs == tok.chat_template_kwargs]
+        if not same and out and config.multi_policy.shared_view:
             raise ConfigError(f"multi_policy.policies[{spec.name}]: its tokenizer differs from "
-                              f"{config.multi_policy.policies[0].name!r}'s; the policies of a run share one "
-                              "(their turns are one token space)")
-    return tokenizers[0]
+                              f"{next(iter(out))!r}'s, but multi_policy.shared_view=true writes every turn into one "
+                              "view (one token space); give the policies one tokenizer or set shared_view=false")
+        out[spec.name] = same[0] if same else tok
+    return out
 
 
 def resume_step(config: Config, policies: list[Policy]) -> int:
@@ -154,12 +162,12 @@ def resume_step(config: Config, policies: list[Policy]) -> int:
 class _Team:
     """The run on built policies: resume, the evaluations, the steps, the checkpoints."""
 
-    def __init__(self, config, out, policies, tokenizer, writer, train_tasks, eval_tasks, demos):
-        self.config, self.out, self.policies, self.tokenizer, self.writer = config, out, policies, tokenizer, writer
+    def __init__(self, config, out, policies, tokenizers, writer, train_tasks, eval_tasks, demos):
+        self.config, self.out, self.policies, self.tokenizers, self.writer = config, out, policies, tokenizers, writer
         self.train_tasks, self.eval_tasks, self.demos = train_tasks, eval_tasks, demos
         self.actor_policy = {a: p.name for p in policies for a in p.spec.actors}
         r = config.rollout
-        self.loop = MultiActorLoop({p.name: p.driver for p in policies}, self.actor_policy, tokenizer,
+        self.loop = MultiActorLoop({p.name: p.driver for p in policies}, self.actor_policy, tokenizers,
                                    max_new_tokens_per_turn=r.max_new_tokens_per_turn,
                                    max_total_tokens=r.max_sequence_length)
         self.concurrent = config.multi_policy.concurrent(len(jax.devices()))
@@ -173,14 +181,14 @@ class _Team:
         data = BatchIterator(self.train_tasks, batch_size=c.data.prompts_per_step, seed=c.data.shuffle_seed)
         if not start_step:
             for policy in (p for p in self.policies if p.config.sft.steps):
-                await cold_start(policy, self.tokenizer,
+                await cold_start(policy, self.tokenizers[policy.name],
                                  [d for a in policy.spec.actors for d in self.demos.get(a, [])], self.out)
         for policy in self.policies:
             if start_step:
                 restored = await restore(policy, start_step)
                 data.set_state(restored.data_state)
                 results.update(json.loads(restored.extra.get("results", "{}")))
-            finish_build(policy, self.tokenizer, start_step=start_step, train_tasks=self.train_tasks,
+            finish_build(policy, self.tokenizers[policy.name], start_step=start_step, train_tasks=self.train_tasks,
                          eval_tasks=self.eval_tasks, writer=self.writer)
         missing = sorted(set(env_factory().actors) - set(self.actor_policy))
         if missing:
@@ -289,7 +297,8 @@ class _Team:
         self.writer.write(step + 1, metrics)
         if self.config.logging.sample_trajectories:  # each actor's view of the first episodes of as many groups
             firsts = episodes[::self.config.algorithm.group_size][:self.config.logging.sample_trajectories]
-            self.writer.write_text(step + 1, {f"{actor}/sample_{i}": self.tokenizer.decode(t.token_ids.tolist())
+            self.writer.write_text(step + 1, {f"{actor}/sample_{i}": self.loop.tokenizer(actor).decode(
+                                                  t.token_ids.tolist())
                                               for i, e in enumerate(firsts) for actor, t in e.trajectories.items()})
         return pending
 
@@ -312,14 +321,14 @@ def _start_over(config: Config, out: Path) -> None:
             path.unlink()
 
 
-def _write_outputs(config: Config, out: Path, policies: list[Policy], tokenizer: Tokenizer,
+def _write_outputs(config: Config, out: Path, policies: list[Policy], tokenizers: dict[str, Tokenizer],
                    results: dict[str, Any]) -> None:
     """Each policy's HF export (``checkpoint.export_hf``: ``export/<policy>``) and results.json."""
     if config.checkpoint.export_hf:
         for policy in policies:
             for directory in lora.export(policy.state.params, policy.model_config, out / "export" / policy.name,
                                          base_model=policy.config.model.path):
-                tokenizer.hf.save_pretrained(directory)
+                tokenizers[policy.name].hf.save_pretrained(directory)
     if jax.process_index() == 0:
         (out / "results.json.tmp").write_text(json.dumps(results, indent=2))
         os.replace(out / "results.json.tmp", out / "results.json")
