@@ -15,7 +15,9 @@ Matching: by sampled tokens. The team samples more per step (the checker's verdi
 solver's second tries), so the solo arm's held-out pass@1 is read at the team's total sampled
 tokens of the same seed (linear between the two evaluations around it), and, for reference,
 at the team's number of steps. Writes one JSON per run (``<arm>_seed<s>.json``),
-``summary.json``, ``summary.md`` (the table) and ``learning.png`` (mean curves, per-seed faint).
+``summary.json``, ``summary.md`` (the tables, and per seed whether the checker's balanced
+accuracy and the team's solver both rose: ``both_learn``) and ``learning.png`` (mean curves,
+per-seed faint).
 
     python bench/multi_policy_learning.py --steps 20 --solo-factor 3 --jobs 2 --cores-per-job 1 \
         --set eval.every_steps=10 --out runs/mp_arith         # 2 cores, ~45 min
@@ -195,6 +197,25 @@ def per_seed_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def both_learn(runs: dict[tuple[str, int], dict]) -> str:
+    """Per team seed: the checker's held-out balanced accuracy and the team's solver's first answer,
+    after SFT -> at the end, and whether both rose; then in how many seeds they did."""
+    lines = ["| seed | checker balanced accuracy, after SFT -> end | team's solver, first answer, after SFT -> end "
+             "| both up |", "|---|---|---|---|"]
+    up = []
+    for (arm, seed), run in sorted(runs.items()):
+        if arm != "team":
+            continue
+        first, last = run["evals"][0], run["evals"][-1]
+        checker = [e.get("checker/balanced_accuracy") for e in (first, last)]
+        solver = [first["first_correct"], last["first_correct"]]
+        both = None not in checker and checker[1] > checker[0] and solver[1] > solver[0]
+        up.append(both)
+        shown = "-" if None in checker else f"{checker[0]:.3f} -> {checker[1]:.3f}"
+        lines.append(f"| {seed} | {shown} | {solver[0]:.3f} -> {solver[1]:.3f} | {'yes' if both else 'no'} |")
+    return "\n".join(lines + [f"\nboth policies improved in {sum(up)} of {len(up)} seeds (held-out)"])
+
+
 def plot(runs: dict[tuple[str, int], dict], path: Path) -> None:
     """Held-out pass@1 against sampled tokens (both arms), the checker's training metrics per step."""
     import matplotlib
@@ -286,9 +307,10 @@ def main(argv: list[str] | None = None) -> None:
     summary = summarize(runs, args.steps)
     summary["wall_seconds"] = {f"{a}_seed{s}": w for (a, s), w in walls.items()}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "summary.md").write_text(table(summary) + "\n\n" + per_seed_table(summary) + "\n")
+    text = table(summary) + "\n\n" + per_seed_table(summary) + "\n\n" + both_learn(runs)
+    (out / "summary.md").write_text(text + "\n")
     plot(runs, out / "learning.png")
-    print(table(summary) + "\n\n" + per_seed_table(summary))
+    print(text)
     print("wall seconds per run: " + ", ".join(f"{k} {v:.0f}" for k, v in summary["wall_seconds"].items()))
 
 

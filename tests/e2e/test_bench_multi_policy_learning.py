@@ -44,6 +44,12 @@ def test_the_solo_arm_is_read_at_the_teams_sampled_tokens(tmp_path):
     assert "| solo: at the team's sampled tokens | 0.400 |" in bench.table(summary)
     lines = bench.per_seed_table(summary).splitlines()
     assert len({line.count("|") for line in lines}) == 1, lines  # a column per checker metric
+    # Do both learn? Not known without the checker's balanced accuracy; known (and yes) with it.
+    assert bench.both_learn(runs).splitlines()[2] == "| 0 | - | 0.100 -> 0.300 | no |"
+    team["evals"][0]["checker/balanced_accuracy"], team["evals"][-1]["checker/balanced_accuracy"] = 0.6, 0.7
+    both = bench.both_learn({("team", 0): team, ("solo", 0): solo}).splitlines()
+    assert both[2] == "| 0 | 0.600 -> 0.700 | 0.100 -> 0.300 | yes |"
+    assert both[-1] == "both policies improved in 1 of 1 seeds (held-out)"
 
 
 @pytest.mark.parametrize("argv, message", [(["--solo-factor", "0.5"], "--solo-factor (0.5) must be >= 1"),
