@@ -26,8 +26,12 @@ per-seed faint).
     python bench/multi_policy_learning.py --config configs/multi_policy_arith_labeled.py --steps 20 \
         --solo-factor 3 --platform gpu --jobs 6 --set eval.every_steps=10 \
         --set multi_policy.policies.solver.share=0 --set multi_policy.policies.checker.share=0 --out runs/mp_gpu
-``--arms team`` runs the team arm alone (e.g. a variant against the solo runs of another
-``--out``, copied in: ``solo/`` and ``solo_seed*.json``); the summary is written once both are there.
+``--arms team`` runs the team arm alone; the summary is written once both arms are in ``--out``.
+``--solo-from DIR`` copies the solo runs of an earlier ``--out`` in instead of running them (a
+variant of the team against the same solo arm), after checking they trained this solo Config:
+
+    python bench/multi_policy_learning.py ... --set multi_policy.checker_miscopied=0.5 \
+        --solo-from runs/mp_gpu --out runs/mp_gpu_miscopied
 """
 
 from __future__ import annotations
@@ -81,6 +85,39 @@ def run_overrides(arm: str, seed: int, args) -> list[str]:
     tiny = [*TINY, *TINY_ENV.get(args.environment, [])] if args.tiny else []
     return [f"seed={seed}", f"total_steps={steps}", f"output_dir={Path(args.out).absolute() / arm / f'seed{seed}'}",
             *tiny, *args.set]
+
+
+def run_config(arm: str, seed: int, args) -> dict:
+    """The Config a run of ``arm`` trains, as a dict without its output folder (what makes two runs
+    the same run)."""
+    import dataclasses
+
+    from agentrl_jax.config import load_config, to_dict
+    from agentrl_jax.config.policies import MultiPolicyConfig
+
+    config = load_config(args.config, run_overrides(arm, seed, args))
+    if arm == "solo":
+        config = dataclasses.replace(config, multi_policy=MultiPolicyConfig())
+    return json.loads(json.dumps({k: v for k, v in to_dict(config).items() if k != "output_dir"}))  # as recorded
+
+
+def borrow_solo(seed: int, args) -> None:
+    """``--solo-from``: that folder's solo run of ``seed`` copied into ``--out`` (unless one is
+    there), after checking that it trained this Config's solo arm (one error line if not)."""
+    import shutil
+
+    source, out = Path(args.solo_from), Path(args.out)
+    if (out / "solo" / f"seed{seed}" / "results.json").exists() or not (
+            source / "solo" / f"seed{seed}" / "results.json").exists():
+        return
+    record = json.loads((source / f"solo_seed{seed}.json").read_text())
+    theirs, ours = record.get("config"), run_config("solo", seed, args)
+    if theirs != ours:
+        differ = sorted(k for k in set(ours) | set(theirs or {}) if (theirs or {}).get(k) != ours.get(k))
+        raise SystemExit(f"--solo-from {source}: its solo seed {seed} trained another Config (sections {differ} "
+                         "differ; a record without its Config is from before they were recorded)")
+    shutil.copytree(source / "solo" / f"seed{seed}", out / "solo" / f"seed{seed}")
+    shutil.copy(source / f"solo_seed{seed}.json", out / f"solo_seed{seed}.json")
 
 
 def launch(arm: str, seed: int, args, cores: Queue) -> float:
@@ -274,6 +311,8 @@ def main(argv: list[str] | None = None) -> None:
                              "multi_policy.policies.<name>.share=0 for each)")
     parser.add_argument("--arms", nargs="+", choices=("team", "solo"), default=["team", "solo"],
                         help="the arms to run; the summary needs both (an arm's runs already in --out count)")
+    parser.add_argument("--solo-from", default="", help="an earlier --out whose solo runs (of the same solo "
+                                                           "Config: checked) are copied in instead of run")
     parser.add_argument("--tiny", action="store_true", help="a ~50K-parameter model, 2 steps (dry run)")
     parser.add_argument("--set", action="append", default=[], help="section.field=value for every run")
     parser.add_argument("--out", default="runs/mp_learning")
@@ -291,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     cores = core_sets(args.jobs, args.cores_per_job)
     todo = [(arm, s) for s in args.seeds for arm in ("team", "solo")]
+    for seed in args.seeds if args.solo_from else []:
+        borrow_solo(seed, args)
     jobs = [(arm, s) for arm, s in todo if arm in args.arms or (out / arm / f"seed{s}" / "results.json").exists()]
     with ThreadPoolExecutor(args.jobs) as pool:
         walls = dict(zip(jobs, pool.map(lambda job: launch(*job, args, cores), jobs)))
@@ -299,6 +340,11 @@ def main(argv: list[str] | None = None) -> None:
         run_dir = out / arm / f"seed{s}"
         runs[(arm, s)] = {**read_run(run_dir, arm), "seed": s, "wall_seconds": wall,
                           "after_sft": json.loads((run_dir / "results.json").read_text())["start"]}
+        record = out / f"{arm}_seed{s}.json"
+        if arm in args.arms or not record.exists():  # a borrowed run keeps the Config it recorded
+            runs[(arm, s)]["config"] = run_config(arm, s, args)
+        else:
+            runs[(arm, s)]["config"] = json.loads(record.read_text()).get("config")
         (out / f"{arm}_seed{s}.json").write_text(json.dumps(runs[(arm, s)], indent=2))
     missing = [f"{arm} seed {s}" for arm, s in todo if (arm, s) not in runs]
     if missing:  # e.g. --arms team: the solo arm's runs copied in later make the summary

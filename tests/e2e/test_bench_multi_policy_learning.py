@@ -101,3 +101,33 @@ def test_arms_run_apart_are_summarized_once_both_are_there(tmp_path, capsys):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["per_seed"][0]["solo_at_team_tokens"] == pytest.approx(0.1 + 0.4 * 120 / 200)
     assert (tmp_path / "learning.png").exists()
+
+
+def test_a_variant_borrows_the_solo_runs_of_the_same_solo_config_only(tmp_path, capsys):
+    bench = load_script("bench/multi_policy_learning.py")
+    start = {"start": {"team/final_correct": 0.1, "checker/accuracy": 0.5, "checker/malformed": 0.0}}
+
+    def fake_run(folder, arm):
+        write_metrics(folder / arm / "seed0", [
+            {"step": 0, "eval/team/final_correct": 0.1, "eval/team/first_correct": 0.1, "eval/pass_at_1": 0.1},
+            {"step": 1, "solver/rollout/sampled_tokens": 100.0, "rollout/sampled_tokens": 200.0},
+            {"step": 1, "eval/team/final_correct": 0.4, "eval/team/first_correct": 0.3, "eval/pass_at_1": 0.5}])
+        (folder / arm / "seed0" / "results.json").write_text(json.dumps(start))
+
+    base = tmp_path / "base"
+    fake_run(base, "team"), fake_run(base, "solo")
+    argv = ["--seeds", "0", "--steps", "1"]
+    bench.main(argv + ["--out", str(base)])  # nothing runs (both are there); the records keep their Configs
+    assert json.loads((base / "solo_seed0.json").read_text())["config"]["multi_policy"]["policies"] == []
+    variant = tmp_path / "variant"  # another checker: the same solo arm
+    fake_run(variant, "team")
+    bench.main(argv + ["--out", str(variant), "--arms", "team", "--solo-from", str(base),
+                       "--set", "multi_policy.checker_miscopied=0.5"])
+    assert (variant / "summary.json").exists() and (variant / "solo" / "seed0" / "results.json").exists()
+    other = tmp_path / "other"  # another solver: not the same solo arm
+    fake_run(other, "team")
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv + ["--out", str(other), "--arms", "team", "--solo-from", str(base),
+                           "--set", "optimizer.learning_rate=1e-3"])
+    assert "its solo seed 0 trained another Config (sections ['optimizer'] differ" in str(e.value)
+    assert not (other / "solo").exists()
