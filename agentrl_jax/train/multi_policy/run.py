@@ -2,7 +2,7 @@
 
     tasks, the sandbox pool and verifier                        shared by the run
     per policy: its Config, devices (sub-mesh), model,          train/multi_policy/policy.py
-                tokenizer (one object where policies' agree), engine
+                tokenizer (one object for policies whose tokenizers agree), engine
                 + driver, train state, roles, step functions
     resume: every policy at the newest step all of them saved
     start evaluation (team pass@1, the solver's own, the checker's accuracy)
