@@ -101,6 +101,13 @@ def run_config(arm: str, seed: int, args) -> dict:
     return json.loads(json.dumps({k: v for k, v in to_dict(config).items() if k != "output_dir"}))  # as recorded
 
 
+def differing_sections(theirs: dict | None, ours: dict) -> list[str]:
+    """The top-level sections in which a recorded Config (None: a record from before Configs were
+    recorded) differs from this invocation's."""
+    theirs = theirs or {}
+    return sorted(k for k in set(ours) | set(theirs) if theirs.get(k) != ours.get(k))
+
+
 def borrow_solo(seed: int, args) -> None:
     """``--solo-from``: that folder's solo run of ``seed`` copied into ``--out`` (unless one is
     there), after checking that it trained this Config's solo arm (one error line if not)."""
@@ -111,9 +118,8 @@ def borrow_solo(seed: int, args) -> None:
             source / "solo" / f"seed{seed}" / "results.json").exists():
         return
     record = json.loads((source / f"solo_seed{seed}.json").read_text())
-    theirs, ours = record.get("config"), run_config("solo", seed, args)
-    if theirs != ours:
-        differ = sorted(k for k in set(ours) | set(theirs or {}) if (theirs or {}).get(k) != ours.get(k))
+    differ = differing_sections(record.get("config"), run_config("solo", seed, args))
+    if differ:
         raise SystemExit(f"--solo-from {source}: its solo seed {seed} trained another Config (sections {differ} "
                          "differ; a record without its Config is from before they were recorded)")
     shutil.copytree(source / "solo" / f"seed{seed}", out / "solo" / f"seed{seed}")
@@ -321,6 +327,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--jobs ({args.jobs}) and --steps ({args.steps}) must be >= 1, --cores-per-job >= 0")
     if args.solo_factor < 1:  # the solo arm's pass@1 is read at the team's tokens, which it must reach
         parser.error(f"--solo-factor ({args.solo_factor}) must be >= 1")
+    if args.solo_from and not (Path(args.solo_from) / "solo").is_dir():
+        parser.error(f"--solo-from {args.solo_from}: no solo runs there (no solo/ folder)")
     if args.tiny:
         args.steps = 2
     from agentrl_jax.config import load_config
@@ -340,12 +348,14 @@ def main(argv: list[str] | None = None) -> None:
         run_dir = out / arm / f"seed{s}"
         runs[(arm, s)] = {**read_run(run_dir, arm), "seed": s, "wall_seconds": wall,
                           "after_sft": json.loads((run_dir / "results.json").read_text())["start"]}
-        record = out / f"{arm}_seed{s}.json"
-        if arm in args.arms or not record.exists():  # a borrowed run keeps the Config it recorded
-            runs[(arm, s)]["config"] = run_config(arm, s, args)
-        else:
-            runs[(arm, s)]["config"] = json.loads(record.read_text()).get("config")
-        (out / f"{arm}_seed{s}.json").write_text(json.dumps(runs[(arm, s)], indent=2))
+        # A run done before (here, or borrowed) counts only if it trained this invocation's Config.
+        record, ours = out / f"{arm}_seed{s}.json", run_config(arm, s, args)
+        theirs = json.loads(record.read_text()).get("config") if record.exists() else None
+        if theirs is not None and differing_sections(theirs, ours):
+            raise SystemExit(f"{out}: its {arm} seed {s} trained another Config (sections "
+                             f"{differing_sections(theirs, ours)} differ); use another --out")
+        runs[(arm, s)]["config"] = ours
+        record.write_text(json.dumps(runs[(arm, s)], indent=2))
     missing = [f"{arm} seed {s}" for arm, s in todo if (arm, s) not in runs]
     if missing:  # e.g. --arms team: the solo arm's runs copied in later make the summary
         print(f"ran {' and '.join(args.arms)}; the summary needs {', '.join(missing)} too")

@@ -131,3 +131,10 @@ def test_a_variant_borrows_the_solo_runs_of_the_same_solo_config_only(tmp_path, 
                            "--set", "optimizer.learning_rate=1e-3"])
     assert "its solo seed 0 trained another Config (sections ['optimizer'] differ" in str(e.value)
     assert not (other / "solo").exists()
+    # a run done before counts only for the Config it trained: another --set into the same --out is an error
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv + ["--out", str(base), "--set", "optimizer.learning_rate=1e-3"])
+    assert "its team seed 0 trained another Config (sections ['optimizer'] differ); use another --out" in str(e.value)
+    with pytest.raises(SystemExit):  # a folder without solo runs
+        bench.main(argv + ["--out", str(other), "--arms", "team", "--solo-from", str(tmp_path / "nowhere")])
+    assert "--solo-from " + str(tmp_path / "nowhere") + ": no solo runs there" in capsys.readouterr().err

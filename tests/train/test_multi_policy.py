@@ -130,6 +130,7 @@ def test_one_actor_one_policy_and_what_the_run_does_not_do_are_errors():
     (dict(frozen=("p",)), "multi_policy.frozen: ['p'] freezes every policy; at least one must train"),
     (dict(alternate_every=-1), "multi_policy.alternate_every: -1 must be >= 0"),
     (dict(checker_tool_calls=-1), "multi_policy.checker_tool_calls: -1 must be >= 0"),
+    (dict(checker_miscopied=1.5), "multi_policy.checker_miscopied: 1.5 must be in [0, 1]"),
     (dict(solver_second_tries=0.5, critique_retries=0),
      "multi_policy.solver_second_tries (0.5) teaches second tries, which need multi_policy.critique_retries >= 1"),
     (dict(solver_second_tries=0.5, environment="retool"), "multi_policy.solver_second_tries (0.5) writes second "
