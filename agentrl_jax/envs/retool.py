@@ -130,6 +130,13 @@ def interpreter_text(result: ExecResult) -> str:
     return text.strip("\n")
 
 
+def record_call(stats: ToolStats, result: ExecResult) -> None:
+    """Counts one program run in ``stats``: a call, and a timeout or an error."""
+    stats.calls += 1
+    stats.timeouts += int(result.timed_out)
+    stats.errors += int(not result.timed_out and not result.ok)
+
+
 def wrap_interpreter(body: str, fenced: bool) -> str:
     return f"\n<interpreter>\n{body}\n</interpreter>\n" if fenced else f"<interpreter>{body}</interpreter>"
 
@@ -186,7 +193,8 @@ class ReToolEnv(Environment):
         self.session = f"retool-{next(_episode_ids)}" if self.config.stateful else None
         return self.initial_messages(task)
 
-    def _limit_observation(self, body: str) -> str:
+    def limit_observation(self, body: str) -> str:
+        """``body`` cut to the episode's observation size (characters, then tokens when counted)."""
         body = truncate_middle(body, self.config.max_observation_chars)
         limit = self.config.max_observation_tokens
         if self.count_tokens is not None and limit is not None:
@@ -195,7 +203,7 @@ class ReToolEnv(Environment):
         return body
 
     def _observe(self, body: str, info: dict[str, Any]) -> StepResult:
-        observation = wrap_interpreter(self._limit_observation(body), self.config.fenced)
+        observation = wrap_interpreter(self.limit_observation(body), self.config.fenced)
         self.response += observation
         if self.turns >= self.config.max_turns:
             return self._finish(None, "max_turns", info)
@@ -220,9 +228,7 @@ class ReToolEnv(Environment):
             message = "Tool call limit reached. Give your final answer in \\boxed{}."
             return self._observe(message, {"correction": message})
         result = await self.pool.run(code, session=self.session, timeout_s=self.config.tool_timeout_s)
-        self.tool_stats.calls += 1
-        self.tool_stats.timeouts += int(result.timed_out)
-        self.tool_stats.errors += int(not result.timed_out and not result.ok)
+        record_call(self.tool_stats, result)
         body = interpreter_text(result) + (f"\n{problem}" if problem else "")
         return self._observe(body, {"tool": result})
 

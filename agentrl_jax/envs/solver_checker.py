@@ -44,7 +44,7 @@ from agentrl_jax.envs.multi_actor import (
     MultiActorResult,
 )
 from agentrl_jax.envs.base import ToolStats
-from agentrl_jax.envs.retool import ReToolEnv, interpreter_text, parse_code, truncate_middle, wrap_interpreter
+from agentrl_jax.envs.retool import ReToolEnv, interpreter_text, parse_code, record_call, wrap_interpreter
 from agentrl_jax.rewards.boxed import extract_boxed, find_boxed_spans
 
 SOLVER, CHECKER = "solver", "checker"
@@ -250,18 +250,17 @@ class SolverCheckerEnv(MultiActorEnvironment):
                 0 <= reply.upper().find(word) < start for word in ("ACCEPT", "REJECT")):
             return None
         code, problem = parse_code(reply, config)
-        self.checker_stats.calls += 1  # a malformed block too: it spends a call, so the checker cannot loop
-        if code is None:
+        if code is None:  # a malformed block spends a call too, so the checker cannot loop
+            self.checker_stats.calls += 1
             self.checker_stats.errors += 1
             self.checker_stats.malformed += 1
             body = problem
         else:
             result = await self.solver.pool.run(code, session=None, timeout_s=config.tool_timeout_s)
-            self.checker_stats.timeouts += int(result.timed_out)
-            self.checker_stats.errors += int(not result.timed_out and not result.ok)
+            record_call(self.checker_stats, result)
             body = interpreter_text(result) + (f"\n{problem}" if problem else "")
-        body = truncate_middle(body, config.max_observation_chars)
-        return MultiActorResult(ActorTurn(CHECKER, text=wrap_interpreter(body, config.fenced)))
+        return MultiActorResult(ActorTurn(CHECKER, text=wrap_interpreter(self.solver.limit_observation(body),
+                                                                         config.fenced)))
 
     def _checked(self, reply: str) -> MultiActorResult:
         self.verdict = parse_verdict(reply)
